@@ -1,0 +1,180 @@
+//! One operation per volume at a time, across the daemon and forked hook processes.
+//!
+//! An in-process async mutex per volume queues hooks of the same process without
+//! blocking threads; an flock on `<lock_dir>/<scope>-<volume_id>.lock` then excludes other
+//! processes (forked binary hooks, a second daemon). Different volumes never wait for
+//! each other. A process that dies releases its flock with it.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use nix::fcntl::Flock;
+use tokio::sync::OwnedMutexGuard;
+
+use super::error::BridgeError;
+use crate::csi::Deadline;
+use crate::store::fsutil::{lock_exclusive, try_lock_exclusive};
+
+/// Which side's operations a lock serializes (Create/Destroy and Attach/Detach of one
+/// volume touch different state and may overlap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LockScope {
+    Controller,
+    Node,
+}
+
+impl LockScope {
+    fn as_str(self) -> &'static str {
+        match self {
+            LockScope::Controller => "controller",
+            LockScope::Node => "node",
+        }
+    }
+}
+
+type LocalLocks = HashMap<(LockScope, String), Arc<tokio::sync::Mutex<()>>>;
+
+/// The per-volume locks of one process.
+#[derive(Debug)]
+pub struct VolumeLocks {
+    dir: PathBuf,
+    local: Mutex<LocalLocks>,
+}
+
+/// Held while one hook works on one volume. Dropping it releases both locks (the file
+/// lock first, so a waiting process can go on).
+#[derive(Debug)]
+pub struct VolumeGuard {
+    _file: Flock<File>,
+    _local: OwnedMutexGuard<()>,
+}
+
+impl VolumeLocks {
+    pub fn new(dir: &Path) -> std::io::Result<Self> {
+        crate::mount::ops::ensure_dir(dir, 0o700)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            local: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Waits for the volume's lock until the deadline.
+    pub async fn acquire(
+        &self,
+        scope: LockScope,
+        volume_id: &str,
+        deadline: &Deadline,
+    ) -> Result<VolumeGuard, BridgeError> {
+        let mutex = {
+            let mut local = self.local.lock().expect("lock table poisoned");
+            if local.len() > 1024 {
+                // Forget locks nobody holds or waits for.
+                local.retain(|_, m| Arc::strong_count(m) > 1);
+            }
+            local
+                .entry((scope, volume_id.to_string()))
+                .or_default()
+                .clone()
+        };
+        let busy = || BridgeError::Busy {
+            waited: deadline.elapsed(),
+        };
+        let local = tokio::time::timeout_at(deadline.instant().into(), mutex.lock_owned())
+            .await
+            .map_err(|_| busy())?;
+
+        let path = self
+            .dir
+            .join(format!("{}-{volume_id}.lock", scope.as_str()));
+        let io_err = |e| BridgeError::io(format!("lock file {}", path.display()), e);
+        if let Some(file) = try_lock_exclusive(&path).map_err(io_err)? {
+            return Ok(VolumeGuard {
+                _file: file,
+                _local: local,
+            });
+        }
+        tracing::debug!(
+            volume_id,
+            "waiting for another process working on this volume"
+        );
+        let blocking_path = path.clone();
+        let wait = tokio::task::spawn_blocking(move || lock_exclusive(&blocking_path));
+        // If the deadline passes first, the blocking thread still gets the lock later and
+        // drops it at once, since nobody takes its result.
+        match tokio::time::timeout_at(deadline.instant().into(), wait).await {
+            Ok(Ok(Ok(file))) => Ok(VolumeGuard {
+                _file: file,
+                _local: local,
+            }),
+            Ok(Ok(Err(e))) => Err(io_err(e)),
+            Ok(Err(join)) => Err(BridgeError::io(
+                format!("lock file {}", path.display()),
+                std::io::Error::other(join.to_string()),
+            )),
+            Err(_) => Err(busy()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn same_volume_waits_other_volumes_do_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let locks = Arc::new(VolumeLocks::new(tmp.path()).unwrap());
+        let deadline = Deadline::after(Duration::from_secs(5));
+        let held = locks
+            .acquire(LockScope::Node, "a", &deadline)
+            .await
+            .unwrap();
+        // Another volume, and the other scope of the same volume, are free.
+        let _b = locks
+            .acquire(LockScope::Node, "b", &deadline)
+            .await
+            .unwrap();
+        let _c = locks
+            .acquire(LockScope::Controller, "a", &deadline)
+            .await
+            .unwrap();
+        let short = Deadline::after(Duration::from_millis(100));
+        let err = locks
+            .acquire(LockScope::Node, "a", &short)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, BridgeError::Busy { .. }), "{err}");
+        drop(held);
+        locks
+            .acquire(LockScope::Node, "a", &deadline)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn file_lock_excludes_a_second_lock_table() {
+        // A second VolumeLocks on the same dir stands in for another process.
+        let tmp = tempfile::tempdir().unwrap();
+        let one = VolumeLocks::new(tmp.path()).unwrap();
+        let two = VolumeLocks::new(tmp.path()).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(5));
+        let held = one.acquire(LockScope::Node, "v", &deadline).await.unwrap();
+        let short = Deadline::after(Duration::from_millis(150));
+        assert!(two.acquire(LockScope::Node, "v", &short).await.is_err());
+        let waiter = tokio::spawn(async move {
+            two.acquire(
+                LockScope::Node,
+                "v",
+                &Deadline::after(Duration::from_secs(5)),
+            )
+            .await
+            .map(|_| ())
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(held);
+        waiter.await.unwrap().unwrap();
+    }
+}

@@ -1,0 +1,58 @@
+//! The bridge's own request and reply types, already validated by the edge that made
+//! them (`cube::validate`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use super::handoff::{AttachMetadata, VolumeHandle};
+
+/// Cube Create.
+#[derive(Debug, Clone)]
+pub struct CreateVolume {
+    pub volume_id: String,
+    pub name: String,
+}
+
+/// Create's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Created {
+    pub token: String,
+    pub private_data: String,
+}
+
+/// Cube Destroy.
+#[derive(Debug, Clone)]
+pub struct DestroyVolume {
+    pub volume_id: String,
+}
+
+/// Cube Attach.
+#[derive(Debug, Clone)]
+pub struct AttachVolume {
+    pub sandbox_id: String,
+    pub namespace: String,
+    pub volume_id: String,
+    /// Holders before this sandbox; informational (the mount table is the truth).
+    pub ref_count: i64,
+    pub base_dir: PathBuf,
+    pub handle: VolumeHandle,
+}
+
+/// Attach's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attached {
+    pub host_path: PathBuf,
+    pub metadata: HashMap<String, String>,
+}
+
+/// Cube Detach.
+#[derive(Debug, Clone)]
+pub struct DetachVolume {
+    pub sandbox_id: String,
+    pub namespace: String,
+    pub volume_id: String,
+    /// Holders after this sandbox left; teardown happens only at 0.
+    pub ref_count: i64,
+    /// What Attach handed Cube, if Cube had it.
+    pub recorded: Option<AttachMetadata>,
+}

@@ -1,0 +1,483 @@
+//! The command line: subcommands, and the binary-hook argv exactly as Cube forks it.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::{self, Config};
+use crate::cube::binary::{self, HookOutput, HookRequest};
+use crate::mount::view::{MOUNTINFO_SUBCOMMAND, print_mountinfo_in_namespace};
+use crate::proto::cube::v1 as pb;
+use crate::telemetry::{self, LogFormat};
+
+/// Exit code for a hook or command that failed.
+const EXIT_FAILURE: u8 = 1;
+/// Exit code for a malformed command line (EX_USAGE).
+const EXIT_USAGE: u8 = 64;
+/// Exit code for a config the operator must fix (EX_CONFIG).
+const EXIT_CONFIG: u8 = 78;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cube-csi-bridge",
+    version,
+    about = "Serve any Kubernetes CSI driver as a CubeSandbox volume plugin",
+    long_about = "Serve any Kubernetes CSI driver as a CubeSandbox volume plugin.\n\n\
+        Cube calls the bridge's Create/Destroy (CubeMaster) and Attach/Detach (Cubelet) hooks, \
+        either over gRPC (`serve`, registered as type rpc) or by forking this executable \
+        (registered as type binary; Cube passes `--op …` directly). The bridge turns each hook \
+        into CSI calls on an unmodified CSI driver.",
+    after_help = "The config file of `serve`, `check`, `list` and `register` is --config, else \
+        $CUBE_CSI_BRIDGE_CONFIG, else /etc/cube-csi-bridge/<name>.toml when the executable is \
+        invoked as cube-csi-bridge-<name>, else /etc/cube-csi-bridge/config.toml."
+)]
+pub struct Cli {
+    /// Log line format on stderr (filter with RUST_LOG, e.g. RUST_LOG=debug).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "CUBE_CSI_BRIDGE_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon: serve Cube's hooks over gRPC on a Unix socket (Cube type `rpc`).
+    Serve(ConfigArg),
+    /// Run one hook as Cube's binary plugin (Cube forks the executable with `--op …`;
+    /// the word `hook` may be left out).
+    Hook(HookArgs),
+    /// Run a whole Cube volume lifecycle against a built-in local-directory CSI driver,
+    /// with no config and no external service (needs root for mounts).
+    Demo(DemoArgs),
+    /// Check the config, the CSI driver and the host before registering the bridge.
+    Check(ConfigArg),
+    /// Print the CubeMaster conf.yaml and Cubelet config.toml entries for this instance.
+    Register(RegisterArgs),
+    /// List the volumes this node has attached, from the node journal.
+    List(ConfigArg),
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArg {
+    /// The config file (TOML).
+    #[arg(long, short = 'c', value_name = "PATH")]
+    pub config: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Keep the demo's temporary directory (driver data, state, sockets) for inspection.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RegisterArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// For binary registration: the path Cube should fork (default: this executable).
+    #[arg(long, value_name = "PATH")]
+    pub binary_path: Option<PathBuf>,
+}
+
+/// The operation Cube asks a binary hook for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Op {
+    Create,
+    Destroy,
+    Attach,
+    Detach,
+}
+
+/// The binary-hook argv. Cube passes flag and value as separate arguments, never
+/// `--k=v`, and values may begin with `-` (volume ids may), so every value accepts that.
+#[derive(Debug, Args)]
+pub struct HookArgs {
+    /// The hook: create and destroy come from CubeMaster, attach and detach from Cubelet.
+    #[arg(long, value_enum)]
+    pub op: Op,
+    /// Cube volume id ([A-Za-z0-9_-]{1,128}); every op.
+    #[arg(long, allow_hyphen_values = true, value_name = "ID")]
+    pub volume_id: Option<String>,
+    /// Cube volume name; create.
+    #[arg(long, allow_hyphen_values = true)]
+    pub name: Option<String>,
+    /// Sandbox id; attach, detach.
+    #[arg(long, allow_hyphen_values = true, value_name = "ID")]
+    pub sandbox_id: Option<String>,
+    /// containerd namespace of the sandbox; attach, detach.
+    #[arg(long, allow_hyphen_values = true)]
+    pub namespace: Option<String>,
+    /// Holders before (attach) or after (detach) this sandbox on this node; attach, detach.
+    #[arg(long, allow_hyphen_values = true, value_name = "N")]
+    pub ref_count: Option<String>,
+    /// Cubelet's volume_plugin_base_dir; attach.
+    #[arg(long, allow_hyphen_values = true, value_name = "DIR")]
+    pub volume_base_dir: Option<String>,
+    /// What create returned as private_data; attach (omitted by Cube when empty).
+    #[arg(long, allow_hyphen_values = true)]
+    pub private_data: Option<String>,
+    /// What attach returned as metadata, as a JSON object of strings; detach.
+    #[arg(long, allow_hyphen_values = true, value_name = "JSON")]
+    pub metadata: Option<String>,
+    /// The config file (not passed by Cube; see the config lookup rule in --help).
+    #[arg(long, short = 'c', value_name = "PATH")]
+    pub config: Option<PathBuf>,
+}
+
+impl HookArgs {
+    /// Builds the wire request, naming the first missing or malformed argument.
+    pub fn request(&self) -> Result<HookRequest, String> {
+        fn need(value: &Option<String>, flag: &str, op: Op) -> Result<String, String> {
+            value
+                .clone()
+                .ok_or_else(|| format!("--op {} needs {flag}", op_name(op)))
+        }
+        let op = self.op;
+        let volume_id = need(&self.volume_id, "--volume-id", op)?;
+        let ref_count = || -> Result<i64, String> {
+            let text = need(&self.ref_count, "--ref-count", op)?;
+            text.parse()
+                .map_err(|_| format!("--ref-count {text:?} is not an integer"))
+        };
+        Ok(match op {
+            Op::Create => HookRequest::Create(pb::CreateRequest {
+                volume_id,
+                name: need(&self.name, "--name", op)?,
+            }),
+            Op::Destroy => HookRequest::Destroy(pb::DestroyRequest { volume_id }),
+            Op::Attach => HookRequest::Attach(pb::AttachRequest {
+                sandbox_id: need(&self.sandbox_id, "--sandbox-id", op)?,
+                namespace: need(&self.namespace, "--namespace", op)?,
+                volume_id,
+                ref_count: ref_count()?,
+                volume_base_dir: need(&self.volume_base_dir, "--volume-base-dir", op)?,
+                private_data: self.private_data.clone().unwrap_or_default(),
+            }),
+            Op::Detach => HookRequest::Detach(pb::DetachRequest {
+                sandbox_id: need(&self.sandbox_id, "--sandbox-id", op)?,
+                namespace: need(&self.namespace, "--namespace", op)?,
+                volume_id,
+                ref_count: ref_count()?,
+                metadata: crate::cube::validate::metadata_json(&need(
+                    &self.metadata,
+                    "--metadata",
+                    op,
+                )?)?,
+            }),
+        })
+    }
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Create => "create",
+        Op::Destroy => "destroy",
+        Op::Attach => "attach",
+        Op::Detach => "detach",
+    }
+}
+
+/// Entry point of the executable.
+pub fn main(args: Vec<OsString>) -> ExitCode {
+    // The namespace reader must setns() before any thread exists (see mount::view).
+    if args.get(1).is_some_and(|a| a == MOUNTINFO_SUBCOMMAND) {
+        let Some(file) = args.get(2) else {
+            return ExitCode::from(EXIT_USAGE);
+        };
+        return match print_mountinfo_in_namespace(std::path::Path::new(file)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{}: {e}", std::path::Path::new(file).display());
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
+    let argv0 = args.first().and_then(|a| a.to_str()).map(str::to_string);
+    let is_hook_form = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .is_some_and(|a| a == "--op" || a.starts_with("--op=") || a == "hook");
+    let mut args = args;
+    if args.get(1).is_some_and(|a| a != "hook") && is_hook_form {
+        args.insert(1, OsString::from("hook"));
+    }
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) if is_hook_form && e.use_stderr() => {
+            // A forked hook answers even a bad argv with one JSON object.
+            let message = e.render().to_string();
+            return finish_hook(HookOutput::failure(message.trim()), EXIT_USAGE);
+        }
+        Err(e) => e.exit(),
+    };
+    match cli.command {
+        Command::Hook(hook) => run_hook(cli.log_format, hook, argv0.as_deref()),
+        Command::Serve(arg) => {
+            telemetry::init(cli.log_format, "info");
+            let config = match load_config(arg.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
+            match runtime.block_on(crate::cube::server::serve(
+                config,
+                crate::cube::server::shutdown_signal(),
+            )) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    let misconfigured = e
+                        .downcast_ref::<crate::cube::server::Misconfigured>()
+                        .is_some()
+                        || e.downcast_ref::<crate::bridge::BridgeError>().is_some();
+                    ExitCode::from(if misconfigured {
+                        EXIT_CONFIG
+                    } else {
+                        EXIT_FAILURE
+                    })
+                }
+            }
+        }
+        Command::Demo(demo) => {
+            telemetry::init(cli.log_format, "warn");
+            let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
+            match runtime.block_on(crate::demo::run(demo.keep)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("demo failed: {e:#}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+        Command::Check(arg) => {
+            telemetry::init(cli.log_format, "warn");
+            let config = match load_config(arg.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
+            match runtime.block_on(crate::ops::check(config, Duration::from_secs(10))) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(EXIT_FAILURE),
+                Err(e) => {
+                    eprintln!("check failed: {e:#}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+        Command::Register(reg) => {
+            telemetry::init(cli.log_format, "warn");
+            let config = match load_config(reg.config.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let binary = reg
+                .binary_path
+                .or_else(|| std::env::current_exe().ok())
+                .unwrap_or_else(|| PathBuf::from("/usr/local/bin/cube-csi-bridge"));
+            print!("{}", crate::ops::registration_snippets(&config, &binary));
+            ExitCode::SUCCESS
+        }
+        Command::List(arg) => {
+            telemetry::init(cli.log_format, "warn");
+            let config = match load_config(arg.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            match crate::ops::list(&config) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("list failed: {e:#}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+    }
+}
+
+fn load_config(flag: Option<PathBuf>, argv0: Option<&str>) -> Result<Config, ExitCode> {
+    let env = std::env::var(config::CONFIG_ENV).ok();
+    let path = flag.unwrap_or_else(|| config::locate(env.as_deref(), argv0));
+    Config::load(&path).map_err(|e| {
+        tracing::error!("{e}");
+        eprintln!("{e}");
+        ExitCode::from(EXIT_CONFIG)
+    })
+}
+
+fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode {
+    // Cube discards a successful hook's stderr and shows a failed one's: keep it short.
+    telemetry::init(format, "warn");
+    let request = match hook.request() {
+        Ok(r) => r,
+        Err(message) => return finish_hook(HookOutput::failure(&message), EXIT_USAGE),
+    };
+    let env = std::env::var(config::CONFIG_ENV).ok();
+    let path = hook
+        .config
+        .clone()
+        .unwrap_or_else(|| config::locate(env.as_deref(), argv0));
+    let config = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => return finish_hook(HookOutput::failure(&e.to_string()), EXIT_CONFIG),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("starting the async runtime");
+    let output = runtime.block_on(binary::run(config, request));
+    finish_hook(output, EXIT_FAILURE)
+}
+
+/// Prints the hook's one JSON object and picks the exit code; on failure the message
+/// also ends stderr, which is what Cube shows for a non-zero exit.
+fn finish_hook(output: HookOutput, failure_code: u8) -> ExitCode {
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{}", output.stdout);
+    let _ = stdout.flush();
+    if output.success {
+        return ExitCode::SUCCESS;
+    }
+    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&output.stdout)
+        && let Some(serde_json::Value::String(message)) = map.get("error")
+    {
+        eprintln!("{message}");
+    }
+    ExitCode::from(failure_code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> HookArgs {
+        let mut full = vec!["cube-csi-bridge", "hook"];
+        full.extend_from_slice(args);
+        match Cli::try_parse_from(full).unwrap().command {
+            Command::Hook(h) => h,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn hyphen_leading_values_are_values() {
+        let h = parse(&[
+            "--op",
+            "attach",
+            "--sandbox-id",
+            "-sb",
+            "--namespace",
+            "--ns",
+            "--volume-id",
+            "-v",
+            "--ref-count",
+            "-0",
+            "--volume-base-dir",
+            "/d",
+            "--private-data",
+            "-x",
+        ]);
+        let HookRequest::Attach(req) = h.request().unwrap() else {
+            panic!()
+        };
+        assert_eq!(req.sandbox_id, "-sb");
+        assert_eq!(req.namespace, "--ns");
+        assert_eq!(req.volume_id, "-v");
+        assert_eq!(req.private_data, "-x");
+    }
+
+    #[test]
+    fn missing_and_malformed_arguments_are_named() {
+        let err = parse(&["--op", "attach", "--volume-id", "v"])
+            .request()
+            .unwrap_err();
+        assert!(err.contains("--sandbox-id"), "{err}");
+        let err = parse(&[
+            "--op",
+            "detach",
+            "--sandbox-id",
+            "s",
+            "--namespace",
+            "n",
+            "--volume-id",
+            "v",
+            "--ref-count",
+            "x",
+            "--metadata",
+            "{}",
+        ])
+        .request()
+        .unwrap_err();
+        assert!(err.contains("--ref-count"), "{err}");
+    }
+
+    #[test]
+    fn private_data_is_optional_and_metadata_is_parsed() {
+        let h = parse(&[
+            "--op",
+            "attach",
+            "--sandbox-id",
+            "s",
+            "--namespace",
+            "n",
+            "--volume-id",
+            "v",
+            "--ref-count",
+            "1",
+            "--volume-base-dir",
+            "/d",
+        ]);
+        let HookRequest::Attach(req) = h.request().unwrap() else {
+            panic!()
+        };
+        assert_eq!(req.private_data, "");
+        let h = parse(&[
+            "--op",
+            "detach",
+            "--sandbox-id",
+            "s",
+            "--namespace",
+            "n",
+            "--volume-id",
+            "v",
+            "--ref-count",
+            "0",
+            "--metadata",
+            r#"{"mount_dir":"/d/x-v"}"#,
+        ]);
+        let HookRequest::Detach(req) = h.request().unwrap() else {
+            panic!()
+        };
+        assert_eq!(req.metadata["mount_dir"], "/d/x-v");
+    }
+
+    #[test]
+    fn every_flag_has_help() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        for sub in cmd.get_subcommands() {
+            for arg in sub.get_arguments() {
+                assert!(
+                    arg.get_help().is_some() || arg.get_id() == "help",
+                    "{} --{} has no help",
+                    sub.get_name(),
+                    arg.get_id()
+                );
+            }
+        }
+    }
+}

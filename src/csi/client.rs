@@ -1,0 +1,177 @@
+//! A CSI endpoint and the typed, retried calls the bridge makes on it.
+
+use std::future::Future;
+use std::time::Instant;
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Uri};
+use tonic::{Code, Status};
+
+use super::error::CsiError;
+use super::retry::{Backoff, Deadline, is_final};
+use crate::config::Endpoint;
+use crate::proto::csi::v1 as csi;
+use csi::controller_client::ControllerClient;
+use csi::identity_client::IdentityClient;
+use csi::node_client::NodeClient;
+
+/// A lazily dialed gRPC channel to a Unix socket or `host:port` (used for CSI drivers,
+/// and by the demo and tests for the bridge's own socket).
+pub fn channel(endpoint: &Endpoint) -> Channel {
+    match endpoint {
+        Endpoint::Unix(path) => {
+            let path = path.clone();
+            // The URI is not used for dialing; "localhost" is the authority kubelet sends.
+            tonic::transport::Endpoint::from_static("http://localhost").connect_with_connector_lazy(
+                tower::service_fn(move |_: Uri| {
+                    let path = path.clone();
+                    async move {
+                        let stream = tokio::net::UnixStream::connect(&path).await?;
+                        Ok::<_, std::io::Error>(TokioIo::new(stream))
+                    }
+                }),
+            )
+        }
+        Endpoint::Tcp(hostport) => {
+            tonic::transport::Endpoint::from_shared(format!("http://{hostport}"))
+                .expect("host:port validated by the config")
+                .connect_lazy()
+        }
+    }
+}
+
+/// Retries stop when less than this would be left for the next attempt.
+const MIN_ATTEMPT_TIME: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A lazily connected CSI endpoint. The channel dials on first use and re-dials after
+/// the driver restarts; nothing is cached across a dead connection.
+#[derive(Debug, Clone)]
+pub struct CsiClient {
+    channel: Channel,
+    endpoint: String,
+}
+
+impl CsiClient {
+    /// Creates the client without dialing (a driver that is down fails the first call,
+    /// not the start of the bridge).
+    pub fn new(endpoint: &Endpoint) -> Self {
+        let channel = channel(endpoint);
+        Self {
+            channel,
+            endpoint: endpoint.to_string(),
+        }
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    fn error(&self, call: &'static str, status: &Status, attempts: u32) -> CsiError {
+        CsiError {
+            call,
+            endpoint: self.endpoint.clone(),
+            code: status.code(),
+            message: status.message().to_string(),
+            attempts,
+            gave_up_after: None,
+        }
+    }
+
+    /// Sends `req` until it succeeds, fails finally, or the deadline leaves no room.
+    async fn call<Req, Resp, Fut>(
+        &self,
+        name: &'static str,
+        deadline: &Deadline,
+        req: &Req,
+        send: impl Fn(Channel, tonic::Request<Req>) -> Fut,
+    ) -> Result<Resp, CsiError>
+    where
+        Req: Clone,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let mut backoff = Backoff::default();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let remaining = deadline.remaining();
+            let started = Instant::now();
+            let status = if remaining < MIN_ATTEMPT_TIME {
+                Status::deadline_exceeded("the hook's budget was used up before this attempt")
+            } else {
+                let mut request = tonic::Request::new(req.clone());
+                request.set_timeout(remaining);
+                match tokio::time::timeout(remaining, send(self.channel.clone(), request)).await {
+                    Ok(Ok(response)) => {
+                        tracing::debug!(
+                            call = name,
+                            attempts,
+                            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+                            "CSI call succeeded"
+                        );
+                        return Ok(response.into_inner());
+                    }
+                    Ok(Err(status)) => status,
+                    Err(_) => Status::deadline_exceeded(format!(
+                        "no answer within the {:.1}s left of the hook's budget",
+                        remaining.as_secs_f64()
+                    )),
+                }
+            };
+            let mut error = self.error(name, &status, attempts);
+            if is_final(status.code()) {
+                return Err(error);
+            }
+            let delay = backoff.next_delay();
+            if deadline.remaining() < delay + MIN_ATTEMPT_TIME {
+                error.gave_up_after = Some(deadline.elapsed());
+                return Err(error);
+            }
+            tracing::warn!(
+                call = name,
+                code = ?status.code(),
+                message = status.message(),
+                attempt = attempts,
+                retry_in_ms = delay.as_millis() as u64,
+                "CSI call failed non-finally; retrying"
+            );
+            tokio::time::sleep(delay).await;
+        }
+    }
+}
+
+/// Generates one typed CSI call over `CsiClient::call`.
+macro_rules! csi_calls {
+    ($( $(#[$doc:meta])* $fn:ident: $client:ident::$method:ident($req:ident) -> $resp:ident; )*) => {
+        impl CsiClient {$(
+            $(#[$doc])*
+            pub async fn $fn(&self, req: csi::$req, deadline: &Deadline) -> Result<csi::$resp, CsiError> {
+                self.call(stringify!($req).trim_end_matches("Request"), deadline, &req, |channel, request| async move {
+                    $client::new(channel).$method(request).await
+                })
+                .await
+            }
+        )*}
+    };
+}
+
+csi_calls! {
+    probe: IdentityClient::probe(ProbeRequest) -> ProbeResponse;
+    get_plugin_info: IdentityClient::get_plugin_info(GetPluginInfoRequest) -> GetPluginInfoResponse;
+    get_plugin_capabilities: IdentityClient::get_plugin_capabilities(GetPluginCapabilitiesRequest) -> GetPluginCapabilitiesResponse;
+    controller_get_capabilities: ControllerClient::controller_get_capabilities(ControllerGetCapabilitiesRequest) -> ControllerGetCapabilitiesResponse;
+    create_volume: ControllerClient::create_volume(CreateVolumeRequest) -> CreateVolumeResponse;
+    delete_volume: ControllerClient::delete_volume(DeleteVolumeRequest) -> DeleteVolumeResponse;
+    controller_publish_volume: ControllerClient::controller_publish_volume(ControllerPublishVolumeRequest) -> ControllerPublishVolumeResponse;
+    controller_unpublish_volume: ControllerClient::controller_unpublish_volume(ControllerUnpublishVolumeRequest) -> ControllerUnpublishVolumeResponse;
+    node_get_capabilities: NodeClient::node_get_capabilities(NodeGetCapabilitiesRequest) -> NodeGetCapabilitiesResponse;
+    node_get_info: NodeClient::node_get_info(NodeGetInfoRequest) -> NodeGetInfoResponse;
+    node_stage_volume: NodeClient::node_stage_volume(NodeStageVolumeRequest) -> NodeStageVolumeResponse;
+    node_unstage_volume: NodeClient::node_unstage_volume(NodeUnstageVolumeRequest) -> NodeUnstageVolumeResponse;
+    node_publish_volume: NodeClient::node_publish_volume(NodePublishVolumeRequest) -> NodePublishVolumeResponse;
+    node_unpublish_volume: NodeClient::node_unpublish_volume(NodeUnpublishVolumeRequest) -> NodeUnpublishVolumeResponse;
+}
+
+/// Whether `code` from an unpublish/unstage/delete means "already gone".
+pub fn is_not_found(code: Code) -> bool {
+    code == Code::NotFound
+}

@@ -1,0 +1,119 @@
+//! The retry policy for CSI calls.
+//!
+//! CSI (and kubelet, external-provisioner, external-attacher) call an error *non-final*
+//! when the driver may still be working on the request: CANCELLED, DEADLINE_EXCEEDED,
+//! UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED, or a transport failure. Those are retried
+//! with exponential backoff, with the same arguments, inside the hook's budget. Every
+//! other code is final: nothing is in progress, so retrying would not change the answer.
+
+use std::time::{Duration, Instant};
+
+use tonic::Code;
+
+/// First backoff delay; doubled after each failure up to `MAX_BACKOFF`.
+pub const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Whether a CSI error code means "nothing is in progress".
+pub fn is_final(code: Code) -> bool {
+    !matches!(
+        code,
+        Code::Cancelled
+            | Code::DeadlineExceeded
+            | Code::Unavailable
+            | Code::ResourceExhausted
+            | Code::Aborted
+    )
+}
+
+/// The instant a hook must be done by. Every CSI attempt and backoff fits inside it.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline {
+    start: Instant,
+    at: Instant,
+}
+
+impl Deadline {
+    pub fn after(budget: Duration) -> Self {
+        let start = Instant::now();
+        Self {
+            start,
+            at: start + budget,
+        }
+    }
+
+    pub fn remaining(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
+
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    pub fn expired(&self) -> bool {
+        self.remaining().is_zero()
+    }
+
+    pub fn instant(&self) -> Instant {
+        self.at
+    }
+}
+
+/// Exponential backoff state.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            next: INITIAL_BACKOFF,
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before the next attempt.
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(MAX_BACKOFF);
+        delay
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn final_codes_match_kubernetes() {
+        for code in [
+            Code::Cancelled,
+            Code::DeadlineExceeded,
+            Code::Unavailable,
+            Code::ResourceExhausted,
+            Code::Aborted,
+        ] {
+            assert!(!is_final(code), "{code:?}");
+        }
+        for code in [
+            Code::InvalidArgument,
+            Code::NotFound,
+            Code::AlreadyExists,
+            Code::FailedPrecondition,
+            Code::Internal,
+            Code::Unimplemented,
+            Code::Unknown,
+        ] {
+            assert!(is_final(code), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_to_a_cap() {
+        let mut b = Backoff::default();
+        let delays: Vec<_> = (0..8).map(|_| b.next_delay().as_millis()).collect();
+        assert_eq!(delays, [100, 200, 400, 800, 1600, 3200, 5000, 5000]);
+    }
+}

@@ -1,0 +1,162 @@
+//! Turns Cube's wire requests into the bridge's validated types. A request that fails
+//! here changes nothing: no lock, no CSI call, no record.
+
+use std::collections::HashMap;
+
+use crate::bridge::handoff::{AttachMetadata, VolumeHandle};
+use crate::bridge::naming::{validate_base_dir, validate_volume_id};
+use crate::bridge::{AttachVolume, CreateVolume, DestroyVolume, DetachVolume};
+use crate::config::Config;
+use crate::proto::cube::v1 as pb;
+
+/// Longest sandbox id, namespace or Cube volume name accepted.
+const MAX_LABEL_LEN: usize = 256;
+
+fn label(field: &str, value: &str, required: bool) -> Result<(), String> {
+    if required && value.is_empty() {
+        return Err(format!("{field} is empty"));
+    }
+    if value.len() > MAX_LABEL_LEN {
+        return Err(format!("{field} is longer than {MAX_LABEL_LEN} bytes"));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(format!("{field} contains control characters"));
+    }
+    Ok(())
+}
+
+fn ref_count(value: i64) -> Result<(), String> {
+    if value < 0 {
+        return Err(format!("ref_count is {value}; it must be 0 or more"));
+    }
+    Ok(())
+}
+
+pub fn create(req: pb::CreateRequest) -> Result<CreateVolume, String> {
+    validate_volume_id(&req.volume_id)?;
+    label("name", &req.name, false)?;
+    Ok(CreateVolume {
+        volume_id: req.volume_id,
+        name: req.name,
+    })
+}
+
+pub fn destroy(req: pb::DestroyRequest) -> Result<DestroyVolume, String> {
+    validate_volume_id(&req.volume_id)?;
+    Ok(DestroyVolume {
+        volume_id: req.volume_id,
+    })
+}
+
+pub fn attach(req: pb::AttachRequest, config: &Config) -> Result<AttachVolume, String> {
+    validate_volume_id(&req.volume_id)?;
+    label("sandbox_id", &req.sandbox_id, true)?;
+    label("namespace", &req.namespace, false)?;
+    ref_count(req.ref_count)?;
+    let base_dir = if req.volume_base_dir.is_empty() {
+        config.node.default_volume_base_dir.clone()
+    } else {
+        validate_base_dir(&req.volume_base_dir)?
+    };
+    let handle = VolumeHandle::decode(&req.private_data)?;
+    Ok(AttachVolume {
+        sandbox_id: req.sandbox_id,
+        namespace: req.namespace,
+        volume_id: req.volume_id,
+        ref_count: req.ref_count,
+        base_dir,
+        handle,
+    })
+}
+
+pub fn detach(req: pb::DetachRequest, config: &Config) -> Result<DetachVolume, String> {
+    validate_volume_id(&req.volume_id)?;
+    label("sandbox_id", &req.sandbox_id, false)?;
+    label("namespace", &req.namespace, false)?;
+    ref_count(req.ref_count)?;
+    let recorded = AttachMetadata::from_map(&req.metadata, &config.driver, &req.volume_id)
+        .map_err(|e| format!("metadata: {e}"))?;
+    Ok(DetachVolume {
+        sandbox_id: req.sandbox_id,
+        namespace: req.namespace,
+        volume_id: req.volume_id,
+        ref_count: req.ref_count,
+        recorded,
+    })
+}
+
+/// Parses the binary hook's `--metadata` argument: a JSON object of strings.
+pub fn metadata_json(text: &str) -> Result<HashMap<String, String>, String> {
+    if text.trim().is_empty() {
+        return Ok(HashMap::new());
+    }
+    serde_json::from_str(text)
+        .map_err(|e| format!("--metadata is not a JSON object of strings: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn config() -> Config {
+        Config::parse(
+            "driver = \"nfs\"\n[csi]\nendpoint = \"/run/x.sock\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap()
+    }
+
+    fn attach_req() -> pb::AttachRequest {
+        pb::AttachRequest {
+            sandbox_id: "sb".into(),
+            namespace: "default".into(),
+            volume_id: "-v1".into(),
+            volume_base_dir: "/data/v".into(),
+            ref_count: 0,
+            private_data: r#"{"v":1,"id":"h"}"#.into(),
+        }
+    }
+
+    #[test]
+    fn attach_accepts_a_good_request_and_defaults_the_base_dir() {
+        let ok = attach(attach_req(), &config()).unwrap();
+        assert_eq!(ok.base_dir, Path::new("/data/v"));
+        let mut req = attach_req();
+        req.volume_base_dir.clear();
+        assert_eq!(
+            attach(req, &config()).unwrap().base_dir,
+            Path::new(crate::config::DEFAULT_VOLUME_BASE_DIR)
+        );
+    }
+
+    #[test]
+    fn attach_rejects_bad_fields_with_their_names() {
+        type Mutation = fn(&mut pb::AttachRequest);
+        let cases: [(Mutation, &str); 6] = [
+            (|r| r.volume_id = "../etc".into(), "volume_id"),
+            (|r| r.volume_base_dir = "data".into(), "volume_base_dir"),
+            (
+                |r| r.volume_base_dir = "/data/../etc".into(),
+                "volume_base_dir",
+            ),
+            (|r| r.ref_count = -1, "ref_count"),
+            (|r| r.private_data = "garbage".into(), "private_data"),
+            (|r| r.sandbox_id.clear(), "sandbox_id"),
+        ];
+        for (mutate, field) in cases {
+            let mut req = attach_req();
+            mutate(&mut req);
+            let err = attach(req, &config()).unwrap_err();
+            assert!(err.contains(field), "{field}: {err}");
+        }
+    }
+
+    #[test]
+    fn metadata_json_is_strict() {
+        assert!(metadata_json("{}").unwrap().is_empty());
+        assert!(metadata_json(r#"{"a":1}"#).is_err());
+        assert!(metadata_json("[]").is_err());
+        assert_eq!(metadata_json(r#"{"a":"b"}"#).unwrap()["a"], "b");
+    }
+}

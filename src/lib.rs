@@ -1,0 +1,17 @@
+//! cube-csi-bridge: serve any Kubernetes CSI driver as a CubeSandbox volume plugin.
+//!
+//! North side (`cube`): Cube's volume-plugin protocol, as a gRPC daemon and as a forked
+//! binary hook. South side (`csi`): a CSI container orchestrator. Between them, the
+//! translation core (`bridge`), over `mount` queries and persistent `store`s.
+
+pub mod bridge;
+pub mod cli;
+pub mod config;
+pub mod csi;
+pub mod cube;
+pub mod demo;
+pub mod mount;
+pub mod ops;
+pub mod proto;
+pub mod store;
+pub mod telemetry;

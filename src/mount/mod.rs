@@ -1,0 +1,9 @@
+//! Mount-table queries, the mount-namespace view Cubelet has, mount syscalls for the
+//! built-in demo driver and test fakes, and directory hygiene.
+
+pub mod mountinfo;
+pub mod ops;
+pub mod view;
+
+pub use mountinfo::MountTable;
+pub use view::MountView;

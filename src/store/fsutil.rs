@@ -1,0 +1,83 @@
+//! Crash-safe file replacement and exclusive file locks.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use nix::fcntl::{Flock, FlockArg};
+
+/// Replaces `path` with `bytes` atomically: write a temp file beside it, rename over.
+/// With `durable`, the data and the rename are fsync'ed before returning, so the new
+/// content survives a crash or power loss.
+pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::other(format!("{} has no parent", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("state"),
+        std::process::id()
+    ));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    file.write_all(bytes)?;
+    if durable {
+        file.sync_all()?;
+    }
+    drop(file);
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if durable {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Removes `path` durably; a missing file is success.
+pub fn remove_durable(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.
+/// The lock is released when the returned guard drops, or when the process dies.
+pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| io::Error::from(errno))
+}
+
+/// Like `lock_exclusive`, but returns `Ok(None)` at once when another holder has it.
+pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, errno)) => Err(io::Error::from(errno)),
+    }
+}
