@@ -261,7 +261,8 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             }
         }
         Command::Check(arg) => {
-            telemetry::init(cli.log_format, "warn");
+            // Findings are printed; retry warnings would only repeat them.
+            telemetry::init(cli.log_format, "error");
             let config = match load_config(arg.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,

@@ -22,18 +22,22 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
     report(true, format!("config {} is valid", config.source.display()));
     let deadline = Deadline::after(budget);
     let node = CsiClient::new(&config.csi_endpoint());
-    match csi::discovery::identity(&node, &deadline).await {
-        Ok(id) => report(
-            true,
-            format!(
+    let reachable = match csi::discovery::identity(&node, &deadline).await {
+        Ok(id) => {
+            let answer = format!(
                 "driver {} {} answers at {}",
                 id.name,
                 id.vendor_version,
                 node.endpoint()
-            ),
-        ),
-        Err(e) => report(false, format!("driver not usable: {e}")),
-    }
+            );
+            report(true, answer);
+            true
+        }
+        Err(e) => {
+            report(false, format!("driver not usable: {e}"));
+            false
+        }
+    };
     let services = config.serve.services;
     let roles = Roles {
         controller: services.controller(),
@@ -41,12 +45,14 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
     };
     let base = config.node.default_volume_base_dir.clone();
     let bridge = Bridge::new(config, roles, ProcessMode::Daemon)?;
-    match bridge.check_driver(roles, &deadline).await {
-        Ok(()) => report(
-            true,
-            format!("driver capabilities fit the served roles ({services:?})"),
-        ),
-        Err(e) => report(false, e.to_string()),
+    if reachable {
+        match bridge.check_driver(roles, &deadline).await {
+            Ok(()) => report(
+                true,
+                format!("driver capabilities fit the served roles ({services:?})"),
+            ),
+            Err(e) => report(false, e.to_string()),
+        }
     }
     if roles.node {
         report(
