@@ -2,6 +2,8 @@
 //!
 //! stdout is reserved: the binary hook's reply goes there and nothing else may.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// Log line format.
@@ -19,6 +21,9 @@ pub fn init(format: LogFormat, default_level: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal: journald and Cube (which shows a failed
+        // hook's stderr as its error message) get plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false);
     let result = match format {
         LogFormat::Text => builder.try_init(),

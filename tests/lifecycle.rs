@@ -719,3 +719,60 @@ async fn volume_ids_starting_with_a_dash_work_in_both_modes() {
         w.destroy("-dash").await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
+    require_root!();
+    let mut w = World::start(
+        Mode::Rpc,
+        Caps {
+            stage: true,
+            ..Default::default()
+        },
+        "",
+    )
+    .await;
+    let created = w.create("crash").await.unwrap();
+    w.attach("sb", "crash", 0, &created.private_data)
+        .await
+        .unwrap();
+    // kill -9 the daemon, and make the journal look as it does when the crash came while
+    // NodePublishVolume was in flight (written before the call, never completed).
+    let mut daemon = w.daemon.take().unwrap();
+    daemon.kill().await.unwrap();
+    let record = w.dir.path().join("state/node/crash.json");
+    let text = std::fs::read_to_string(&record).unwrap();
+    assert!(text.contains(r#""publish":"done""#), "{text}");
+    std::fs::write(
+        &record,
+        text.replace(r#""publish":"done""#, r#""publish":"uncertain""#),
+    )
+    .unwrap();
+    w.driver.clear_calls();
+
+    w.start_daemon().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while w.journal_records() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        w.journal_records(),
+        0,
+        "reconciliation finished the teardown"
+    );
+    assert_eq!(
+        w.driver.mutating_calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
+    assert_eq!(
+        w.mounts(),
+        Vec::<std::path::PathBuf>::new(),
+        "nothing leaked"
+    );
+    // Cube's retry of the Attach then starts from a clean slate.
+    let a = w
+        .attach("sb", "crash", 0, &created.private_data)
+        .await
+        .unwrap();
+    w.detach("sb", "crash", 0, &a.metadata).await.unwrap();
+}

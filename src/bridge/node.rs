@@ -399,7 +399,7 @@ impl Bridge {
             record.publish = Step::Absent;
             self.save(record, false).await?;
         }
-        remove_dir(&target).await?;
+        remove_dir(&target, true).await?;
 
         if let Some(staging) = record.staging_path.clone() {
             if record.stage.needs_undo() || self.visible(&staging).await? {
@@ -413,9 +413,10 @@ impl Bridge {
                 record.stage = Step::Absent;
                 self.save(record, false).await?;
             }
-            remove_dir(&staging).await?;
+            remove_dir(&staging, true).await?;
             if let Some(parent) = staging.parent() {
-                remove_dir(parent).await?;
+                // Shared by every staged volume: removed only when the last one goes.
+                remove_dir(parent, false).await?;
             }
         }
 
@@ -534,13 +535,14 @@ async fn path_exists(path: &Path) -> bool {
     tokio::fs::symlink_metadata(path).await.is_ok()
 }
 
-/// Removes a directory the bridge or driver made, if it is empty and not mounted.
-async fn remove_dir(dir: &Path) -> Result<(), BridgeError> {
+/// Removes a directory the bridge or driver made, if it is empty and not mounted;
+/// `warn_if_kept` reports one left in place because it still holds files.
+async fn remove_dir(dir: &Path, warn_if_kept: bool) -> Result<(), BridgeError> {
     let dir: PathBuf = dir.to_path_buf();
     blocking(move || match ops::remove_dir_if_empty(&dir) {
         Ok(true) => Ok(()),
         Ok(false) => {
-            if dir.exists() {
+            if warn_if_kept && dir.exists() {
                 tracing::warn!(dir = %dir.display(), "left a non-empty directory in place");
             }
             Ok(())
