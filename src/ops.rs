@@ -89,11 +89,11 @@ fn propagation_of(path: &Path) -> Option<(String, bool)> {
     text.lines()
         .filter_map(|line| {
             let fields: Vec<&str> = line.split(' ').collect();
-            let mount_point = *fields.get(4)?;
+            let mount_point = crate::mount::mountinfo::unescape(fields.get(4)?);
             let optional = fields.iter().skip(6).take_while(|f| **f != "-");
             let shared = optional.clone().any(|f| f.starts_with("shared:"));
-            path.starts_with(mount_point)
-                .then(|| (mount_point.to_string(), shared))
+            path.starts_with(&mount_point)
+                .then_some((mount_point, shared))
         })
         .max_by_key(|(mount_point, _)| mount_point.len())
 }

@@ -776,3 +776,42 @@ async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
         .unwrap();
     w.detach("sb", "crash", 0, &a.metadata).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_base_dir_reached_through_a_symlink_works() {
+    require_root!();
+    for mode in MODES {
+        let w = World::start(
+            mode,
+            Caps {
+                stage: true,
+                ..Default::default()
+            },
+            "",
+        )
+        .await;
+        std::fs::create_dir_all(&w.base_dir).unwrap();
+        let link = w.dir.path().join("link");
+        std::os::unix::fs::symlink(&w.base_dir, &link).unwrap();
+        let created = w.create("sym").await.unwrap();
+        let a = w
+            .attach_in(&link, "sb", "sym", 0, &created.private_data)
+            .await
+            .unwrap();
+        // Cube checks host_path lexically against its own base dir: keep Cube's spelling.
+        assert_eq!(Path::new(&a.host_path), link.join("fake-sym"), "{mode:?}");
+        w.driver.clear_calls();
+        let again = w
+            .attach_in(&link, "sb2", "sym", 1, &created.private_data)
+            .await
+            .unwrap();
+        assert_eq!(
+            w.driver.mutating_calls(),
+            Vec::<&str>::new(),
+            "recognised as mounted"
+        );
+        w.detach("sb2", "sym", 1, &again.metadata).await.unwrap();
+        w.detach("sb", "sym", 0, &a.metadata).await.unwrap();
+        assert_eq!(w.mounts(), Vec::<std::path::PathBuf>::new());
+    }
+}

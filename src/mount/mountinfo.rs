@@ -44,7 +44,7 @@ impl MountTable {
 }
 
 /// mountinfo escapes space, tab, newline and backslash as `\ooo` octal.
-fn unescape(field: &str) -> String {
+pub(crate) fn unescape(field: &str) -> String {
     if !field.contains('\\') {
         return field.to_string();
     }

@@ -200,7 +200,14 @@ fn map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
 }
 
 fn mounted(path: &Path) -> bool {
-    MountTable::read(None).unwrap().is_mount_point(path)
+    // mountinfo lists resolved paths (a base dir may be reached through a symlink).
+    let resolved = match (path.parent(), path.file_name()) {
+        (Some(parent), Some(leaf)) => std::fs::canonicalize(parent)
+            .map(|p| p.join(leaf))
+            .unwrap_or(path.to_path_buf()),
+        _ => path.to_path_buf(),
+    };
+    MountTable::read(None).unwrap().is_mount_point(&resolved)
 }
 
 fn io(e: std::io::Error) -> Status {

@@ -427,3 +427,33 @@ impl Drop for World {
         }
     }
 }
+
+impl World {
+    /// Like [`World::start`], but the bridge's `[node] mount_view` is `mount_view` (a
+    /// namespace file path, `auto`, `none`) instead of `self`.
+    pub async fn start_with_mount_view(
+        mode: Mode,
+        caps: Caps,
+        extra: &str,
+        mount_view: &str,
+    ) -> World {
+        // Start without a daemon, rewrite the one setting, then start the daemon on it.
+        let mut world = World::start(Mode::Binary, caps, extra).await;
+        let text = std::fs::read_to_string(&world.config_path).unwrap();
+        let default = "\nmount_view = \"self\"\n";
+        assert!(
+            text.contains(default),
+            "config_text sets mount_view: {text}"
+        );
+        let setting = format!(
+            "\nmount_view = {}\n",
+            toml::Value::String(mount_view.to_string())
+        );
+        std::fs::write(&world.config_path, text.replacen(default, &setting, 1)).unwrap();
+        world.mode = mode;
+        if mode == Mode::Rpc {
+            world.start_daemon().await.expect("daemon starts");
+        }
+        world
+    }
+}

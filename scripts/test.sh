@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The project's test command (README "Run the tests"; .ci/run calls exactly this).
+# Installs what the tests need, idempotently, then checks formatting and lints and runs
+# every test. Run it as root: the integration tests make real mounts (they skip
+# themselves, loudly, when not root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The Go Cube-like caller (tests/cube_callers.rs), built once and cached.
+if ! command -v go >/dev/null 2>&1; then
+    echo "scripts/test.sh: Go is needed to build the test peers in tests/peers" >&2
+    exit 1
+fi
+CUBE_CSI_BRIDGE_PEERS_BIN="$(bash scripts/install-test-peers.sh | tail -n 1)"
+export CUBE_CSI_BRIDGE_PEERS_BIN
+
+cargo fmt --check
+cargo clippy --locked --all-targets -- -D warnings
+cargo test --locked
