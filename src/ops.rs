@@ -82,20 +82,12 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
     Ok(ok)
 }
 
-/// The mount point `path` lies on and whether it propagates (is `shared:`).
+/// The mount point `path` lies on and whether it propagates (is shared).
 fn propagation_of(path: &Path) -> Option<(String, bool)> {
     let path = path.canonicalize().ok()?;
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    text.lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(' ').collect();
-            let mount_point = crate::mount::mountinfo::unescape(fields.get(4)?);
-            let optional = fields.iter().skip(6).take_while(|f| **f != "-");
-            let shared = optional.clone().any(|f| f.starts_with("shared:"));
-            path.starts_with(&mount_point)
-                .then_some((mount_point, shared))
-        })
-        .max_by_key(|(mount_point, _)| mount_point.len())
+    let table = MountTable::read(None).ok()?;
+    let (mount_point, shared) = table.mount_of(&path)?;
+    Some((mount_point.display().to_string(), shared))
 }
 
 /// The CubeMaster and Cubelet entries that register this instance, both ways.

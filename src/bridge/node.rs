@@ -69,14 +69,6 @@ impl Bridge {
     pub(crate) async fn visible(&self, path: &Path) -> Result<bool, BridgeError> {
         let (view, path) = (self.mount_view.clone(), path.to_path_buf());
         blocking(move || {
-            // mountinfo lists resolved paths; Cube's base dir may be reached through a
-            // symlink. Resolve the parent only: the leaf is what may be mounted.
-            let path = match (path.parent(), path.file_name()) {
-                (Some(parent), Some(leaf)) => std::fs::canonicalize(parent)
-                    .map(|p| p.join(leaf))
-                    .unwrap_or(path),
-                _ => path,
-            };
             view.is_mount_point(&path)
                 .map_err(|e| BridgeError::io(format!("reading mounts of {}", view.describe()), e))
         })

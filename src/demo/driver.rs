@@ -82,7 +82,7 @@ async fn blocking(f: impl FnOnce() -> std::io::Result<()> + Send + 'static) -> R
 
 fn is_mounted(path: &Path) -> Result<bool, Status> {
     crate::mount::MountTable::read(None)
-        .map(|t| t.is_mount_point(path))
+        .map(|t| t.is_mount_point(&crate::mount::resolve_parent(path)))
         .map_err(internal)
 }
 

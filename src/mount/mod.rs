@@ -5,5 +5,5 @@ pub mod mountinfo;
 pub mod ops;
 pub mod view;
 
-pub use mountinfo::MountTable;
+pub use mountinfo::{MountTable, resolve_parent};
 pub use view::MountView;

@@ -1,12 +1,13 @@
 //! Parsing `/proc/<pid>/mountinfo` (proc(5)) and asking whether a path is a mount point.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// The mount points of one mount namespace, as one process sees them.
 #[derive(Debug, Default, Clone)]
 pub struct MountTable {
-    mount_points: HashSet<PathBuf>,
+    /// Each mount point, and whether a mount there propagates to its peers (`shared:`).
+    mount_points: HashMap<PathBuf, bool>,
 }
 
 impl MountTable {
@@ -21,30 +22,65 @@ impl MountTable {
 
     /// Parses mountinfo text. Lines that do not have the expected shape are skipped.
     pub fn parse(text: &str) -> Self {
-        let mount_points = text
-            .lines()
-            .filter_map(|line| line.split(' ').nth(4))
-            .map(|field| PathBuf::from(unescape(field)))
-            .collect();
+        let mut mount_points = HashMap::new();
+        for line in text.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let Some(mount_point) = fields.get(4) else {
+                continue;
+            };
+            // Optional fields run from the 7th up to the "-" separator.
+            let shared = fields
+                .iter()
+                .skip(6)
+                .take_while(|f| **f != "-")
+                .any(|f| f.starts_with("shared:"));
+            let entry = mount_points
+                .entry(PathBuf::from(unescape(mount_point)))
+                .or_insert(false);
+            // Of stacked mounts, the top one (listed last) is what the path shows.
+            *entry = shared;
+        }
         Self { mount_points }
     }
 
     /// Whether `path` is the mount point of at least one mount.
     pub fn is_mount_point(&self, path: &Path) -> bool {
-        self.mount_points.contains(path)
+        self.mount_points.contains_key(path)
     }
 
     /// Mount points at or below `dir`.
     pub fn under<'a>(&'a self, dir: &'a Path) -> impl Iterator<Item = &'a Path> + 'a {
         self.mount_points
-            .iter()
+            .keys()
             .map(PathBuf::as_path)
             .filter(move |p| p.starts_with(dir))
+    }
+
+    /// The mount `path` lies on (the longest mount point above it), and whether it is
+    /// shared, i.e. whether mounts made below it propagate to other namespaces.
+    pub fn mount_of(&self, path: &Path) -> Option<(&Path, bool)> {
+        self.mount_points
+            .iter()
+            .filter(|(mount_point, _)| path.starts_with(mount_point))
+            .max_by_key(|(mount_point, _)| mount_point.as_os_str().len())
+            .map(|(mount_point, shared)| (mount_point.as_path(), *shared))
+    }
+}
+
+/// `path` with its parent resolved: mountinfo lists resolved paths, while a base dir
+/// may be reached through a symlink. The leaf itself is what may be mounted, so it is
+/// kept as it is. A parent that cannot be resolved leaves `path` unchanged.
+pub fn resolve_parent(path: &Path) -> PathBuf {
+    match (path.parent(), path.file_name()) {
+        (Some(parent), Some(leaf)) => std::fs::canonicalize(parent)
+            .map(|p| p.join(leaf))
+            .unwrap_or_else(|_| path.to_path_buf()),
+        _ => path.to_path_buf(),
     }
 }
 
 /// mountinfo escapes space, tab, newline and backslash as `\ooo` octal.
-pub(crate) fn unescape(field: &str) -> String {
+fn unescape(field: &str) -> String {
     if !field.contains('\\') {
         return field.to_string();
     }
@@ -88,6 +124,24 @@ mod tests {
         assert!(t.is_mount_point(Path::new("/data/with space")));
         assert!(!t.is_mount_point(Path::new("/data/cube-shared/volume")));
         assert_eq!(t.under(Path::new("/data")).count(), 2);
+        let (mount, shared) = t.mount_of(Path::new("/data/cube-shared/volume")).unwrap();
+        assert_eq!((mount, shared), (Path::new("/"), true));
+        let (mount, shared) = t.mount_of(Path::new("/data/with space/x")).unwrap();
+        assert_eq!((mount, shared), (Path::new("/data/with space"), false));
+    }
+
+    #[test]
+    fn resolve_parent_follows_a_symlinked_parent_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap().join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::os::unix::fs::symlink(&real, tmp.path().join("link")).unwrap();
+        assert_eq!(
+            resolve_parent(&tmp.path().join("link/leaf")),
+            real.join("leaf")
+        );
+        let missing = Path::new("/nonexistent-parent/leaf");
+        assert_eq!(resolve_parent(missing), missing);
     }
 
     #[test]

@@ -103,8 +103,12 @@ impl MountView {
     }
 
     /// Whether `path` is a mount point in this view (`true` when checks are disabled).
+    /// A symlinked parent is resolved first (see `resolve_parent`).
     pub fn is_mount_point(&self, path: &Path) -> std::io::Result<bool> {
-        Ok(self.table()?.is_none_or(|t| t.is_mount_point(path)))
+        let Some(table) = self.table()? else {
+            return Ok(true);
+        };
+        Ok(table.is_mount_point(&super::resolve_parent(path)))
     }
 }
 

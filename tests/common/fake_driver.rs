@@ -10,7 +10,7 @@ use std::time::Duration;
 use csi::controller_server::{Controller, ControllerServer};
 use csi::identity_server::{Identity, IdentityServer};
 use csi::node_server::{Node, NodeServer};
-use cube_csi_bridge::mount::{MountTable, ops};
+use cube_csi_bridge::mount::{MountTable, ops, resolve_parent};
 use cube_csi_bridge::proto::csi::v1 as csi;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Code, Request, Response, Status};
@@ -200,14 +200,9 @@ fn map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
 }
 
 fn mounted(path: &Path) -> bool {
-    // mountinfo lists resolved paths (a base dir may be reached through a symlink).
-    let resolved = match (path.parent(), path.file_name()) {
-        (Some(parent), Some(leaf)) => std::fs::canonicalize(parent)
-            .map(|p| p.join(leaf))
-            .unwrap_or(path.to_path_buf()),
-        _ => path.to_path_buf(),
-    };
-    MountTable::read(None).unwrap().is_mount_point(&resolved)
+    MountTable::read(None)
+        .unwrap()
+        .is_mount_point(&resolve_parent(path))
 }
 
 fn io(e: std::io::Error) -> Status {
