@@ -6,7 +6,6 @@ go 1.26.0
 
 require (
 	github.com/bufbuild/protocompile v0.14.1
-	github.com/container-storage-interface/spec v1.12.0
 	google.golang.org/grpc v1.80.0
 	google.golang.org/protobuf v1.36.11
 )

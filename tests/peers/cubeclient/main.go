@@ -9,7 +9,6 @@
 //	cubeclient rpc --target <sock> detach --sandbox-id S --namespace N --volume-id ID \
 //	    --ref-count K [--metadata JSON]
 //	cubeclient binary --path <executable> <same op and flags>
-//	cubeclient csi --endpoint <sock> <CSI method> [request JSON]   (debugging aid)
 //
 // rpc prints {"token","private_data"} / {"host_path","metadata"} / {} on success
 // and {"error","code"} (exit 1) on a gRPC error. binary forks the executable with
@@ -43,7 +42,7 @@ func main() {
 
 func usage(format string, args ...any) int {
 	fmt.Fprintf(os.Stderr, "cubeclient: "+format+"\n", args...)
-	fmt.Fprintln(os.Stderr, "usage: cubeclient rpc --target SOCK OP [FLAGS] | cubeclient binary --path EXE OP [FLAGS] | cubeclient csi --endpoint SOCK METHOD [JSON]")
+	fmt.Fprintln(os.Stderr, "usage: cubeclient rpc --target SOCK OP [FLAGS] | cubeclient binary --path EXE OP [FLAGS]")
 	return 2
 }
 
@@ -55,8 +54,8 @@ func printJSON(v any) {
 }
 
 type globals struct {
-	target, path, endpoint, proto string
-	timeout                       time.Duration
+	target, path, proto string
+	timeout             time.Duration
 }
 
 func run(args []string) int {
@@ -78,8 +77,6 @@ func run(args []string) int {
 			g.target = val
 		case "path":
 			g.path = val
-		case "endpoint":
-			g.endpoint = val
 		case "proto":
 			g.proto = val
 		case "timeout":
@@ -117,11 +114,6 @@ func run(args []string) int {
 			return code
 		}
 		return runBinary(ctx, g, req)
-	case "csi":
-		if g.endpoint == "" {
-			return usage("csi needs --endpoint")
-		}
-		return runCSI(ctx, g, args)
 	case "-h", "--help", "help":
 		usage("help")
 		return 0
