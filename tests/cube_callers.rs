@@ -53,13 +53,6 @@ macro_rules! require_root_and_peers {
     }};
 }
 
-fn stage() -> Caps {
-    Caps {
-        stage: true,
-        ..Default::default()
-    }
-}
-
 /// A failed hook as cubeclient reports it.
 #[derive(Debug)]
 struct Failure {
@@ -242,7 +235,7 @@ fn expect_calls(w: &World, expected: &[&str], what: &str) {
 
 /// The full Cube lifecycle of one volume shared by two sandboxes, through cubeclient.
 async fn whole_lifecycle(bin: &Path, mode: Mode) {
-    let w = World::start(mode, stage(), "").await;
+    let w = World::start(mode, Caps::staging(), "").await;
     let cube = Cube::new(bin, &w);
 
     let (token, private_data) = cube.create("vol-1").await.unwrap();
@@ -383,7 +376,7 @@ fn assert_nothing_left(w: &World, base_mounts: &[PathBuf]) {
 async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() {
     let bin = require_root_and_peers!();
     for mode in MODES {
-        let w = World::start(mode, stage(), "").await;
+        let w = World::start(mode, Caps::staging(), "").await;
         let cube = Cube::new(&bin, &w);
         let (_, private_data) = cube.create("bad").await.unwrap();
         w.driver.clear_calls();
@@ -637,7 +630,8 @@ async fn host_paths_are_mount_points_in_the_cubelet_namespace_when_attach_return
             .unwrap();
         let nsfile = CubeletNs::nsfile_in(ns_dir.path());
         let w =
-            World::start_with_mount_view(mode, stage(), "", &nsfile.display().to_string()).await;
+            World::start_with_mount_view(mode, Caps::staging(), "", &nsfile.display().to_string())
+                .await;
         let ns = CubeletNs::start(ns_dir, &w.base_dir, BaseDir::Shared);
         let cube = Cube::new(&bin, &w);
         let (_, pd1) = cube.create("v1").await.unwrap();
@@ -692,7 +686,8 @@ async fn attach_fails_and_rolls_back_when_the_mount_does_not_propagate() {
             .unwrap();
         let nsfile = CubeletNs::nsfile_in(ns_dir.path());
         let w =
-            World::start_with_mount_view(mode, stage(), "", &nsfile.display().to_string()).await;
+            World::start_with_mount_view(mode, Caps::staging(), "", &nsfile.display().to_string())
+                .await;
         let ns = CubeletNs::start(ns_dir, &w.base_dir, BaseDir::Private);
         let cube = Cube::new(&bin, &w);
         let (_, private_data) = cube.create("np").await.unwrap();

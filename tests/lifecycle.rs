@@ -76,10 +76,7 @@ async fn assert_call_sequence(
 async fn call_sequence_with_stage_unstage() {
     require_root!();
     for mode in MODES {
-        let caps = Caps {
-            stage: true,
-            ..Default::default()
-        };
+        let caps = Caps::staging();
         assert_call_sequence(
             mode,
             caps,
@@ -161,15 +158,7 @@ async fn controller_publish_passes_node_id_and_publish_context() {
 async fn data_written_through_host_path_survives_detach_and_reattach() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         let created = w.create("data").await.unwrap();
         let a = w
             .attach("sb-a", "data", 0, &created.private_data)
@@ -240,15 +229,7 @@ async fn destroy_and_detach_of_what_is_gone_succeed() {
 async fn node_publish_error_leaves_nothing_staged_or_mounted() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         let created = w.create("bad").await.unwrap();
         w.driver.clear_calls();
         w.driver.script(
@@ -308,15 +289,7 @@ async fn node_publish_error_leaves_nothing_staged_or_mounted() {
 async fn aborted_is_retried_to_success() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         w.driver.script(
             "CreateVolume",
             [Behavior::Fail(Code::Aborted, "operation pending")],
@@ -354,15 +327,7 @@ async fn a_hanging_driver_is_cut_off_by_the_budget() {
     require_root!();
     for mode in MODES {
         let timeouts = "[timeouts]\nattach_secs = 2\nrollback_secs = 5\n";
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            timeouts,
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), timeouts).await;
         let created = w.create("hang").await.unwrap();
         w.driver.script(
             "NodePublishVolume",
@@ -390,15 +355,7 @@ async fn a_hanging_driver_is_cut_off_by_the_budget() {
 async fn concurrent_attaches_of_one_volume_stage_and_publish_once() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         let created = w.create("shared").await.unwrap();
         w.driver.clear_calls();
         // A slow stage makes the two Attach calls overlap.
@@ -426,15 +383,7 @@ async fn concurrent_attaches_of_one_volume_stage_and_publish_once() {
 async fn attach_with_holders_repairs_a_lost_mount() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         let created = w.create("lost").await.unwrap();
         let a = w
             .attach("sb-a", "lost", 0, &created.private_data)
@@ -471,15 +420,7 @@ async fn attach_with_holders_repairs_a_lost_mount() {
 async fn bad_requests_change_nothing() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         let created = w.create("ok").await.unwrap();
         w.driver.clear_calls();
         let cases = [
@@ -622,15 +563,7 @@ key = "CTRL-SECRET-5"
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_in_flight_hooks_finish_and_refuses_new_ones() {
     require_root!();
-    let mut w = World::start(
-        Mode::Rpc,
-        Caps {
-            stage: true,
-            ..Default::default()
-        },
-        "",
-    )
-    .await;
+    let mut w = World::start(Mode::Rpc, Caps::staging(), "").await;
     let created = w.create("slow").await.unwrap();
     w.driver.script(
         "NodePublishVolume",
@@ -723,15 +656,7 @@ async fn volume_ids_starting_with_a_dash_work_in_both_modes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
     require_root!();
-    let mut w = World::start(
-        Mode::Rpc,
-        Caps {
-            stage: true,
-            ..Default::default()
-        },
-        "",
-    )
-    .await;
+    let mut w = World::start(Mode::Rpc, Caps::staging(), "").await;
     let created = w.create("crash").await.unwrap();
     w.attach("sb", "crash", 0, &created.private_data)
         .await
@@ -781,15 +706,7 @@ async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
 async fn a_base_dir_reached_through_a_symlink_works() {
     require_root!();
     for mode in MODES {
-        let w = World::start(
-            mode,
-            Caps {
-                stage: true,
-                ..Default::default()
-            },
-            "",
-        )
-        .await;
+        let w = World::start(mode, Caps::staging(), "").await;
         std::fs::create_dir_all(&w.base_dir).unwrap();
         let link = w.dir.path().join("link");
         std::os::unix::fs::symlink(&w.base_dir, &link).unwrap();

@@ -29,6 +29,16 @@ pub struct Caps {
     pub controller_unreachable: bool,
 }
 
+impl Caps {
+    /// A driver that stages (STAGE_UNSTAGE_VOLUME) and needs no ControllerPublish.
+    pub fn staging() -> Self {
+        Caps {
+            stage: true,
+            ..Default::default()
+        }
+    }
+}
+
 /// One scripted reaction, consumed by the next call of its method.
 #[derive(Debug, Clone)]
 pub enum Behavior {
