@@ -62,6 +62,8 @@ pub struct Config {
     pub node: NodeConfig,
     #[serde(default)]
     pub timeouts: TimeoutsConfig,
+    #[serde(default)]
+    pub kubernetes: KubernetesConfig,
     /// The file this config was read from (for messages); not part of the file.
     #[serde(skip)]
     pub source: PathBuf,
@@ -221,7 +223,7 @@ impl SecretsConfig {
         .flat_map(|m| m.values().map(String::as_str))
     }
 
-    fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.values().next().is_none()
     }
 }
@@ -248,6 +250,52 @@ pub struct StateConfig {
     /// Per-volume lock files. Default: `/run/cube-csi-bridge/<driver>/locks`.
     #[serde(default)]
     pub lock_dir: Option<PathBuf>,
+    /// Where Create records the CSI handle that Destroy needs.
+    #[serde(default)]
+    pub controller_store: ControllerStoreKind,
+}
+
+/// The controller store's backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ControllerStoreKind {
+    /// One file under `state.dir`: one controller host.
+    #[default]
+    Embedded,
+    /// CubeVolume custom resources: any number of controller replicas.
+    Kubernetes,
+}
+
+/// The Kubernetes API: where it is, and what the bridge reads from it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// A kubeconfig file. Unset: the pod's service account, else `$KUBECONFIG` or
+    /// `~/.kube/config`.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the CubeVolume objects. Unset: the service account's namespace (or
+    /// the kubeconfig context's), else `default`.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Take CreateVolume parameters, mount options, fstype and secrets from this
+    /// StorageClass instead of `[volume]` and `[secrets]`.
+    #[serde(default)]
+    pub storage_class: Option<String>,
+    /// How long a StorageClass and its Secrets are reused before being read again.
+    #[serde(default = "default_kube_cache_secs")]
+    pub cache_secs: u64,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            namespace: None,
+            storage_class: None,
+            cache_secs: default_kube_cache_secs(),
+        }
+    }
 }
 
 /// Node-side behaviour.
@@ -348,6 +396,9 @@ fn default_detach_secs() -> u64 {
 }
 fn default_rollback_secs() -> u64 {
     20
+}
+fn default_kube_cache_secs() -> u64 {
+    30
 }
 
 /// Where a CSI or Cube endpoint lives.
@@ -518,7 +569,74 @@ impl Config {
         if self.serve.shutdown_grace_secs > 600 {
             return Err(self.invalid("serve.shutdown_grace_secs", "must be at most 600"));
         }
+        self.validate_kubernetes()
+    }
+
+    fn validate_kubernetes(&self) -> Result<(), ConfigError> {
+        let k = &self.kubernetes;
+        if let Some(path) = &k.kubeconfig
+            && !path.is_absolute()
+        {
+            return Err(self.invalid(
+                "kubernetes.kubeconfig",
+                format!("{} must be absolute", path.display()),
+            ));
+        }
+        if let Some(ns) = &k.namespace
+            && !is_dns_label(ns)
+        {
+            return Err(self.invalid(
+                "kubernetes.namespace",
+                format!("{ns:?} is not a Kubernetes namespace name (a DNS-1123 label)"),
+            ));
+        }
+        if k.cache_secs > 3600 {
+            return Err(self.invalid("kubernetes.cache_secs", "must be at most 3600"));
+        }
+        if let Some(class) = &k.storage_class {
+            if !is_dns_subdomain(class) {
+                return Err(self.invalid(
+                    "kubernetes.storage_class",
+                    format!("{class:?} is not a StorageClass name (a DNS-1123 subdomain)"),
+                ));
+            }
+            let v = &self.volume;
+            for (taken, field) in [
+                (!v.parameters.is_empty(), "volume.parameters"),
+                (!v.mount_flags.is_empty(), "volume.mount_flags"),
+                (!v.fs_type.is_empty(), "volume.fs_type"),
+                (!self.secrets.is_empty(), "secrets"),
+            ] {
+                if taken {
+                    return Err(self.invalid(
+                        field,
+                        format!(
+                            "comes from StorageClass {class:?} (kubernetes.storage_class); \
+                             remove it here or drop kubernetes.storage_class"
+                        ),
+                    ));
+                }
+            }
+        }
+        if self.state.controller_store == ControllerStoreKind::Kubernetes
+            && !is_label_value(&self.driver)
+        {
+            return Err(self.invalid(
+                "driver",
+                format!(
+                    "{:?} must begin and end with a letter or digit to label CubeVolume \
+                     objects (state.controller_store = \"kubernetes\")",
+                    self.driver
+                ),
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether anything in this config needs the Kubernetes API.
+    pub fn uses_kubernetes(&self) -> bool {
+        self.kubernetes.storage_class.is_some()
+            || self.state.controller_store == ControllerStoreKind::Kubernetes
     }
 
     /// The socket Cube dials, as written in Cube's configs.
@@ -577,6 +695,40 @@ impl Config {
     pub fn journal_dir(&self) -> PathBuf {
         self.state_dir().join("node")
     }
+}
+
+/// A DNS-1123 label: namespaces, and each dot-separated part of a subdomain.
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// A DNS-1123 subdomain as Kubernetes checks object names (StorageClasses, Secrets):
+/// at most 253 bytes of dot-separated parts, each `[a-z0-9-]` with alphanumeric ends
+/// (Kubernetes does not apply DNS's 63-byte limit to the parts).
+pub fn is_dns_subdomain(s: &str) -> bool {
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !p.starts_with('-')
+            && !p.ends_with('-')
+    };
+    s.len() <= 253 && s.split('.').all(part_ok)
+}
+
+/// A label value (non-empty form): `[A-Za-z0-9._-]`, alphanumeric at both ends.
+pub fn is_label_value(s: &str) -> bool {
+    let alnum = |c: Option<u8>| c.is_some_and(|b| b.is_ascii_alphanumeric());
+    s.len() <= 63
+        && alnum(s.bytes().next())
+        && alnum(s.bytes().last())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 fn warn_if_readable_by_others(path: &Path) {
@@ -681,6 +833,42 @@ endpoint = "unix:///run/csi/nfs.sock"
             .unwrap_err()
             .to_string();
         assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn kubernetes_settings_are_checked() {
+        let c = parse(&format!(
+            "{MINIMAL}[state]\ncontroller_store = \"kubernetes\"\n[kubernetes]\nnamespace = \"cube-system\"\nstorage_class = \"nfs-csi\"\n"
+        ))
+        .unwrap();
+        assert!(c.uses_kubernetes());
+        assert_eq!(c.kubernetes.cache_secs, 30);
+        assert!(!parse(MINIMAL).unwrap().uses_kubernetes());
+        let err = parse(&format!(
+            "{MINIMAL}[kubernetes]\nstorage_class = \"nfs-csi\"\n[volume]\nmount_flags = [\"nfsvers=4.1\"]\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("volume.mount_flags") && err.contains("nfs-csi"),
+            "{err}"
+        );
+        let err = parse(&format!("{MINIMAL}[kubernetes]\nnamespace = \"Cube\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kubernetes.namespace"), "{err}");
+        let err = parse(&format!(
+            "{}[state]\ncontroller_store = \"kubernetes\"\n",
+            MINIMAL.replace("\"nfs\"", "\"nfs-\"")
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("driver") && err.contains("CubeVolume"),
+            "{err}"
+        );
+        assert!(is_dns_subdomain("csi.example.com") && !is_dns_subdomain("a..b"));
+        assert!(is_label_value("nfs.csi_1") && !is_label_value("_x"));
     }
 
     #[test]

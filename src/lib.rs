@@ -10,6 +10,7 @@ pub mod config;
 pub mod csi;
 pub mod cube;
 pub mod demo;
+pub mod k8s;
 pub mod mount;
 pub mod ops;
 pub mod proto;

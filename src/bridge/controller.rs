@@ -4,16 +4,24 @@
 //! finds the same volume), records the handle in the controller store, and returns it as
 //! private_data. Destroy deletes what the store names; a volume that is already gone, or
 //! was never recorded, is success.
+//!
+//! Several controller replicas may share one store (Kubernetes mode). They meet on the
+//! record: every write names the revision it read, CreateVolume is idempotent by name, and
+//! a replica that loses a race re-reads and carries on from what the winner wrote.
 
 use super::handoff::VolumeHandle;
 use super::locks::LockScope;
 use super::naming::csi_volume_name;
-use super::node::volume_capability;
+use super::profile::VolumeSpec;
 use super::{Bridge, BridgeError, CreateVolume, Created, DestroyVolume, HookError, HookKind};
 use crate::csi::{ControllerCaps, CsiError, Deadline, DriverIdentity};
+use crate::k8s::SecretUse;
 use crate::proto::csi::v1 as csi;
 use crate::store::controller::now_secs;
-use crate::store::{ControllerStore, VolumeRecord, VolumeState};
+use crate::store::{ControllerStore, StoreError, VolumeRecord, VolumeState};
+
+/// How often a write that lost a race to another replica is retried on a fresh read.
+const STORE_RACE_RETRIES: usize = 3;
 
 /// Refuses a driver that cannot create volumes.
 pub(crate) fn require_create_delete(
@@ -44,36 +52,33 @@ impl Bridge {
     }
 
     /// The CreateVolume request for a Cube volume (the same every time for one id).
-    fn create_request(&self, csi_name: &str) -> csi::CreateVolumeRequest {
+    async fn create_request(
+        &self,
+        csi_name: &str,
+        spec: &VolumeSpec,
+    ) -> Result<csi::CreateVolumeRequest, BridgeError> {
         let volume = &self.config.volume;
-        csi::CreateVolumeRequest {
+        Ok(csi::CreateVolumeRequest {
             name: csi_name.to_string(),
             capacity_range: (volume.capacity_bytes > 0).then_some(csi::CapacityRange {
                 required_bytes: volume.capacity_bytes as i64,
                 limit_bytes: 0,
             }),
-            volume_capabilities: vec![volume_capability(volume)],
-            parameters: volume.parameters.clone().into_iter().collect(),
-            secrets: self
-                .config
-                .secrets
-                .provisioner
-                .clone()
-                .into_iter()
-                .collect(),
+            volume_capabilities: vec![spec.capability.clone()],
+            parameters: spec.parameters.clone().into_iter().collect(),
+            secrets: self.secrets(SecretUse::Provisioner).await?,
             ..Default::default()
-        }
+        })
     }
 
     async fn create_volume(
         &self,
         csi_name: &str,
+        spec: &VolumeSpec,
         deadline: &Deadline,
     ) -> Result<csi::Volume, BridgeError> {
-        let reply = self
-            .controller_csi
-            .create_volume(self.create_request(csi_name), deadline)
-            .await;
+        let request = self.create_request(csi_name, spec).await?;
+        let reply = self.controller_csi.create_volume(request, deadline).await;
         match reply {
             Ok(reply) => reply
                 .volume
@@ -97,13 +102,7 @@ impl Bridge {
     ) -> Result<(), BridgeError> {
         let request = csi::DeleteVolumeRequest {
             volume_id: csi_volume_id.to_string(),
-            secrets: self
-                .config
-                .secrets
-                .provisioner
-                .clone()
-                .into_iter()
-                .collect(),
+            secrets: self.secrets(SecretUse::Provisioner).await?,
         };
         match self.controller_csi.delete_volume(request, deadline).await {
             Ok(_) => Ok(()),
@@ -120,6 +119,89 @@ impl Bridge {
         }
     }
 
+    /// Records the intent to create (state Creating), or adopts the record another
+    /// replica or an earlier attempt left for this volume.
+    async fn begin_create(
+        &self,
+        volume_id: &str,
+        csi_name: &str,
+        csi_driver: &str,
+    ) -> Result<VolumeRecord, BridgeError> {
+        for _ in 0..STORE_RACE_RETRIES {
+            if let Some(existing) = self.store().get(volume_id).await? {
+                check_same_driver(&existing, csi_driver)?;
+                if existing.csi_name != csi_name {
+                    return Err(BridgeError::Driver(format!(
+                        "the controller store already records this volume as CSI volume \
+                         name {:?}, but volume.name_prefix now gives {csi_name:?}; restore \
+                         the old name_prefix or Destroy the volume first",
+                        existing.csi_name
+                    )));
+                }
+                return Ok(existing);
+            }
+            let mut record = VolumeRecord {
+                volume_id: volume_id.to_string(),
+                csi_name: csi_name.to_string(),
+                csi_driver: Some(csi_driver.to_string()),
+                state: VolumeState::Creating,
+                csi_volume_id: None,
+                volume_context: Default::default(),
+                capacity_bytes: 0,
+                updated_at: now_secs(),
+                revision: None,
+            };
+            match self.store().put(&mut record).await {
+                Ok(()) => return Ok(record),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Conflict {
+            volume_id: volume_id.to_string(),
+        }
+        .into())
+    }
+
+    /// Records the created volume. A replica that raced this one and recorded the same
+    /// handle first is success.
+    async fn finish_create(
+        &self,
+        mut record: VolumeRecord,
+        volume: &csi::Volume,
+    ) -> Result<(), BridgeError> {
+        for _ in 0..STORE_RACE_RETRIES {
+            record.state = VolumeState::Created;
+            record.csi_volume_id = Some(volume.volume_id.clone());
+            record.volume_context = volume.volume_context.clone().into_iter().collect();
+            record.capacity_bytes = volume.capacity_bytes;
+            record.updated_at = now_secs();
+            match self.store().put(&mut record).await {
+                Ok(()) => return Ok(()),
+                Err(StoreError::Conflict { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+            match self.store().get(&record.volume_id).await? {
+                Some(current) if current.csi_volume_id.as_deref() == Some(&volume.volume_id) => {
+                    return Ok(());
+                }
+                Some(current) => record = current,
+                None => {
+                    return Err(BridgeError::Driver(format!(
+                        "the record of this volume was deleted while CSI volume {:?} was \
+                         being created (a concurrent Destroy?); the CSI volume may need \
+                         deleting",
+                        volume.volume_id
+                    )));
+                }
+            }
+        }
+        Err(StoreError::Conflict {
+            volume_id: record.volume_id,
+        }
+        .into())
+    }
+
     /// Cube Create.
     pub async fn create(&self, req: CreateVolume) -> Result<Created, HookError> {
         let volume_id = req.volume_id.clone();
@@ -127,6 +209,8 @@ impl Bridge {
             let deadline = Deadline::after(self.config.timeouts.create());
             let (identity, caps) = self.controller_view(&deadline).await?;
             require_create_delete(&identity, caps.as_ref())?;
+            // Resolved before anything is written: a bad StorageClass changes nothing.
+            let spec = self.volume_spec(&identity.name).await?;
             let _guard = self
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
@@ -136,24 +220,21 @@ impl Bridge {
 
             // Intent first: if the answer to CreateVolume is lost, Destroy can still find
             // the volume by its name.
-            let mut record = VolumeRecord {
-                volume_id: req.volume_id.clone(),
-                csi_name: csi_name.clone(),
-                state: VolumeState::Creating,
-                csi_volume_id: None,
-                volume_context: Default::default(),
-                capacity_bytes: 0,
-                updated_at: now_secs(),
-            };
-            self.store().put(&record).await?;
+            let record = self
+                .begin_create(&req.volume_id, &csi_name, &identity.name)
+                .await?;
 
-            let volume = match self.create_volume(&csi_name, &deadline).await {
+            let volume = match self.create_volume(&csi_name, &spec, &deadline).await {
                 Ok(v) => v,
                 Err(error) => {
-                    // A final error means nothing was created: forget the intent.
+                    // A final error means nothing was created: forget the intent (unless
+                    // the record is an earlier, finished create).
                     let uncertain = matches!(&error, BridgeError::Csi(e) if e.is_uncertain());
-                    if !uncertain {
-                        self.store().delete(&req.volume_id).await?;
+                    if !uncertain && record.state == VolumeState::Creating {
+                        match self.store().delete(&record).await {
+                            Ok(()) | Err(StoreError::Conflict { .. }) => {}
+                            Err(e) => return Err(e.into()),
+                        }
                     }
                     return Err(error);
                 }
@@ -182,12 +263,7 @@ impl Bridge {
                 }
             };
 
-            record.state = VolumeState::Created;
-            record.csi_volume_id = Some(volume.volume_id.clone());
-            record.volume_context = handle.volume_context.clone();
-            record.capacity_bytes = volume.capacity_bytes;
-            record.updated_at = now_secs();
-            self.store().put(&record).await?;
+            self.finish_create(record, &volume).await?;
             tracing::info!(csi_volume_id = %volume.volume_id, "CSI volume created");
             Ok(Created {
                 token: String::new(),
@@ -208,7 +284,9 @@ impl Bridge {
         let deadline = Deadline::after(self.config.timeouts.rollback());
         let undone = async {
             self.delete_volume(csi_volume_id, &deadline).await?;
-            self.store().delete(volume_id).await?;
+            if let Some(record) = self.store().get(volume_id).await? {
+                self.store().delete(&record).await?;
+            }
             Ok::<_, BridgeError>(())
         }
         .await;
@@ -234,20 +312,58 @@ impl Bridge {
                 tracing::info!("no record of this volume; nothing to delete");
                 return Ok(());
             };
+            let (identity, _) = self.controller_view(&deadline).await?;
+            check_same_driver(&record, &identity.name)?;
+            let spec = self.volume_spec(&identity.name).await?;
             let csi_volume_id = match (&record.state, &record.csi_volume_id) {
                 (VolumeState::Created, Some(id)) => id.clone(),
                 _ => {
                     // The answer to an earlier CreateVolume was lost. CreateVolume is
                     // idempotent by name: asking again returns the volume if it exists.
                     tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");
-                    self.create_volume(&record.csi_name, &deadline).await?.volume_id
+                    self.create_volume(&record.csi_name, &spec, &deadline)
+                        .await?
+                        .volume_id
                 }
             };
-            self.delete_volume(&csi_volume_id, &deadline).await?;
-            self.store().delete(&req.volume_id).await?;
+            if spec.retain {
+                tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
+            } else {
+                self.delete_volume(&csi_volume_id, &deadline).await?;
+            }
+            match self.store().delete(&record).await {
+                Ok(()) => {}
+                // Another replica changed or removed the record meanwhile; what matters
+                // is that it no longer names a live volume.
+                Err(StoreError::Conflict { .. }) => match self.store().get(&req.volume_id).await? {
+                    None => {}
+                    Some(current) if current.csi_volume_id.as_deref() == Some(&csi_volume_id) => {
+                        self.store().delete(&current).await?;
+                    }
+                    Some(_) => {
+                        return Err(StoreError::Conflict {
+                            volume_id: req.volume_id.clone(),
+                        }
+                        .into());
+                    }
+                },
+                Err(e) => return Err(e.into()),
+            }
             tracing::info!(%csi_volume_id, "CSI volume deleted");
             Ok(())
         })
         .await
+    }
+}
+
+/// Refuses to hand a volume's handle to a different CSI driver than created it.
+fn check_same_driver(record: &VolumeRecord, driver_name: &str) -> Result<(), BridgeError> {
+    match &record.csi_driver {
+        Some(created_by) if created_by != driver_name => Err(BridgeError::Driver(format!(
+            "this volume was created by CSI driver {created_by:?}, but the driver at the \
+             controller endpoint is now {driver_name:?}; refusing to pass its handle to \
+             another driver (point csi.controller_endpoint back at {created_by:?})"
+        ))),
+        _ => Ok(()),
     }
 }

@@ -62,6 +62,9 @@ pub enum BridgeError {
     Busy { waited: Duration },
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// Reading the StorageClass or its Secrets failed.
+    #[error(transparent)]
+    Kubernetes(#[from] crate::k8s::KubeError),
     #[error("{context}: {source}")]
     Io {
         context: String,

@@ -10,6 +10,7 @@ pub mod handoff;
 pub mod locks;
 pub mod naming;
 pub mod node;
+pub mod profile;
 pub mod reconcile;
 pub mod types;
 
@@ -22,11 +23,13 @@ use tracing::Instrument;
 pub use error::{BridgeError, HookError, HookKind};
 pub use types::*;
 
-use crate::config::Config;
+use crate::config::{Config, ControllerStoreKind};
 use crate::csi::{self, ControllerCaps, CsiClient, Deadline, DriverIdentity, NodeCaps};
+use crate::k8s::Kube;
 use crate::mount::MountView;
 use crate::store::{ControllerStore, NodeJournal};
 use locks::VolumeLocks;
+use profile::ProfileSource;
 
 /// Which Cube services this bridge instance answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +63,9 @@ pub struct Bridge {
     controller_endpoint_explicit: bool,
     store: Option<ControllerStore>,
     journal: Option<NodeJournal>,
+    /// Where volume parameters, capability and secrets come from.
+    profile: ProfileSource,
+    kube: Option<Arc<Kube>>,
     locks: VolumeLocks,
     mount_view: Arc<MountView>,
     discovered: tokio::sync::Mutex<Discovered>,
@@ -79,12 +85,22 @@ impl Bridge {
     /// Opens the state this instance's roles need. Does not contact the driver.
     pub fn new(config: Config, roles: Roles, mode: ProcessMode) -> Result<Self, BridgeError> {
         let (controller_endpoint, explicit) = config.controller_endpoint();
-        let store = if roles.controller {
-            let store = crate::store::EmbeddedStore::open(&config.store_path())?;
-            Some(ControllerStore::Embedded(Arc::new(store)))
-        } else {
-            None
+        let kube = config
+            .uses_kubernetes()
+            .then(|| Arc::new(Kube::new(&config.kubernetes)));
+        let store = match (roles.controller, config.state.controller_store, &kube) {
+            (false, _, _) => None,
+            (true, ControllerStoreKind::Kubernetes, Some(kube)) => {
+                Some(ControllerStore::Kubernetes(Arc::new(
+                    crate::k8s::CubeVolumeStore::new(kube.clone(), &config.driver),
+                )))
+            }
+            (true, _, _) => {
+                let store = crate::store::EmbeddedStore::open(&config.store_path())?;
+                Some(ControllerStore::Embedded(Arc::new(store)))
+            }
         };
+        let profile = profile::profile_source(&config, kube.as_ref());
         let journal = if roles.node {
             let dir = config.journal_dir();
             Some(
@@ -107,6 +123,8 @@ impl Bridge {
             controller_endpoint_explicit: explicit,
             store,
             journal,
+            profile,
+            kube,
             locks,
             mount_view,
             discovered: Default::default(),
@@ -116,6 +134,11 @@ impl Bridge {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The controller store, when this instance has the controller role.
+    pub fn controller_store(&self) -> Option<&ControllerStore> {
+        self.store.as_ref()
     }
 
     pub fn mount_view(&self) -> &MountView {
@@ -255,6 +278,7 @@ impl Bridge {
                 Err(e) => return Err(e),
             }
         }
+        self.check_kubernetes(roles).await?;
         if roles.node {
             match self.node_plan(false, deadline).await {
                 Ok(plan) => tracing::info!(
@@ -270,6 +294,45 @@ impl Bridge {
             }
         }
         Ok(())
+    }
+}
+
+impl Bridge {
+    /// Checks the Kubernetes side before serving: the StorageClass is readable and
+    /// belongs to this driver, and the CubeVolume objects can be listed. An unreachable
+    /// API server is only a warning, like an unreachable driver.
+    async fn check_kubernetes(&self, roles: Roles) -> Result<(), BridgeError> {
+        if self.kube.is_none() {
+            return Ok(());
+        }
+        let outcome = async {
+            if let ProfileSource::StorageClass(source) = &self.profile {
+                let class = source.class().await?;
+                let known = self.discovered.lock().await.controller.clone();
+                if let Some((identity, _)) = known {
+                    class.check_provisioner(&identity.name)?;
+                }
+                tracing::info!(storage_class = source.name(), provisioner = %class.provisioner, "StorageClass found");
+            }
+            if roles.controller
+                && let Some(store @ ControllerStore::Kubernetes(_)) = &self.store
+            {
+                let count = store.list().await?.len();
+                tracing::info!(volumes = count, store = %store.describe(), "controller store reachable");
+            }
+            Ok::<_, BridgeError>(())
+        }
+        .await;
+        match outcome {
+            Err(BridgeError::Kubernetes(e))
+            | Err(BridgeError::Store(crate::store::StoreError::Kubernetes(e)))
+                if e.is_transient() =>
+            {
+                tracing::warn!(error = %e, "Kubernetes API not reachable yet; will retry on first use");
+                Ok(())
+            }
+            other => other,
+        }
     }
 }
 

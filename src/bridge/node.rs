@@ -14,8 +14,8 @@ use super::naming::VolumePaths;
 use super::{
     AttachVolume, Attached, Bridge, BridgeError, DetachVolume, HookError, HookKind, blocking,
 };
-use crate::config::AccessMode;
 use crate::csi::{CsiError, Deadline};
+use crate::k8s::SecretUse;
 use crate::mount::ops;
 use crate::proto::csi::v1 as csi;
 use crate::store::{NodeJournal, NodeRecord, Step};
@@ -26,6 +26,8 @@ pub(crate) struct NodePlan {
     pub stage: bool,
     /// The node id to ControllerPublish to, when the driver needs ControllerPublish.
     pub controller_publish_node: Option<String>,
+    /// The driver's GetPluginInfo name.
+    pub driver_name: String,
 }
 
 impl Bridge {
@@ -62,6 +64,7 @@ impl Bridge {
         Ok(NodePlan {
             stage,
             controller_publish_node,
+            driver_name: identity.name,
         })
     }
 
@@ -99,10 +102,6 @@ impl Bridge {
             })
         })
         .await
-    }
-
-    fn capability(&self) -> csi::VolumeCapability {
-        volume_capability(&self.config.volume)
     }
 
     /// Cube Attach.
@@ -188,6 +187,17 @@ impl Bridge {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         let plan = self.node_plan(handle.controller_publish, deadline).await?;
+        // Everything that may fail to resolve is resolved before anything changes.
+        let spec = self.volume_spec(&plan.driver_name).await?;
+        let publish_secrets = match plan.controller_publish_node {
+            Some(_) => self.secrets(SecretUse::ControllerPublish).await?,
+            None => Default::default(),
+        };
+        let stage_secrets = match plan.stage {
+            true => self.secrets(SecretUse::NodeStage).await?,
+            false => Default::default(),
+        };
+        let node_publish_secrets = self.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();
         let base = paths
             .target
@@ -213,15 +223,9 @@ impl Bridge {
             let request = csi::ControllerPublishVolumeRequest {
                 volume_id: record.csi_volume_id.clone(),
                 node_id,
-                volume_capability: Some(self.capability()),
+                volume_capability: Some(spec.capability.clone()),
                 readonly: false,
-                secrets: self
-                    .config
-                    .secrets
-                    .controller_publish
-                    .clone()
-                    .into_iter()
-                    .collect(),
+                secrets: publish_secrets,
                 volume_context: record.volume_context.clone().into_iter().collect(),
             };
             let reply = self
@@ -242,8 +246,8 @@ impl Bridge {
                 volume_id: record.csi_volume_id.clone(),
                 publish_context: record.publish_context.clone().into_iter().collect(),
                 staging_target_path: path_string(&paths.staging),
-                volume_capability: Some(self.capability()),
-                secrets: self.config.secrets.node_stage.clone().into_iter().collect(),
+                volume_capability: Some(spec.capability.clone()),
+                secrets: stage_secrets,
                 volume_context: record.volume_context.clone().into_iter().collect(),
             };
             let reply = self.node_csi.node_stage_volume(request, deadline).await;
@@ -261,15 +265,9 @@ impl Bridge {
                 .map(path_string)
                 .unwrap_or_default(),
             target_path: path_string(&paths.target),
-            volume_capability: Some(self.capability()),
+            volume_capability: Some(spec.capability.clone()),
             readonly: false,
-            secrets: self
-                .config
-                .secrets
-                .node_publish
-                .clone()
-                .into_iter()
-                .collect(),
+            secrets: node_publish_secrets,
             volume_context: record.volume_context.clone().into_iter().collect(),
         };
         let reply = self.node_csi.node_publish_volume(request, deadline).await;
@@ -424,13 +422,7 @@ impl Bridge {
             let request = csi::ControllerUnpublishVolumeRequest {
                 volume_id: record.csi_volume_id.clone(),
                 node_id: record.node_id.clone(),
-                secrets: self
-                    .config
-                    .secrets
-                    .controller_publish
-                    .clone()
-                    .into_iter()
-                    .collect(),
+                secrets: self.secrets(SecretUse::ControllerPublish).await?,
             };
             match self
                 .controller_csi
@@ -500,30 +492,6 @@ fn attached(record: &NodeRecord, volume_id: &str) -> Attached {
     Attached {
         host_path: record.target_path.clone(),
         metadata: meta.to_map(volume_id),
-    }
-}
-
-/// The VolumeCapability every call of this bridge sends.
-pub(crate) fn volume_capability(volume: &crate::config::VolumeConfig) -> csi::VolumeCapability {
-    use csi::volume_capability::access_mode::Mode;
-    let mode = match volume.access_mode {
-        AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
-        AccessMode::SingleNodeReaderOnly => Mode::SingleNodeReaderOnly,
-        AccessMode::MultiNodeReaderOnly => Mode::MultiNodeReaderOnly,
-        AccessMode::MultiNodeSingleWriter => Mode::MultiNodeSingleWriter,
-        AccessMode::MultiNodeMultiWriter => Mode::MultiNodeMultiWriter,
-        AccessMode::SingleNodeSingleWriter => Mode::SingleNodeSingleWriter,
-        AccessMode::SingleNodeMultiWriter => Mode::SingleNodeMultiWriter,
-    };
-    csi::VolumeCapability {
-        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
-        access_type: Some(csi::volume_capability::AccessType::Mount(
-            csi::volume_capability::MountVolume {
-                fs_type: volume.fs_type.clone(),
-                mount_flags: volume.mount_flags.clone(),
-                volume_mount_group: String::new(),
-            },
-        )),
     }
 }
 

@@ -15,6 +15,8 @@ fn code(error: &BridgeError) -> Code {
             Code::Internal
         }
         BridgeError::Busy { .. } => Code::Aborted,
+        BridgeError::Kubernetes(e) if e.is_transient() => Code::Unavailable,
+        BridgeError::Kubernetes(_) => Code::FailedPrecondition,
         BridgeError::RollbackFailed { error, .. } => code(error),
         BridgeError::ShuttingDown => Code::Unavailable,
     }

@@ -4,6 +4,9 @@
 //! embedded store is one redb file. redb allows one open handle per file, and the binary
 //! hook forks a process per call, so every operation takes an exclusive flock on a side
 //! lock file, opens the database, does one transaction and closes it again.
+//!
+//! Both backends give records a revision: a write names the revision it read, and a
+//! write over a newer one fails with `StoreError::Conflict` (optimistic concurrency).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,6 +31,13 @@ pub enum StoreError {
     Backend { path: PathBuf, message: String },
     #[error("controller store {path} has format {found}; this build reads format {STORE_FORMAT}")]
     Format { path: PathBuf, found: u64 },
+    #[error("controller store: {0}")]
+    Kubernetes(#[from] crate::k8s::KubeError),
+    #[error("controller store: {what}: {message}")]
+    Corrupt { what: String, message: String },
+    /// Someone else changed the record since it was read.
+    #[error("controller store: the record of volume {volume_id:?} was changed concurrently")]
+    Conflict { volume_id: String },
 }
 
 /// Where a Cube volume's creation stands.
@@ -47,6 +57,10 @@ pub struct VolumeRecord {
     pub volume_id: String,
     /// The CreateVolume name (the idempotency key).
     pub csi_name: String,
+    /// The CSI driver (GetPluginInfo name) that created the volume; Destroy refuses to
+    /// send its handle to another driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_driver: Option<String>,
     pub state: VolumeState,
     #[serde(default)]
     pub csi_volume_id: Option<String>,
@@ -56,12 +70,17 @@ pub struct VolumeRecord {
     pub capacity_bytes: i64,
     /// Seconds since the Unix epoch.
     pub updated_at: u64,
+    /// The version of the stored record this copy was read at; None for a record not
+    /// yet stored. Set by the store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
 }
 
-/// The controller store behind the bridge (embedded today; Kubernetes mode joins here).
+/// The controller store behind the bridge.
 #[derive(Debug, Clone)]
 pub enum ControllerStore {
     Embedded(Arc<EmbeddedStore>),
+    Kubernetes(Arc<crate::k8s::CubeVolumeStore>),
 }
 
 impl ControllerStore {
@@ -71,24 +90,31 @@ impl ControllerStore {
                 let (s, id) = (s.clone(), volume_id.to_string());
                 blocking(move || s.get(&id)).await
             }
+            ControllerStore::Kubernetes(s) => s.get(volume_id).await,
         }
     }
 
-    pub async fn put(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+    /// Stores `record` if the stored copy is still at `record.revision` (None: there
+    /// must be none); then `record.revision` is the new revision.
+    pub async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
         match self {
             ControllerStore::Embedded(s) => {
-                let (s, record) = (s.clone(), record.clone());
-                blocking(move || s.put(&record)).await
+                let (s, copy) = (s.clone(), record.clone());
+                record.revision = Some(blocking(move || s.put(&copy)).await?);
+                Ok(())
             }
+            ControllerStore::Kubernetes(s) => s.put(record).await,
         }
     }
 
-    pub async fn delete(&self, volume_id: &str) -> Result<(), StoreError> {
+    /// Deletes the record if it is still at `record.revision`; already gone is success.
+    pub async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
         match self {
             ControllerStore::Embedded(s) => {
-                let (s, id) = (s.clone(), volume_id.to_string());
-                blocking(move || s.delete(&id)).await
+                let (s, copy) = (s.clone(), record.clone());
+                blocking(move || s.delete(&copy)).await
             }
+            ControllerStore::Kubernetes(s) => s.delete(record).await,
         }
     }
 
@@ -98,6 +124,20 @@ impl ControllerStore {
                 let s = s.clone();
                 blocking(move || s.list()).await
             }
+            ControllerStore::Kubernetes(s) => s.list().await,
+        }
+    }
+
+    /// Where the records live, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            ControllerStore::Embedded(s) => s.path().display().to_string(),
+            ControllerStore::Kubernetes(_) => format!(
+                "{} objects ({}/{})",
+                crate::k8s::CRD_KIND,
+                crate::k8s::CRD_GROUP,
+                crate::k8s::CRD_VERSION
+            ),
         }
     }
 }
@@ -194,26 +234,67 @@ impl EmbeddedStore {
         })
     }
 
-    pub fn put(&self, record: &VolumeRecord) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(record).map_err(|e| self.err(e))?;
+    /// The stored revision of `volume_id` inside a write transaction (records written
+    /// before revisions existed count as "0").
+    fn stored_revision(
+        &self,
+        table: &redb::Table<&str, &[u8]>,
+        volume_id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let stored = table.get(volume_id).map_err(|e| self.err(e))?;
+        stored
+            .map(|v| {
+                self.decode(v.value())
+                    .map(|r| r.revision.unwrap_or_else(|| "0".into()))
+            })
+            .transpose()
+    }
+
+    /// Writes `record` if the stored revision is `record.revision`; returns the new one.
+    pub fn put(&self, record: &VolumeRecord) -> Result<String, StoreError> {
         self.with_db(|db| {
             let txn = db.begin_write().map_err(|e| self.err(e))?;
-            {
+            let revision = {
                 let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+                let stored = self.stored_revision(&table, &record.volume_id)?;
+                if stored != record.revision {
+                    return Err(StoreError::Conflict {
+                        volume_id: record.volume_id.clone(),
+                    });
+                }
+                let next = stored.map_or(0, |r| r.parse::<u64>().unwrap_or(0)) + 1;
+                let mut copy = record.clone();
+                copy.revision = Some(next.to_string());
+                let bytes = serde_json::to_vec(&copy).map_err(|e| self.err(e))?;
                 table
                     .insert(record.volume_id.as_str(), bytes.as_slice())
                     .map_err(|e| self.err(e))?;
-            }
-            txn.commit().map_err(|e| self.err(e))
+                next.to_string()
+            };
+            txn.commit().map_err(|e| self.err(e))?;
+            Ok(revision)
         })
     }
 
-    pub fn delete(&self, volume_id: &str) -> Result<(), StoreError> {
+    /// Deletes the record if it is still at `record.revision` (any revision when None).
+    pub fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
         self.with_db(|db| {
             let txn = db.begin_write().map_err(|e| self.err(e))?;
             {
                 let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
-                table.remove(volume_id).map_err(|e| self.err(e))?;
+                let stored = self.stored_revision(&table, &record.volume_id)?;
+                match (&stored, &record.revision) {
+                    (None, _) => return Ok(()),
+                    (Some(s), Some(r)) if s != r => {
+                        return Err(StoreError::Conflict {
+                            volume_id: record.volume_id.clone(),
+                        });
+                    }
+                    _ => {}
+                }
+                table
+                    .remove(record.volume_id.as_str())
+                    .map_err(|e| self.err(e))?;
             }
             txn.commit().map_err(|e| self.err(e))
         })
@@ -254,6 +335,8 @@ mod tests {
             volume_context: BTreeMap::from([("k".into(), "v".into())]),
             capacity_bytes: 0,
             updated_at: now_secs(),
+            csi_driver: None,
+            revision: None,
         }
     }
 
@@ -263,16 +346,44 @@ mod tests {
         let path = tmp.path().join("s/controller.redb");
         let store = EmbeddedStore::open(&path).unwrap();
         assert_eq!(store.get("a").unwrap(), None);
-        store.put(&record("a")).unwrap();
+        assert_eq!(store.put(&record("a")).unwrap(), "1");
         store.put(&record("b")).unwrap();
         let got = store.get("a").unwrap().unwrap();
         assert_eq!(got.csi_volume_id.as_deref(), Some("h-a"));
         assert_eq!(got.state, VolumeState::Created);
+        assert_eq!(got.revision.as_deref(), Some("1"));
         drop(store);
         let store = EmbeddedStore::open(&path).unwrap();
         assert_eq!(store.list().unwrap().len(), 2);
-        store.delete("a").unwrap();
-        store.delete("a").unwrap();
+        store.delete(&got).unwrap();
+        store.delete(&got).unwrap();
+        assert_eq!(store.get("a").unwrap(), None);
+    }
+
+    #[test]
+    fn stale_writes_and_deletes_conflict() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        store.put(&record("a")).unwrap();
+        // A second creator that did not see the first record.
+        let conflict = store.put(&record("a")).unwrap_err();
+        assert!(
+            matches!(conflict, StoreError::Conflict { .. }),
+            "{conflict}"
+        );
+        let mut first = store.get("a").unwrap().unwrap();
+        let stale = first.clone();
+        first.revision = Some(store.put(&first).unwrap());
+        assert_eq!(first.revision.as_deref(), Some("2"));
+        assert!(matches!(
+            store.put(&stale),
+            Err(StoreError::Conflict { .. })
+        ));
+        assert!(matches!(
+            store.delete(&stale),
+            Err(StoreError::Conflict { .. })
+        ));
+        store.delete(&first).unwrap();
         assert_eq!(store.get("a").unwrap(), None);
     }
 

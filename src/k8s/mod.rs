@@ -1,0 +1,157 @@
+//! The Kubernetes API side: one lazily connected client, StorageClass and Secret reuse,
+//! and the CubeVolume objects of the Kubernetes controller store.
+//!
+//! Nothing here contacts the API server until a hook (or `check`) needs it, so a bridge
+//! whose config names no Kubernetes feature never loads a kubeconfig.
+
+pub mod storage_class;
+pub mod volumes;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+use crate::config::KubernetesConfig;
+
+pub use storage_class::{ResolvedClass, SecretUse, StorageClassSource};
+pub use volumes::{CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION, CubeVolumeStore};
+
+/// A Kubernetes API failure, naming what was being read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// No usable client configuration (kubeconfig, service account).
+    #[error("Kubernetes API: cannot configure a client from {source_desc}: {message}")]
+    Configure {
+        source_desc: String,
+        message: String,
+    },
+    /// The API server answered with an error status, or could not be reached.
+    #[error("Kubernetes API: {action}: {message}")]
+    Api {
+        action: String,
+        /// The HTTP status when the server answered.
+        code: Option<u16>,
+        message: String,
+    },
+    /// An object was read but cannot be used as it is (the message says how to fix it).
+    #[error("{0}")]
+    Unusable(String),
+}
+
+impl KubeError {
+    /// Wraps a client error with what was being done.
+    pub fn api(action: impl Into<String>, error: kube::Error) -> Self {
+        let action = action.into();
+        match error {
+            kube::Error::Api(status) => {
+                let hint = match status.code {
+                    401 => " (the credentials were refused)",
+                    403 => {
+                        " (the bridge's RBAC does not allow this; see the chart's Role and ClusterRole)"
+                    }
+                    _ => "",
+                };
+                KubeError::Api {
+                    action,
+                    code: Some(status.code),
+                    message: format!("{} {}{hint}", status.code, status.message),
+                }
+            }
+            other => KubeError::Api {
+                action,
+                code: None,
+                message: other.to_string(),
+            },
+        }
+    }
+
+    pub fn code(&self) -> Option<u16> {
+        match self {
+            KubeError::Api { code, .. } => *code,
+            _ => None,
+        }
+    }
+
+    /// Whether retrying later could help (the server was unreachable or overloaded).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            KubeError::Api { code: None, .. } => true,
+            KubeError::Api { code: Some(c), .. } => matches!(c, 429 | 500 | 502 | 503 | 504),
+            _ => false,
+        }
+    }
+}
+
+/// How long one API request may take before it counts as unreachable.
+const READ_TIMEOUT: Duration = Duration::from_secs(20);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The bridge's connection to the API server, made on first use and then shared.
+pub struct Kube {
+    settings: KubernetesConfig,
+    connected: tokio::sync::OnceCell<(kube::Client, String)>,
+}
+
+impl std::fmt::Debug for Kube {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kube")
+            .field("kubeconfig", &self.settings.kubeconfig)
+            .field("namespace", &self.settings.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Kube {
+    pub fn new(settings: &KubernetesConfig) -> Self {
+        Self {
+            settings: settings.clone(),
+            connected: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// The client and the namespace of the bridge's own objects.
+    pub async fn client(&self) -> Result<&(kube::Client, String), KubeError> {
+        self.connected.get_or_try_init(|| self.connect()).await
+    }
+
+    async fn connect(&self) -> Result<(kube::Client, String), KubeError> {
+        let (mut config, source_desc) = match &self.settings.kubeconfig {
+            Some(path) => (load_kubeconfig(path).await?, path.display().to_string()),
+            None => {
+                let config = kube::Config::infer()
+                    .await
+                    .map_err(|e| KubeError::Configure {
+                        source_desc: "the pod's service account or $KUBECONFIG".into(),
+                        message: e.to_string(),
+                    })?;
+                (config, "the inferred configuration".to_string())
+            }
+        };
+        config.connect_timeout = Some(CONNECT_TIMEOUT);
+        config.read_timeout = Some(READ_TIMEOUT);
+        config.write_timeout = Some(READ_TIMEOUT);
+        let namespace = self
+            .settings
+            .namespace
+            .clone()
+            .unwrap_or_else(|| config.default_namespace.clone());
+        let client = kube::Client::try_from(config).map_err(|e| KubeError::Configure {
+            source_desc,
+            message: e.to_string(),
+        })?;
+        tracing::debug!(%namespace, "Kubernetes API client configured");
+        Ok((client, namespace))
+    }
+}
+
+async fn load_kubeconfig(path: &PathBuf) -> Result<kube::Config, KubeError> {
+    let configure = |e: &dyn std::fmt::Display| KubeError::Configure {
+        source_desc: path.display().to_string(),
+        message: e.to_string(),
+    };
+    let kubeconfig = Kubeconfig::read_from(path).map_err(|e| configure(&e))?;
+    kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| configure(&e))
+}

@@ -1,0 +1,301 @@
+//! The Kubernetes controller store: one namespaced CubeVolume object per Cube volume.
+//!
+//! Any controller replica can Destroy what another created, because the CSI handle lives
+//! in the API server. Writes carry the resourceVersion they read (optimistic concurrency):
+//! a replica that lost a race gets `StoreError::Conflict` and re-reads. Object names are
+//! derived from the driver and volume_id, so two replicas creating the same Cube volume
+//! meet on one object.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::core::{ApiResource, GroupVersionKind, NotUsed, Object};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{Kube, KubeError};
+use crate::store::{StoreError, VolumeRecord, VolumeState};
+
+pub const CRD_GROUP: &str = "csibridge.cubesandbox.io";
+pub const CRD_VERSION: &str = "v1alpha1";
+pub const CRD_KIND: &str = "CubeVolume";
+pub const CRD_PLURAL: &str = "cubevolumes";
+/// Label holding the Cube driver name, for listing one bridge instance's volumes.
+pub const DRIVER_LABEL: &str = "csibridge.cubesandbox.io/driver";
+
+/// The `spec` of a CubeVolume (see the chart's crds/ for the schema).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CubeVolumeSpec {
+    pub driver: String,
+    pub volume_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_driver: Option<String>,
+    pub csi_name: String,
+    pub state: SpecState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_volume_id: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub volume_context: BTreeMap<String, String>,
+    #[serde(default)]
+    pub capacity_bytes: i64,
+    #[serde(default)]
+    pub updated_at: u64,
+}
+
+/// `spec.state`, spelled as Kubernetes enums are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SpecState {
+    Creating,
+    Created,
+}
+
+type CubeVolume = Object<CubeVolumeSpec, NotUsed>;
+
+/// CubeVolume objects of one Cube driver, in one namespace.
+#[derive(Debug)]
+pub struct CubeVolumeStore {
+    kube: Arc<Kube>,
+    driver: String,
+    resource: ApiResource,
+}
+
+impl CubeVolumeStore {
+    pub fn new(kube: Arc<Kube>, driver: &str) -> Self {
+        let gvk = GroupVersionKind::gvk(CRD_GROUP, CRD_VERSION, CRD_KIND);
+        Self {
+            kube,
+            driver: driver.to_string(),
+            resource: ApiResource::from_gvk_with_plural(&gvk, CRD_PLURAL),
+        }
+    }
+
+    async fn api(&self) -> Result<(Api<CubeVolume>, &str), StoreError> {
+        let (client, namespace) = self.kube.client().await.map_err(store_error)?;
+        Ok((
+            Api::namespaced_with(client.clone(), namespace, &self.resource),
+            namespace.as_str(),
+        ))
+    }
+
+    /// Maps an API error, explaining the usual cause of a 404 on the collection.
+    fn failed(&self, action: String, namespace: &str, error: kube::Error) -> StoreError {
+        let missing_crd = matches!(&error, kube::Error::Api(s) if s.code == 404);
+        let mut e = KubeError::api(format!("{action} in namespace {namespace}"), error);
+        if missing_crd && let KubeError::Api { message, .. } = &mut e {
+            message.push_str(
+                " (is the CubeVolume CustomResourceDefinition installed? It is in the Helm \
+                 chart's crds/ directory)",
+            );
+        }
+        store_error(e)
+    }
+
+    pub async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        let (api, namespace) = self.api().await?;
+        let name = object_name(&self.driver, volume_id);
+        match api.get(&name).await {
+            Ok(object) => self.to_record(object).map(Some),
+            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(None),
+            Err(e) => Err(self.failed(format!("reading CubeVolume {name}"), namespace, e)),
+        }
+    }
+
+    /// Creates (`record.revision` is None) or updates (it holds the version read) the
+    /// object; on success `record.revision` is the new version.
+    pub async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        let (api, namespace) = self.api().await?;
+        let name = object_name(&self.driver, &record.volume_id);
+        let mut object = CubeVolume::new(&name, &self.resource, self.to_spec(record));
+        object.metadata.labels = Some(BTreeMap::from([(
+            DRIVER_LABEL.to_string(),
+            self.driver.clone(),
+        )]));
+        let params = PostParams::default();
+        let written = match record.revision.clone() {
+            None => api.create(&params, &object).await,
+            Some(version) => {
+                object.metadata.resource_version = Some(version);
+                api.replace(&name, &params, &object).await
+            }
+        };
+        match written {
+            Ok(object) => {
+                record.revision = object.metadata.resource_version;
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.is_conflict() || s.is_already_exists() => {
+                Err(StoreError::Conflict {
+                    volume_id: record.volume_id.clone(),
+                })
+            }
+            // Replacing an object deleted meanwhile: also a lost race.
+            Err(kube::Error::Api(s)) if s.is_not_found() && record.revision.is_some() => {
+                Err(StoreError::Conflict {
+                    volume_id: record.volume_id.clone(),
+                })
+            }
+            Err(e) => Err(self.failed(format!("writing CubeVolume {name}"), namespace, e)),
+        }
+    }
+
+    /// Deletes the object if it is still at `record.revision` (or unconditionally when
+    /// that is None). Already gone is success.
+    pub async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        let (api, namespace) = self.api().await?;
+        let name = object_name(&self.driver, &record.volume_id);
+        let params = DeleteParams {
+            preconditions: record.revision.clone().map(|version| Preconditions {
+                resource_version: Some(version),
+                uid: None,
+            }),
+            ..Default::default()
+        };
+        match api.delete(&name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(()),
+            Err(kube::Error::Api(s)) if s.is_conflict() => Err(StoreError::Conflict {
+                volume_id: record.volume_id.clone(),
+            }),
+            Err(e) => Err(self.failed(format!("deleting CubeVolume {name}"), namespace, e)),
+        }
+    }
+
+    pub async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        let (api, namespace) = self.api().await?;
+        let params = ListParams::default().labels(&format!("{DRIVER_LABEL}={}", self.driver));
+        let objects = api
+            .list(&params)
+            .await
+            .map_err(|e| self.failed("listing CubeVolumes".into(), namespace, e))?;
+        objects
+            .items
+            .into_iter()
+            .map(|o| self.to_record(o))
+            .collect()
+    }
+
+    fn to_spec(&self, record: &VolumeRecord) -> CubeVolumeSpec {
+        CubeVolumeSpec {
+            driver: self.driver.clone(),
+            volume_id: record.volume_id.clone(),
+            csi_driver: record.csi_driver.clone(),
+            csi_name: record.csi_name.clone(),
+            state: match record.state {
+                VolumeState::Creating => SpecState::Creating,
+                VolumeState::Created => SpecState::Created,
+            },
+            csi_volume_id: record.csi_volume_id.clone(),
+            volume_context: record.volume_context.clone(),
+            capacity_bytes: record.capacity_bytes,
+            updated_at: record.updated_at,
+        }
+    }
+
+    fn to_record(&self, object: CubeVolume) -> Result<VolumeRecord, StoreError> {
+        let name = object.metadata.name.clone().unwrap_or_default();
+        let spec = object.spec;
+        if spec.driver != self.driver || object_name(&spec.driver, &spec.volume_id) != name {
+            return Err(StoreError::Corrupt {
+                what: format!("CubeVolume {name}"),
+                message: format!(
+                    "its spec (driver {:?}, volumeId {:?}) does not match its name; it was \
+                     not written by this bridge",
+                    spec.driver, spec.volume_id
+                ),
+            });
+        }
+        Ok(VolumeRecord {
+            volume_id: spec.volume_id,
+            csi_name: spec.csi_name,
+            csi_driver: spec.csi_driver,
+            state: match spec.state {
+                SpecState::Creating => VolumeState::Creating,
+                SpecState::Created => VolumeState::Created,
+            },
+            csi_volume_id: spec.csi_volume_id,
+            volume_context: spec.volume_context,
+            capacity_bytes: spec.capacity_bytes,
+            updated_at: spec.updated_at,
+            revision: object.metadata.resource_version,
+        })
+    }
+}
+
+fn store_error(e: KubeError) -> StoreError {
+    StoreError::Kubernetes(e)
+}
+
+/// The object name of a Cube volume: a readable DNS-1123 form of driver and volume_id,
+/// then a hash of the exact pair, so volume ids differing only in case or in `_` versus
+/// `-` never share an object.
+pub fn object_name(driver: &str, volume_id: &str) -> String {
+    let readable: String = format!("{driver}-{volume_id}")
+        .chars()
+        .map(|c| match c {
+            'A'..='Z' => c.to_ascii_lowercase(),
+            'a'..='z' | '0'..='9' | '-' => c,
+            _ => '-',
+        })
+        .collect();
+    let readable = readable.trim_matches('-');
+    let digest = Sha256::digest(format!("{driver}\0{volume_id}").as_bytes());
+    let hash: String = digest.iter().take(5).map(|b| format!("{b:02x}")).collect();
+    // 253 is the limit; stay well under it so names remain readable in kubectl.
+    let keep: String = readable.chars().take(200).collect();
+    let keep = keep.trim_end_matches('-');
+    if keep.is_empty() {
+        format!("v-{hash}")
+    } else {
+        format!("{keep}-{hash}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::is_dns_subdomain;
+
+    #[test]
+    fn object_names_are_valid_stable_and_distinct() {
+        let a = object_name("nfs", "Vol_1");
+        assert_eq!(a, object_name("nfs", "Vol_1"));
+        assert!(a.starts_with("nfs-vol-1-"), "{a}");
+        for name in [
+            a.clone(),
+            object_name("nfs", "vol-1"),
+            object_name("x.y_z", "-leading"),
+            object_name("-", "_"),
+            object_name("nfs", &"A".repeat(128)),
+        ] {
+            assert!(is_dns_subdomain(&name) && name.len() <= 253, "{name}");
+        }
+        assert_ne!(a, object_name("nfs", "vol-1"));
+        assert_ne!(a, object_name("nfs", "vol_1"));
+    }
+
+    #[test]
+    fn spec_serializes_with_the_crd_field_names() {
+        let spec = CubeVolumeSpec {
+            driver: "nfs".into(),
+            volume_id: "v1".into(),
+            csi_driver: Some("nfs.csi.k8s.io".into()),
+            csi_name: "cube-v1".into(),
+            state: SpecState::Created,
+            csi_volume_id: Some("h".into()),
+            volume_context: BTreeMap::from([("k".into(), "v".into())]),
+            capacity_bytes: 5,
+            updated_at: 7,
+        };
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "driver": "nfs", "volumeId": "v1", "csiDriver": "nfs.csi.k8s.io",
+                "csiName": "cube-v1", "state": "Created", "csiVolumeId": "h",
+                "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7
+            })
+        );
+    }
+}
