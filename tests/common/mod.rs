@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod fake_driver;
+pub mod k8s;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -429,6 +430,24 @@ impl Drop for World {
 }
 
 impl World {
+    /// Like [`World::start`], but `edit` rewrites the config text before the daemon
+    /// (if any) starts.
+    pub async fn start_with_config(
+        mode: Mode,
+        caps: Caps,
+        extra: &str,
+        edit: impl FnOnce(String) -> String,
+    ) -> World {
+        let mut world = World::start(Mode::Binary, caps, extra).await;
+        let text = std::fs::read_to_string(&world.config_path).unwrap();
+        std::fs::write(&world.config_path, edit(text)).unwrap();
+        world.mode = mode;
+        if mode == Mode::Rpc {
+            world.start_daemon().await.expect("daemon starts");
+        }
+        world
+    }
+
     /// Like [`World::start`], but the bridge's `[node] mount_view` is `mount_view` (a
     /// namespace file path, `auto`, `none`) instead of `self`.
     pub async fn start_with_mount_view(
@@ -437,23 +456,18 @@ impl World {
         extra: &str,
         mount_view: &str,
     ) -> World {
-        // Start without a daemon, rewrite the one setting, then start the daemon on it.
-        let mut world = World::start(Mode::Binary, caps, extra).await;
-        let text = std::fs::read_to_string(&world.config_path).unwrap();
-        let default = "\nmount_view = \"self\"\n";
-        assert!(
-            text.contains(default),
-            "config_text sets mount_view: {text}"
-        );
-        let setting = format!(
-            "\nmount_view = {}\n",
-            toml::Value::String(mount_view.to_string())
-        );
-        std::fs::write(&world.config_path, text.replacen(default, &setting, 1)).unwrap();
-        world.mode = mode;
-        if mode == Mode::Rpc {
-            world.start_daemon().await.expect("daemon starts");
-        }
-        world
+        World::start_with_config(mode, caps, extra, |text| {
+            let default = "\nmount_view = \"self\"\n";
+            assert!(
+                text.contains(default),
+                "config_text sets mount_view: {text}"
+            );
+            let setting = format!(
+                "\nmount_view = {}\n",
+                toml::Value::String(mount_view.to_string())
+            );
+            text.replacen(default, &setting, 1)
+        })
+        .await
     }
 }

@@ -1,0 +1,219 @@
+{{/*
+Names, labels and the values every template derives from.
+*/}}
+
+{{- define "cube-csi-bridge.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name, at most 52 characters so that suffixes such as "-controller"
+still fit the 63-character limit of names and label values.
+*/}}
+{{- define "cube-csi-bridge.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "cube-csi-bridge.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "cube-csi-bridge.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cube-csi-bridge.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "cube-csi-bridge.labels" -}}
+helm.sh/chart: {{ include "cube-csi-bridge.chart" . }}
+{{ include "cube-csi-bridge.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: cube-csi-bridge
+{{- /* A label value must end with a letter or digit; the driver name may not. */}}
+csibridge.cubesandbox.io/driver: {{ regexReplaceAll "[-._]+$" .Values.driver "" | quote }}
+{{- end }}
+
+{{/* The bridge image reference. */}}
+{{- define "cube-csi-bridge.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* ServiceAccount names of the two sides. */}}
+{{- define "cube-csi-bridge.nodeServiceAccount" -}}
+{{- printf "%s-node" (include "cube-csi-bridge.fullname" .) }}
+{{- end }}
+{{- define "cube-csi-bridge.controllerServiceAccount" -}}
+{{- printf "%s-controller" (include "cube-csi-bridge.fullname" .) }}
+{{- end }}
+
+{{/* Cube sockets: the node side's (Cubelet) and the controller side's (CubeMaster). */}}
+{{- define "cube-csi-bridge.nodeSocket" -}}
+{{- printf "%s/%s.sock" (trimSuffix "/" .Values.socketDir) .Values.driver }}
+{{- end }}
+{{- define "cube-csi-bridge.controllerSocket" -}}
+{{- printf "%s/%s-controller.sock" (trimSuffix "/" .Values.socketDir) .Values.driver }}
+{{- end }}
+
+{{/* "true" when the node side also serves Create/Destroy (node.services = both). */}}
+{{- define "cube-csi-bridge.nodeServesController" -}}
+{{- if and .Values.node.enabled (eq .Values.node.services "both") }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the node side talks to the Kubernetes API. */}}
+{{- define "cube-csi-bridge.nodeUsesApi" -}}
+{{- if and .Values.node.enabled (or .Values.kubernetes.storageClass (include "cube-csi-bridge.nodeServesController" .)) }}true{{ end }}
+{{- end }}
+
+{{/* The socket CubeMaster registers, or nothing when no side serves Create/Destroy. */}}
+{{- define "cube-csi-bridge.cubeMasterSocket" -}}
+{{- if .Values.controller.enabled }}
+{{- include "cube-csi-bridge.controllerSocket" . }}
+{{- else if include "cube-csi-bridge.nodeServesController" . }}
+{{- include "cube-csi-bridge.nodeSocket" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks across values that the schema cannot express; included by every workload template.
+*/}}
+{{- define "cube-csi-bridge.validate" -}}
+{{- if and (not .Values.node.enabled) (not .Values.controller.enabled) }}
+{{- fail "node.enabled and controller.enabled are both false: nothing to deploy" }}
+{{- end }}
+{{- if and (include "cube-csi-bridge.nodeServesController" .) .Values.controller.enabled }}
+{{- fail "node.services is \"both\": set controller.enabled=false (CubeMaster registers the node socket)" }}
+{{- end }}
+{{- if and (or .Values.controller.enabled (include "cube-csi-bridge.nodeServesController" .)) (not (regexMatch "[A-Za-z0-9]$" .Values.driver)) }}
+{{- fail (printf "driver %q must end with a letter or digit: it labels the CubeVolume objects of the controller side" .Values.driver) }}
+{{- end }}
+{{- if .Values.kubernetes.storageClass }}
+{{- with .Values.volume }}
+{{- if or .parameters .mountFlags .fsType }}
+{{- fail (printf "volume.parameters, volume.mountFlags and volume.fsType must be empty: they come from StorageClass %q (kubernetes.storageClass)" $.Values.kubernetes.storageClass) }}
+{{- end }}
+{{- end }}
+{{- else if .Values.kubernetes.secrets }}
+{{- fail "kubernetes.secrets is set but kubernetes.storageClass is empty: secrets are only read through a StorageClass's references" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The shared part of a bridge config (TOML). Strings go through toJson: a JSON string is a
+valid TOML basic string. Call with (dict "root" $ "side" "node"|"controller").
+*/}}
+{{- define "cube-csi-bridge.configCommon" -}}
+{{- $v := .root.Values }}
+{{- $side := .side }}
+{{- $serveController := or (eq $side "controller") (include "cube-csi-bridge.nodeServesController" .root) }}
+{{- $usesApi := or (eq $side "controller") (include "cube-csi-bridge.nodeUsesApi" .root) }}
+{{- $instance := ternary (printf "%s-controller" $v.driver) $v.driver (eq $side "controller") -}}
+# Rendered by Helm for release {{ .root.Release.Name }} ({{ $side }} side). Change the chart
+# values, not this file.
+driver = {{ $v.driver | toJson }}
+
+[csi]
+endpoint = "unix:///csi/csi.sock"
+{{- if and (eq $side "node") $v.node.controllerEndpoint }}
+controller_endpoint = {{ $v.node.controllerEndpoint | toJson }}
+{{- end }}
+
+[serve]
+socket = {{ ternary (include "cube-csi-bridge.controllerSocket" .root) (include "cube-csi-bridge.nodeSocket" .root) (eq $side "controller") | toJson }}
+services = {{ ternary "controller" $v.node.services (eq $side "controller") | toJson }}
+shutdown_grace_secs = {{ int64 $v.shutdownGraceSecs }}
+
+[state]
+dir = {{ printf "%s/%s" (trimSuffix "/" $v.stateDir) $instance | toJson }}
+lock_dir = {{ printf "%s/%s/locks" (trimSuffix "/" $v.socketDir) $instance | toJson }}
+{{- if $serveController }}
+controller_store = "kubernetes"
+{{- end }}
+
+{{- if eq $side "node" }}
+
+[node]
+default_volume_base_dir = {{ $v.volumeBaseDir | toJson }}
+mount_view = {{ $v.node.mountView | toJson }}
+{{- end }}
+{{- if $usesApi }}
+
+[kubernetes]
+namespace = {{ .root.Release.Namespace | toJson }}
+{{- with $v.kubernetes.storageClass }}
+storage_class = {{ . | toJson }}
+{{- end }}
+cache_secs = {{ int64 $v.kubernetes.cacheSecs }}
+{{- end }}
+
+[volume]
+name_prefix = {{ $v.volume.namePrefix | toJson }}
+access_mode = {{ $v.volume.accessMode | toJson }}
+capacity_bytes = {{ int64 $v.volume.capacityBytes }}
+{{- if not $v.kubernetes.storageClass }}
+fs_type = {{ $v.volume.fsType | toJson }}
+mount_flags = [{{ range $i, $f := $v.volume.mountFlags }}{{ if $i }}, {{ end }}{{ $f | toJson }}{{ end }}]
+{{- if $v.volume.parameters }}
+
+[volume.parameters]
+{{- range $k, $p := $v.volume.parameters }}
+{{ $k | toJson }} = {{ $p | toString | toJson }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with $v.timeouts }}
+
+[timeouts]
+{{- with .createSecs }}
+create_secs = {{ int64 . }}
+{{- end }}
+{{- with .destroySecs }}
+destroy_secs = {{ int64 . }}
+{{- end }}
+{{- with .attachSecs }}
+attach_secs = {{ int64 . }}
+{{- end }}
+{{- with .detachSecs }}
+detach_secs = {{ int64 . }}
+{{- end }}
+{{- with .rollbackSecs }}
+rollback_secs = {{ int64 . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment every CSI driver container gets. Call with the driver values.
+*/}}
+{{- define "cube-csi-bridge.driverEnv" -}}
+- name: CSI_ENDPOINT
+  value: unix:///csi/csi.sock
+- name: NODE_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- with .env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Environment of the bridge containers. */}}
+{{- define "cube-csi-bridge.bridgeEnv" -}}
+- name: RUST_LOG
+  value: {{ .Values.logLevel | quote }}
+- name: CUBE_CSI_BRIDGE_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+{{- end }}
+
+{{/* The driver container's image reference. Call with the driver values. */}}
+{{- define "cube-csi-bridge.driverImage" -}}
+{{- printf "%s:%s" .image.repository .image.tag }}
+{{- end }}

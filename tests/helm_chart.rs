@@ -1,0 +1,439 @@
+//! The Helm chart in charts/cube-csi-bridge, through a real helm: `helm lint --strict` with the
+//! default values and with each example values file; the rendered manifests of each example
+//! pinned byte for byte in tests/golden/helm/; values.schema.json refusing wrong types, unknown
+//! keys and bad names with a message that names the field; and the bridge configs the chart
+//! renders (node.toml, controller.toml) accepted by the bridge's own config parser.
+//!
+//! Needs `CUBE_CSI_BRIDGE_K8S_BIN`, the directory holding `helm` (scripts/install-k8s-peers.sh
+//! prints it). Without it the tests skip loudly, or fail when `CI` is set.
+//!
+//! After an intended change to the chart, accept the new renders with
+//! `UPDATE_GOLDEN=1 cargo test --test helm_chart`, and review the diff of tests/golden/helm/.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use cube_csi_bridge::config::{Config, Services};
+
+const K8S_BIN_ENV: &str = "CUBE_CSI_BRIDGE_K8S_BIN";
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cube-csi-bridge");
+const GOLDEN_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/helm");
+const RELEASE: &str = "cube-csi-bridge";
+const NAMESPACE: &str = "cube-system";
+/// The oldest Kubernetes the chart supports (Chart.yaml `kubeVersion`). Passed explicitly so a
+/// render does not depend on the Kubernetes version a helm binary was built to assume.
+const KUBE_VERSION: &str = "1.27.0";
+
+/// Example values files: (golden name, file under the chart's examples/).
+const EXAMPLES: [(&str, &str); 2] = [
+    ("nfs", "values-nfs.yaml"),
+    ("hostpath", "values-hostpath.yaml"),
+];
+
+/// Lines of a golden mismatch shown on each side.
+const DIFF_LINES: usize = 12;
+
+/// The helm binary, or `None` (test skipped) when `CUBE_CSI_BRIDGE_K8S_BIN` is unset outside CI.
+fn helm_binary() -> Option<PathBuf> {
+    let Some(dir) = std::env::var_os(K8S_BIN_ENV).filter(|v| !v.is_empty()) else {
+        if std::env::var_os("CI").is_some() {
+            panic!(
+                "{K8S_BIN_ENV} is not set, and CI is: the Helm chart tests must run in CI \
+                 (set it to the directory holding helm, printed by scripts/install-k8s-peers.sh)"
+            );
+        }
+        eprintln!(
+            "\n*** SKIPPED: {K8S_BIN_ENV} is not set, so the Helm chart was NOT tested. Set it to \
+             the directory holding helm (scripts/install-k8s-peers.sh prints it). ***\n"
+        );
+        return None;
+    };
+    let helm = PathBuf::from(dir).join("helm");
+    assert!(
+        helm.is_file(),
+        "{K8S_BIN_ENV}={} has no helm: run scripts/install-k8s-peers.sh",
+        helm.parent().unwrap().display()
+    );
+    Some(helm)
+}
+
+/// Skips the test unless helm is available; yields a runner for it.
+macro_rules! require_helm {
+    () => {
+        match helm_binary() {
+            Some(bin) => Helm::new(bin),
+            None => return,
+        }
+    };
+}
+
+/// One helm command's outcome.
+struct Run {
+    success: bool,
+    stdout: String,
+    stderr: String,
+    /// The command line, for messages.
+    line: String,
+}
+
+/// helm, isolated from the user's helm config, cache and data, and from any cluster.
+struct Helm {
+    bin: PathBuf,
+    home: tempfile::TempDir,
+}
+
+impl Helm {
+    fn new(bin: PathBuf) -> Helm {
+        Helm {
+            bin,
+            home: tempfile::tempdir().expect("temp dir for helm's home"),
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> Run {
+        let home = self.home.path();
+        let out = Command::new(&self.bin)
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_DATA_HOME", home.join("data"))
+            .env("KUBECONFIG", home.join("no-kubeconfig"))
+            .env_remove("HELM_NAMESPACE")
+            .env_remove("HELM_KUBECONTEXT")
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", self.bin.display()));
+        Run {
+            success: out.status.success(),
+            stdout: String::from_utf8(out.stdout).expect("helm's stdout is UTF-8"),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            line: format!("helm {}", args.join(" ")),
+        }
+    }
+
+    /// `helm template` of the chart as release cube-csi-bridge in cube-system, plus `extra`.
+    fn template(&self, extra: &[&str]) -> Run {
+        let mut args = vec![
+            "template",
+            RELEASE,
+            CHART,
+            "--namespace",
+            NAMESPACE,
+            "--kube-version",
+            KUBE_VERSION,
+        ];
+        args.extend_from_slice(extra);
+        self.run(&args)
+    }
+
+    /// `helm template` that must succeed; its manifests.
+    fn render(&self, extra: &[&str]) -> String {
+        let run = self.template(extra);
+        assert!(
+            run.success,
+            "{} failed:\n{}{}",
+            run.line, run.stderr, run.stdout
+        );
+        run.stdout
+    }
+}
+
+fn example(file: &str) -> String {
+    format!("{CHART}/examples/{file}")
+}
+
+/// Every values setup the chart ships: the defaults and each example.
+fn value_sets() -> Vec<(&'static str, Vec<String>)> {
+    let mut sets = vec![("default", Vec::new())];
+    for (name, file) in EXAMPLES {
+        sets.push((name, vec!["-f".to_string(), example(file)]));
+    }
+    sets
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn chart_lints_strictly_with_defaults_and_each_example() {
+    let helm = require_helm!();
+    for (name, values) in value_sets() {
+        let mut args = vec!["lint", "--strict", CHART];
+        args.extend(strs(&values));
+        let run = helm.run(&args);
+        assert!(
+            run.success && run.stdout.contains("0 chart(s) failed"),
+            "{} ({name} values) failed:\n{}{}",
+            run.line,
+            run.stdout,
+            run.stderr
+        );
+        for level in ["[WARNING]", "[ERROR]"] {
+            assert!(
+                !run.stdout.contains(level),
+                "{} ({name} values) reported {level}:\n{}",
+                run.line,
+                run.stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn examples_render_exactly_as_the_golden_files() {
+    let helm = require_helm!();
+    let update = std::env::var_os("UPDATE_GOLDEN").is_some_and(|v| v == "1");
+    let mut mismatches = Vec::new();
+    for (name, file) in EXAMPLES {
+        let rendered = helm.render(&["-f", &example(file)]);
+        let golden_path = Path::new(GOLDEN_DIR).join(format!("{name}.yaml"));
+        if update {
+            std::fs::create_dir_all(GOLDEN_DIR).expect("create tests/golden/helm");
+            std::fs::write(&golden_path, &rendered)
+                .unwrap_or_else(|e| panic!("cannot write {}: {e}", golden_path.display()));
+            eprintln!("UPDATE_GOLDEN=1: wrote {}", golden_path.display());
+            continue;
+        }
+        let golden = std::fs::read_to_string(&golden_path).unwrap_or_else(|e| {
+            panic!(
+                "cannot read {}: {e}; create it with UPDATE_GOLDEN=1 cargo test --test helm_chart",
+                golden_path.display()
+            )
+        });
+        if golden != rendered {
+            mismatches.push(format!(
+                "examples/{file} renders differently from {}:\n{}",
+                golden_path.display(),
+                first_difference(&golden, &rendered)
+            ));
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{}\nIf the change is intended, accept it with \
+         UPDATE_GOLDEN=1 cargo test --test helm_chart and review the diff of tests/golden/helm/.",
+        mismatches.join("\n")
+    );
+}
+
+/// A short unified-style diff from the first line that differs: a little context, then the
+/// differing lines of each side, up to where the two line up again at the same line number
+/// (at most `DIFF_LINES`). Not a minimal diff; enough to see what changed.
+fn first_difference(golden: &str, rendered: &str) -> String {
+    let old: Vec<&str> = golden.split('\n').collect();
+    let new: Vec<&str> = rendered.split('\n').collect();
+    let same = |i: usize| i < old.len() && i < new.len() && old[i] == new[i];
+    let first = (0..).find(|&i| !same(i)).expect("the texts differ");
+    let start = first.saturating_sub(3);
+    let limit = first + DIFF_LINES;
+    let resync = (first..limit).find(|&i| same(i)).unwrap_or(limit);
+    let old_end = resync.min(old.len());
+    let new_end = resync.min(new.len());
+    let after = (resync..resync + 3).take_while(|&i| same(i)).count();
+    let mut out = format!(
+        "--- golden\n+++ rendered\n@@ -{},{} +{},{} @@\n",
+        start + 1,
+        old_end - start + after,
+        start + 1,
+        new_end - start + after
+    );
+    for line in &old[start..first] {
+        out.push_str(&format!(" {line}\n"));
+    }
+    for line in &old[first.min(old_end)..old_end] {
+        out.push_str(&format!("-{line}\n"));
+    }
+    for line in &new[first.min(new_end)..new_end] {
+        out.push_str(&format!("+{line}\n"));
+    }
+    for line in old.iter().skip(resync).take(after) {
+        out.push_str(&format!(" {line}\n"));
+    }
+    out
+}
+
+#[test]
+fn schema_refuses_bad_values_naming_the_field() {
+    let helm = require_helm!();
+    // (what is wrong, --set argument, text the error must contain)
+    let cases = [
+        ("a wrong type", "node.enabled=yes", "/node/enabled"),
+        (
+            "a wrong type",
+            "volume.capacityBytes=lots",
+            "/volume/capacityBytes",
+        ),
+        (
+            "an unknown key",
+            "node.nodeSelctor.role=cubelet",
+            "nodeSelctor",
+        ),
+        ("an unknown top-level key", "drivr=nfs", "drivr"),
+        ("a bad driver name", "driver=-nfs", "/driver"),
+        ("a bad driver name", "driver=nfs/1", "/driver"),
+        (
+            "a relative path",
+            "socketDir=run/cube-csi-bridge",
+            "/socketDir",
+        ),
+        (
+            "a value outside an enum",
+            "node.services=all",
+            "/node/services",
+        ),
+        ("a bad mount view", "node.mountView=host", "/node/mountView"),
+        (
+            "an unprivileged node container",
+            "node.bridge.securityContext.privileged=false",
+            "/node/bridge/securityContext/privileged",
+        ),
+        // Checks across values, made by the templates.
+        (
+            "a single-node setup beside a controller side",
+            "node.services=both",
+            "controller.enabled",
+        ),
+        (
+            "a driver name unfit to label CubeVolume objects",
+            "driver=nfs-",
+            "driver",
+        ),
+        (
+            "volume parameters beside a StorageClass",
+            "volume.parameters.server=10.0.0.5",
+            "volume.parameters",
+        ),
+    ];
+    for (what, set, field) in cases {
+        let run = helm.template(&["--set", set]);
+        assert!(
+            !run.success,
+            "{} ({what}) rendered instead of failing:\n{}",
+            run.line, run.stdout
+        );
+        assert!(
+            run.stderr.contains(field),
+            "{} ({what}) failed without naming {field}:\n{}",
+            run.line,
+            run.stderr
+        );
+    }
+}
+
+/// The text of the block scalar `key: |` in a rendered ConfigMap.
+///
+/// Assumes the layout of templates/configmap.yaml as helm renders it: each key of `data` on a
+/// line of its own, indented by two spaces, as a literal block scalar (`|`, clip chomping)
+/// whose lines are indented by four spaces; blank lines inside it are empty.
+fn block_scalar(manifest: &str, key: &str) -> Option<String> {
+    let header = format!("  {key}: |");
+    let mut lines = manifest.lines().skip_while(|l| *l != header);
+    lines.next()?;
+    let mut body: Vec<&str> = lines
+        .take_while(|l| l.is_empty() || l.starts_with("    "))
+        .map(|l| l.strip_prefix("    ").unwrap_or(l))
+        .collect();
+    while body.last().is_some_and(|l| l.is_empty()) {
+        body.pop();
+    }
+    Some(body.join("\n") + "\n")
+}
+
+#[test]
+fn rendered_configs_are_valid_bridge_configs() {
+    let helm = require_helm!();
+    // Beyond the shipped setups: values whose TOML needs escaping, and every optional table.
+    let dir = tempfile::tempdir().unwrap();
+    let rich = dir.path().join("values-rich.yaml");
+    std::fs::write(
+        &rich,
+        r#"driver: my.driver_1
+kubernetes:
+  storageClass: ""
+volume:
+  accessMode: single_node_writer
+  capacityBytes: 107374182400
+  fsType: ext4
+  mountFlags: ["nfsvers=4.1", "hard"]
+  parameters:
+    server: "10.0.0.5"
+    share: "/exports/\"quoted\"\\back"
+    "key with spaces": "a&b<c>"
+timeouts: {attachSecs: 60, detachSecs: 20}
+node:
+  controllerEndpoint: "http://10.0.0.8:10000"
+controller:
+  kind: Deployment
+  replicas: 2
+"#,
+    )
+    .unwrap();
+    let mut sets = value_sets();
+    sets.push(("rich", vec!["-f".into(), rich.display().to_string()]));
+
+    for (name, values) in sets {
+        let mut args = vec!["--show-only", "templates/configmap.yaml"];
+        args.extend(strs(&values));
+        let manifest = helm.render(&args);
+        let mut found = 0;
+        for (key, services) in [
+            ("node.toml", [Services::Node, Services::Both].as_slice()),
+            ("controller.toml", [Services::Controller].as_slice()),
+        ] {
+            let Some(text) = block_scalar(&manifest, key) else {
+                continue;
+            };
+            found += 1;
+            let path = PathBuf::from(format!("{name}/{key}"));
+            let config = Config::parse(&text, &path)
+                .unwrap_or_else(|e| panic!("{name} values: {key} is refused: {e}\n{text}"));
+            assert!(
+                services.contains(&config.serve.services),
+                "{name} values: {key} serves {:?}",
+                config.serve.services
+            );
+            assert_eq!(config.csi.endpoint, "unix:///csi/csi.sock", "{name}/{key}");
+            let socket = config.serve.socket.clone().unwrap_or_default();
+            let expected = match key {
+                "node.toml" => format!("/run/cube-csi-bridge/{}.sock", config.driver),
+                _ => format!("/run/cube-csi-bridge/{}-controller.sock", config.driver),
+            };
+            assert_eq!(socket, expected, "{name}/{key}");
+            assert_eq!(
+                config.node.default_volume_base_dir,
+                Path::new("/data/cube-shared/volume"),
+                "{name}/{key}"
+            );
+            if name == "rich" {
+                assert_eq!(config.driver, "my.driver_1");
+                assert_eq!(
+                    config.volume.parameters.get("share").map(String::as_str),
+                    Some(r#"/exports/"quoted"\back"#)
+                );
+                assert_eq!(
+                    config
+                        .volume
+                        .parameters
+                        .get("key with spaces")
+                        .map(String::as_str),
+                    Some("a&b<c>")
+                );
+                assert_eq!(config.volume.mount_flags, ["nfsvers=4.1", "hard"]);
+                assert_eq!(config.volume.capacity_bytes, 107_374_182_400);
+                assert_eq!(config.timeouts.attach_secs, 60);
+                if key == "node.toml" {
+                    assert_eq!(
+                        config.csi.controller_endpoint.as_deref(),
+                        Some("http://10.0.0.8:10000")
+                    );
+                }
+            }
+        }
+        let expected = if name == "hostpath" { 1 } else { 2 };
+        assert_eq!(
+            found, expected,
+            "{name} values: expected {expected} config(s) in the ConfigMap:\n{manifest}"
+        );
+    }
+}

@@ -1,0 +1,448 @@
+//! Kubernetes mode against a real kube-apiserver + etcd (tests/common/k8s.rs): the Helm
+//! chart installs into the server (its CRD, RBAC and workloads all accepted), the bridge
+//! runs with the token of the chart's ServiceAccount (so the chart's RBAC is exactly
+//! enough), reuses a StorageClass and its Secrets as csi-driver-nfs users write them, and
+//! keeps controller state in CubeVolume objects that another bridge instance can use.
+//!
+//! Needs `CUBE_CSI_BRIDGE_K8S_BIN` (the last line of scripts/install-k8s-peers.sh);
+//! skips without it. The attach part needs root (real mounts) and is skipped without.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::fake_driver::{Call, Caps};
+use common::k8s::{ApiServer, CHART_DIR};
+use common::{Mode, World};
+use cube_csi_bridge::k8s::volumes::object_name;
+use cube_csi_bridge::k8s::{CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+
+const NAMESPACE: &str = "cube-system";
+const RELEASE: &str = "ccb";
+/// What the fake CSI driver calls itself (GetPluginInfo).
+const FAKE_PROVISIONER: &str = "fake.csi.test";
+const CLASS: &str = "fake-nfs";
+const PROVISIONER_SECRET: (&str, &str) = ("password", "prov-s3cret-4711");
+const MOUNT_SECRET: (&str, &str) = ("mountpassword", "mount-s3cret-0815");
+const MOUNT_OPTIONS: [&str; 2] = ["nfsvers=4.1", "hard"];
+
+fn cube_volumes(client: kube::Client) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(CRD_GROUP, CRD_VERSION, CRD_KIND);
+    let resource = ApiResource::from_gvk_with_plural(&gvk, CRD_PLURAL);
+    Api::namespaced_with(client, NAMESPACE, &resource)
+}
+
+async fn create_secret(client: &kube::Client, name: &str, (key, value): (&str, &str)) {
+    let api: Api<Secret> = Api::namespaced(client.clone(), "default");
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            key.to_string(),
+            ByteString(value.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &secret).await.unwrap();
+}
+
+async fn create_class(
+    client: &kube::Client,
+    name: &str,
+    provisioner: &str,
+    parameters: &[(&str, &str)],
+) {
+    let api: Api<StorageClass> = Api::all(client.clone());
+    let class = StorageClass {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        provisioner: provisioner.into(),
+        parameters: Some(
+            parameters
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ),
+        mount_options: Some(MOUNT_OPTIONS.iter().map(|s| s.to_string()).collect()),
+        reclaim_policy: Some("Delete".into()),
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &class).await.unwrap();
+}
+
+/// A StorageClass as a csi-driver-nfs user writes one, with its Secrets.
+async fn nfs_style_class(client: &kube::Client) {
+    create_secret(client, "prov-creds", PROVISIONER_SECRET).await;
+    create_secret(client, "mount-creds", MOUNT_SECRET).await;
+    create_class(
+        client,
+        CLASS,
+        FAKE_PROVISIONER,
+        &[
+            ("server", "nfs-server.default.svc.cluster.local"),
+            ("share", "/exports"),
+            ("subDir", "cube"),
+            ("csi.storage.k8s.io/provisioner-secret-name", "prov-creds"),
+            ("csi.storage.k8s.io/provisioner-secret-namespace", "default"),
+            ("csi.storage.k8s.io/node-publish-secret-name", "mount-creds"),
+            (
+                "csi.storage.k8s.io/node-publish-secret-namespace",
+                "default",
+            ),
+            ("csi.storage.k8s.io/fstype", "nfs"),
+        ],
+    )
+    .await;
+}
+
+/// Installs the chart as the tests deploy it; panics with helm's words on failure.
+fn install_chart(api: &ApiServer, release: &str, namespace: &str, values: &serde_json::Value) {
+    let values_path = api.dir.path().join(format!("{release}-values.json"));
+    std::fs::write(&values_path, serde_json::to_vec(values).unwrap()).unwrap();
+    let (ok, out) = api.helm(&[
+        "install",
+        release,
+        CHART_DIR,
+        "--namespace",
+        namespace,
+        "--create-namespace",
+        "-f",
+        values_path.to_str().unwrap(),
+    ]);
+    assert!(ok, "helm install {release} failed:\n{out}");
+}
+
+/// The ServiceAccount the chart made for one side (`node`, `controller`) of a release.
+async fn chart_service_account(client: &kube::Client, release: &str, side: &str) -> String {
+    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+    let accounts = api
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={release}")))
+        .await
+        .unwrap();
+    let names: Vec<String> = accounts
+        .items
+        .into_iter()
+        .filter_map(|a| a.metadata.name)
+        .collect();
+    names
+        .iter()
+        .find(|n| n.ends_with(&format!("-{side}")))
+        .unwrap_or_else(|| panic!("no {side} ServiceAccount among {names:?}"))
+        .clone()
+}
+
+/// Serves only one side, as the chart's pods do.
+fn serving(services: &str) -> impl FnOnce(String) -> String {
+    let line = format!("[serve]\nservices = \"{services}\"\n");
+    move |text: String| text.replacen("[serve]\n", &line, 1)
+}
+
+/// Bridge config lines for Kubernetes mode with this kubeconfig and StorageClass.
+fn kubernetes_mode(kubeconfig: &Path, class: &str) -> impl FnOnce(String) -> String {
+    let section = format!(
+        "\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\nstorage_class = \"{class}\"\n",
+        kubeconfig.display()
+    );
+    move |text: String| {
+        let text = text.replacen(
+            "[state]\n",
+            "[state]\ncontroller_store = \"kubernetes\"\n",
+            1,
+        );
+        format!("{text}{section}")
+    }
+}
+
+/// Points a second bridge at the first one's CSI driver (one driver, two replicas).
+fn share_driver(of: &World) -> impl FnOnce(String) -> String + use<> {
+    let socket = format!("endpoint = \"unix://{}/csi.sock\"", of.dir.path().display());
+    move |text: String| {
+        let start = text.find("endpoint = ").unwrap();
+        let end = start + text[start..].find('\n').unwrap();
+        format!("{}{socket}{}", &text[..start], &text[end..])
+    }
+}
+
+fn mutating(calls: &[Call], method: &str) -> Vec<Call> {
+    calls
+        .iter()
+        .filter(|c| c.method == method)
+        .cloned()
+        .collect()
+}
+
+fn secret_map((k, v): (&str, &str)) -> BTreeMap<String, String> {
+    BTreeMap::from([(k.to_string(), v.to_string())])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn storage_class_reuse_and_crd_store_shared_by_two_bridges() {
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    let admin = api.admin().await;
+
+    install_chart(
+        &api,
+        RELEASE,
+        NAMESPACE,
+        &serde_json::json!({
+            "driver": common::DRIVER,
+            "kubernetes": {
+                "storageClass": CLASS,
+                "secrets": [
+                    {"namespace": "default", "names": ["prov-creds"], "usedBy": ["controller"]},
+                    {"namespace": "default", "names": ["mount-creds"], "usedBy": ["node"]},
+                ],
+            },
+        }),
+    );
+    nfs_style_class(&admin).await;
+    let account = chart_service_account(&admin, RELEASE, "controller").await;
+    let kubeconfig = api.service_account_kubeconfig(NAMESPACE, &account).await;
+
+    // Replica A creates; the bridge runs as the chart's controller ServiceAccount.
+    let a = World::start_with_config(Mode::Rpc, Caps::default(), "", |text| {
+        serving("controller")(kubernetes_mode(&kubeconfig, CLASS)(text))
+    })
+    .await;
+    let created = a.create("vol-k8s-1").await.expect("create");
+    let calls = a.driver.calls();
+    let create_calls = mutating(&calls, "CreateVolume");
+    assert_eq!(create_calls.len(), 1, "{calls:?}");
+    let create = &create_calls[0];
+    assert_eq!(
+        create.parameters,
+        BTreeMap::from([
+            (
+                "server".to_string(),
+                "nfs-server.default.svc.cluster.local".to_string()
+            ),
+            ("share".to_string(), "/exports".to_string()),
+            ("subDir".to_string(), "cube".to_string()),
+        ]),
+        "csi.storage.k8s.io/ parameters are consumed and stripped"
+    );
+    assert_eq!(create.secrets, secret_map(PROVISIONER_SECRET));
+    assert_eq!(create.mount_flags, MOUNT_OPTIONS.map(String::from).to_vec());
+
+    let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+    let csi_volume_id = handle["id"].as_str().unwrap().to_string();
+    let volumes = cube_volumes(admin.clone());
+    let object = volumes
+        .get(&object_name(common::DRIVER, "vol-k8s-1"))
+        .await
+        .expect("a CubeVolume for the created volume");
+    assert_eq!(object.data["spec"]["csiVolumeId"], csi_volume_id.as_str());
+    assert_eq!(object.data["spec"]["state"], "Created");
+    assert_eq!(object.data["spec"]["volumeId"], "vol-k8s-1");
+    assert_eq!(object.data["spec"]["csiDriver"], FAKE_PROVISIONER);
+
+    // The same Create again (Cube retries) is answered from the same record.
+    let again = a.create("vol-k8s-1").await.expect("repeated create");
+    assert_eq!(again.private_data, created.private_data);
+
+    // Replica B: its own state dir and locks, the same driver, a forked hook.
+    let b = World::start_with_config(Mode::Binary, Caps::default(), "", |text| {
+        serving("controller")(share_driver(&a)(kubernetes_mode(&kubeconfig, CLASS)(text)))
+    })
+    .await;
+    a.driver.clear_calls();
+    b.destroy("vol-k8s-1")
+        .await
+        .expect("destroy by the other replica");
+    let calls = a.driver.calls();
+    let deletes = mutating(&calls, "DeleteVolume");
+    assert_eq!(deletes.len(), 1, "{calls:?}");
+    assert_eq!(deletes[0].volume_id, csi_volume_id);
+    assert_eq!(deletes[0].secrets, secret_map(PROVISIONER_SECRET));
+    let gone = volumes
+        .get_opt(&object_name(common::DRIVER, "vol-k8s-1"))
+        .await
+        .unwrap();
+    assert!(gone.is_none(), "the CubeVolume is deleted: {gone:?}");
+    // Destroying it again (Cube retries) is success and calls nothing.
+    a.driver.clear_calls();
+    b.destroy("vol-k8s-1").await.expect("repeated destroy");
+    assert!(mutating(&a.driver.calls(), "DeleteVolume").is_empty());
+
+    // Two replicas creating one volume at once meet on one object and one handle.
+    let (x, y) = tokio::join!(a.create("vol-k8s-race"), b.create("vol-k8s-race"));
+    let (x, y) = (x.expect("replica A"), y.expect("replica B"));
+    assert_eq!(x.private_data, y.private_data);
+    let listed = volumes.list(&ListParams::default()).await.unwrap();
+    assert_eq!(listed.items.len(), 1, "{:?}", listed.items);
+
+    // With root: a node-side bridge, as the chart's node ServiceAccount, gives Attach
+    // the StorageClass's mount options and node-publish secret.
+    let node_account = chart_service_account(&admin, RELEASE, "node").await;
+    let node_kubeconfig = api
+        .service_account_kubeconfig(NAMESPACE, &node_account)
+        .await;
+    if nix::unistd::Uid::effective().is_root() {
+        let node = World::start_with_config(Mode::Rpc, Caps::default(), "", |text| {
+            serving("node")(share_driver(&a)(kubernetes_mode(&node_kubeconfig, CLASS)(
+                text,
+            )))
+        })
+        .await;
+        a.driver.clear_calls();
+        let attached = node
+            .attach("sandbox-1", "vol-k8s-race", 0, &x.private_data)
+            .await
+            .expect("attach");
+        let calls = a.driver.calls();
+        let publishes = mutating(&calls, "NodePublishVolume");
+        assert_eq!(publishes.len(), 1, "{calls:?}");
+        assert_eq!(publishes[0].secrets, secret_map(MOUNT_SECRET));
+        assert_eq!(
+            publishes[0].mount_flags,
+            MOUNT_OPTIONS.map(String::from).to_vec()
+        );
+        node.detach("sandbox-1", "vol-k8s-race", 0, &attached.metadata)
+            .await
+            .expect("detach");
+        assert!(node.mounts().is_empty());
+        let logs = node.logs();
+        for secret in [MOUNT_SECRET.1, "nfsvers=4.1"] {
+            assert!(
+                !logs.contains(secret),
+                "node side logged {secret:?}: {logs}"
+            );
+        }
+    } else {
+        eprintln!("attach part skipped: it makes real mounts and needs root");
+    }
+    b.destroy("vol-k8s-race").await.expect("destroy");
+    assert!(
+        volumes
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+
+    // No secret value reached any log line of either replica.
+    for (name, world) in [("A", &a), ("B", &b)] {
+        let logs = world.logs();
+        assert!(logs.contains("vol-k8s-1"), "replica {name} logged: {logs}");
+        for secret in [PROVISIONER_SECRET.1, MOUNT_SECRET.1, "nfsvers=4.1"] {
+            assert!(
+                !logs.contains(secret),
+                "replica {name} logged {secret:?}: {logs}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unusable_storage_classes_are_refused_before_anything_changes() {
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    let admin = api.admin().await;
+    let (ok, out) = api.helm(&[
+        "install",
+        "crd-only",
+        CHART_DIR,
+        "--namespace",
+        NAMESPACE,
+        "--create-namespace",
+        "--set",
+        "node.enabled=false",
+        "--set",
+        "controller.enabled=false",
+    ]);
+    assert!(ok, "{out}");
+    create_class(
+        &admin,
+        "typo",
+        FAKE_PROVISIONER,
+        &[("csi.storage.k8s.io/provisioner-secret-nam", "x")],
+    )
+    .await;
+    create_class(&admin, "other-driver", "nfs.csi.k8s.io", &[]).await;
+
+    for (class, expected) in [
+        ("typo", "csi.storage.k8s.io/provisioner-secret-nam"),
+        ("other-driver", "nfs.csi.k8s.io"),
+        ("missing", "does not exist"),
+    ] {
+        let world = World::start_with_config(
+            Mode::Binary,
+            Caps::default(),
+            "",
+            kubernetes_mode(&api.kubeconfig, class),
+        )
+        .await;
+        let err = world.create("vol-bad").await.expect_err(class);
+        assert!(
+            err.message.contains(expected) && err.message.contains("StorageClass"),
+            "{class}: {}",
+            err.message
+        );
+        assert!(
+            mutating(&world.driver.calls(), "CreateVolume").is_empty(),
+            "{class}: no CreateVolume"
+        );
+        let listed = cube_volumes(admin.clone())
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+        assert!(listed.items.is_empty(), "{class}: no CubeVolume written");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chart_examples_install_into_a_real_api_server() {
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    for (release, example) in [
+        ("nfs", "values-nfs.yaml"),
+        ("hostpath", "values-hostpath.yaml"),
+    ] {
+        let values = Path::new(CHART_DIR).join("examples").join(example);
+        let namespace = format!("cube-{release}");
+        let (ok, out) = api.helm(&[
+            "install",
+            release,
+            CHART_DIR,
+            "--namespace",
+            &namespace,
+            "--create-namespace",
+            "-f",
+            values.to_str().unwrap(),
+        ]);
+        assert!(ok, "helm install of {example} failed:\n{out}");
+        let (ok, out) = api.helm(&["get", "manifest", release, "--namespace", &namespace]);
+        assert!(ok, "{out}");
+        for kind in [
+            "DaemonSet",
+            "ConfigMap",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+        ] {
+            assert!(
+                out.contains(&format!("kind: {kind}")),
+                "{example} renders a {kind}:\n{out}"
+            );
+        }
+    }
+    // The CRD came from the chart's crds/ and is served.
+    let admin = api.admin().await;
+    cube_volumes(admin)
+        .list(&ListParams::default())
+        .await
+        .expect("the CubeVolume resource is served");
+}
