@@ -351,17 +351,14 @@ async fn unusable_storage_classes_are_refused_before_anything_changes() {
     let bin = require_k8s_peers!();
     let api = ApiServer::start(&bin);
     let admin = api.admin().await;
+    // The chart with its defaults, for its CRD; the bridges below run as admin.
     let (ok, out) = api.helm(&[
         "install",
-        "crd-only",
+        "defaults",
         CHART_DIR,
         "--namespace",
         NAMESPACE,
         "--create-namespace",
-        "--set",
-        "node.enabled=false",
-        "--set",
-        "controller.enabled=false",
     ]);
     assert!(ok, "{out}");
     create_class(
