@@ -421,6 +421,18 @@ async fn chart_examples_install_into_a_real_api_server() {
             values.to_str().unwrap(),
         ]);
         assert!(ok, "helm install of {example} failed:\n{out}");
+        // NOTES.txt: the Cube entries for this release, ready to paste.
+        for entry in [
+            "volume_plugins:\n  - name: ",
+            "type: rpc\n    socket_path: /run/cube-csi-bridge/",
+            "[[plugins.\"io.cubelet.internal.v1.storage\".volume_plugins]]",
+            "socket_path = \"/run/cube-csi-bridge/",
+        ] {
+            assert!(
+                out.contains(entry),
+                "{example}: NOTES lack {entry:?}:\n{out}"
+            );
+        }
         let (ok, out) = api.helm(&["get", "manifest", release, "--namespace", &namespace]);
         assert!(ok, "{out}");
         for kind in [

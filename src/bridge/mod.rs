@@ -136,11 +136,6 @@ impl Bridge {
         &self.config
     }
 
-    /// The controller store, when this instance has the controller role.
-    pub fn controller_store(&self) -> Option<&ControllerStore> {
-        self.store.as_ref()
-    }
-
     pub fn mount_view(&self) -> &MountView {
         &self.mount_view
     }
@@ -278,7 +273,6 @@ impl Bridge {
                 Err(e) => return Err(e),
             }
         }
-        self.check_kubernetes(roles).await?;
         if roles.node {
             match self.node_plan(false, deadline).await {
                 Ok(plan) => tracing::info!(
@@ -293,7 +287,8 @@ impl Bridge {
                 Err(e) => return Err(e),
             }
         }
-        Ok(())
+        // Last, so that the driver's name (for the StorageClass's provisioner) is known.
+        self.check_kubernetes(roles).await
     }
 }
 

@@ -189,13 +189,15 @@ impl Bridge {
         let plan = self.node_plan(handle.controller_publish, deadline).await?;
         // Everything that may fail to resolve is resolved before anything changes.
         let spec = self.volume_spec(&plan.driver_name).await?;
-        let publish_secrets = match plan.controller_publish_node {
-            Some(_) => self.secrets(SecretUse::ControllerPublish).await?,
-            None => Default::default(),
+        let publish_secrets = if plan.controller_publish_node.is_some() {
+            self.secrets(SecretUse::ControllerPublish).await?
+        } else {
+            Default::default()
         };
-        let stage_secrets = match plan.stage {
-            true => self.secrets(SecretUse::NodeStage).await?,
-            false => Default::default(),
+        let stage_secrets = if plan.stage {
+            self.secrets(SecretUse::NodeStage).await?
+        } else {
+            Default::default()
         };
         let node_publish_secrets = self.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();

@@ -219,8 +219,12 @@ impl EmbeddedStore {
         txn.commit().map_err(|e| self.err(e))
     }
 
+    /// Reads a stored record; records written before revisions existed are at "0".
     fn decode(&self, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
-        serde_json::from_slice(bytes).map_err(|e| self.err(format!("corrupt record: {e}")))
+        let mut record: VolumeRecord =
+            serde_json::from_slice(bytes).map_err(|e| self.err(format!("corrupt record: {e}")))?;
+        record.revision.get_or_insert_with(|| "0".into());
+        Ok(record)
     }
 
     pub fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
@@ -234,8 +238,7 @@ impl EmbeddedStore {
         })
     }
 
-    /// The stored revision of `volume_id` inside a write transaction (records written
-    /// before revisions existed count as "0").
+    /// The stored revision of `volume_id` inside a write transaction.
     fn stored_revision(
         &self,
         table: &redb::Table<&str, &[u8]>,
@@ -245,7 +248,7 @@ impl EmbeddedStore {
         stored
             .map(|v| {
                 self.decode(v.value())
-                    .map(|r| r.revision.unwrap_or_else(|| "0".into()))
+                    .map(|r| r.revision.unwrap_or_default())
             })
             .transpose()
     }
@@ -385,6 +388,29 @@ mod tests {
         ));
         store.delete(&first).unwrap();
         assert_eq!(store.get("a").unwrap(), None);
+    }
+
+    #[test]
+    fn records_from_before_revisions_can_be_updated() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        let legacy = serde_json::to_vec(&record("old")).unwrap();
+        store
+            .with_db(|db| {
+                let txn = db.begin_write().unwrap();
+                txn.open_table(VOLUMES)
+                    .unwrap()
+                    .insert("old", legacy.as_slice())
+                    .unwrap();
+                txn.commit().unwrap();
+                Ok(())
+            })
+            .unwrap();
+        let mut got = store.get("old").unwrap().unwrap();
+        assert_eq!(got.revision.as_deref(), Some("0"));
+        got.revision = Some(store.put(&got).unwrap());
+        store.delete(&got).unwrap();
+        assert_eq!(store.get("old").unwrap(), None);
     }
 
     #[test]
