@@ -455,3 +455,90 @@ async fn chart_examples_install_into_a_real_api_server() {
         .await
         .expect("the CubeVolume resource is served");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cubevolume_store_refuses_stale_writes() {
+    use cube_csi_bridge::config::KubernetesConfig;
+    use cube_csi_bridge::k8s::{CubeVolumeStore, Kube};
+    use cube_csi_bridge::store::{StoreError, VolumeRecord, VolumeState};
+    use std::sync::Arc;
+
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    let (ok, out) = api.helm(&[
+        "install",
+        "defaults",
+        CHART_DIR,
+        "--namespace",
+        NAMESPACE,
+        "--create-namespace",
+    ]);
+    assert!(ok, "{out}");
+    let settings = KubernetesConfig {
+        kubeconfig: Some(api.kubeconfig.clone()),
+        namespace: Some(NAMESPACE.into()),
+        ..Default::default()
+    };
+    // Two replicas: separate clients, one namespace.
+    let one = CubeVolumeStore::new(Arc::new(Kube::new(&settings)), "nfs");
+    let two = CubeVolumeStore::new(Arc::new(Kube::new(&settings)), "nfs");
+    let mut record = VolumeRecord {
+        volume_id: "v1".into(),
+        csi_name: "cube-v1".into(),
+        csi_driver: Some("nfs.csi.k8s.io".into()),
+        state: VolumeState::Creating,
+        csi_volume_id: None,
+        volume_context: Default::default(),
+        capacity_bytes: 0,
+        updated_at: 1,
+        revision: None,
+    };
+    one.put(&mut record).await.expect("create");
+    let created_at = record.revision.clone().expect("a resourceVersion");
+
+    // The second replica also tries to create it: it must learn it lost.
+    let mut rival = record.clone();
+    rival.revision = None;
+    assert!(matches!(
+        two.put(&mut rival).await,
+        Err(StoreError::Conflict { .. })
+    ));
+
+    // It reads, updates, and the first replica's copy is now stale.
+    let mut read = two
+        .get("v1")
+        .await
+        .unwrap()
+        .expect("visible to the other replica");
+    assert_eq!(read.revision.as_deref(), Some(created_at.as_str()));
+    read.state = VolumeState::Created;
+    read.csi_volume_id = Some("handle-1".into());
+    two.put(&mut read)
+        .await
+        .expect("update at the read version");
+    record.state = VolumeState::Created;
+    record.csi_volume_id = Some("handle-2".into());
+    assert!(matches!(
+        one.put(&mut record).await,
+        Err(StoreError::Conflict { .. })
+    ));
+    assert!(matches!(
+        one.delete(&record).await,
+        Err(StoreError::Conflict { .. })
+    ));
+    let current = one.get("v1").await.unwrap().unwrap();
+    assert_eq!(current.csi_volume_id.as_deref(), Some("handle-1"));
+    assert_eq!(one.list().await.unwrap().len(), 1);
+    assert!(
+        two.list()
+            .await
+            .unwrap()
+            .iter()
+            .all(|r| r.volume_id == "v1")
+    );
+
+    // Deleting at the current version works; deleting again is success.
+    one.delete(&current).await.expect("delete");
+    one.delete(&current).await.expect("already gone");
+    assert!(two.get("v1").await.unwrap().is_none());
+}
