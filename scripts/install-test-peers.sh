@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# install-test-peers.sh — build the Go test peer that cube-csi-bridge's
-# end-to-end tests (tests/cube_callers.rs) drive the bridge with
-# (tests/peers/cubeclient, a Cube-like caller), with a cache, and print the
-# directory that holds it as the LAST line of stdout.
+# install-test-peers.sh — build the Go test peers of cube-csi-bridge's
+# end-to-end tests (tests/cube_callers.rs): cubeclient (tests/peers/cubeclient,
+# a Cube-like caller that drives the bridge) and csi-mock (the Kubernetes CSI
+# mock driver, cmd/mock-driver of csi-test v4.2.0, a `tool` of tests/peers'
+# go.mod), with a cache, and print the directory that holds them as the LAST
+# line of stdout.
 # Everything else goes to stderr. Run as root (CI does); idempotent; safe to
 # run concurrently (a lock serialises builds).
 #
 #   bin=$(scripts/install-test-peers.sh | tail -n1)
 #   "$bin/cubeclient" rpc --target /path/to/bridge.sock create --volume-id v1 --name v1
+#   CSI_ENDPOINT=/path/to/mock.sock "$bin/csi-mock" -name=mock.csi.test -v=5
 #   CUBE_CSI_BRIDGE_PEERS_BIN=$bin cargo test --test cube_callers
 #
 # Cache: ${CUBE_CSI_BRIDGE_PEERS_DIR:-/var/cache/cube-csi-bridge-test-peers}/<key>/bin
@@ -33,7 +36,9 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 peers=$repo/tests/peers
 proto=$repo/proto/cube/v1/volumeplugin.proto
 cache_root=${CUBE_CSI_BRIDGE_PEERS_DIR:-/var/cache/cube-csi-bridge-test-peers}
-bins=(cubeclient)
+bins=(cubeclient csi-mock)
+# csi-mock's package; its version is the one tests/peers/go.mod requires.
+csi_mock_pkg=github.com/kubernetes-csi/csi-test/v4/cmd/mock-driver
 
 [ -f "$peers/go.mod" ] || die "missing $peers/go.mod"
 [ -f "$proto" ] || die "missing $proto"
@@ -61,6 +66,7 @@ key=$(
 	cd "$repo"
 	{
 		echo "$goversion"
+		echo "${bins[*]}"
 		sha256sum scripts/install-test-peers.sh proto/cube/v1/volumeplugin.proto
 		find tests/peers \( -name '*.go' -o -name go.mod -o -name go.sum \) -type f -print0 |
 			LC_ALL=C sort -z | xargs -0 sha256sum
@@ -93,14 +99,23 @@ else
 		go build -mod=readonly -trimpath -buildvcs=false \
 			-ldflags "-X main.protoB64=$(base64 -w0 "$proto")" \
 			-o "$tmp/bin/" ./cubeclient
+		go build -mod=readonly -trimpath -buildvcs=false \
+			-o "$tmp/bin/csi-mock" "$csi_mock_pkg"
 	) >&2
-	# Smoke check: usage errors exit 2; anything else means a broken build.
+	# Smoke checks: cubeclient's usage errors exit 2, csi-mock's -help exits
+	# 0 listing its flags; anything else means a broken build.
 	rc=0
 	"$tmp/bin/cubeclient" >/dev/null 2>&1 || rc=$?
 	[ "$rc" = 2 ] || die "built cubeclient does not run (exit $rc)"
+	rc=0
+	help=$("$tmp/bin/csi-mock" -help 2>&1) || rc=$?
+	[ "$rc" = 0 ] && [[ $help == *-disable-attach* ]] ||
+		die "built csi-mock does not run (exit $rc)"
+	csi_mock_mod=$(cd "$peers" && go list -mod=readonly -f '{{.Module.Path}}@{{.Module.Version}}' "$csi_mock_pkg")
 	{
 		echo "key=$key"
 		echo "go=$goversion"
+		echo "csi-mock=$csi_mock_pkg from $csi_mock_mod"
 		echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 	} >"$tmp/BUILD-INFO"
 	touch "$tmp/.complete"

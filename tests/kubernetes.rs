@@ -333,11 +333,17 @@ async fn storage_class_reuse_and_crd_store_shared_by_two_bridges() {
             .is_empty()
     );
 
-    // No secret value reached any log line of either replica.
+    // No secret value, and not the API token, reached any log line of either replica.
+    let kubeconfig_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&kubeconfig).unwrap()).unwrap();
+    let token = kubeconfig_json["users"][0]["user"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
     for (name, world) in [("A", &a), ("B", &b)] {
         let logs = world.logs();
         assert!(logs.contains("vol-k8s-1"), "replica {name} logged: {logs}");
-        for secret in [PROVISIONER_SECRET.1, MOUNT_SECRET.1, "nfsvers=4.1"] {
+        for secret in [PROVISIONER_SECRET.1, MOUNT_SECRET.1, "nfsvers=4.1", &token] {
             assert!(
                 !logs.contains(secret),
                 "replica {name} logged {secret:?}: {logs}"
