@@ -166,7 +166,12 @@ fn kubernetes_mode(kubeconfig: &Path, class: &str) -> impl FnOnce(String) -> Str
 
 /// Points a second bridge at the first one's CSI driver (one driver, two replicas).
 fn share_driver(of: &World) -> impl FnOnce(String) -> String + use<> {
-    let socket = format!("endpoint = \"unix://{}/csi.sock\"", of.dir.path().display());
+    driver_at(&of.dir.path().join("csi.sock"))
+}
+
+/// Points a bridge at the CSI driver listening on `socket`.
+fn driver_at(socket: &Path) -> impl FnOnce(String) -> String + use<> {
+    let socket = format!("endpoint = \"unix://{}\"", socket.display());
     move |text: String| {
         let start = text.find("endpoint = ").unwrap();
         let end = start + text[start..].find('\n').unwrap();
@@ -547,4 +552,170 @@ async fn cubevolume_store_refuses_stale_writes() {
     one.delete(&current).await.expect("delete");
     one.delete(&current).await.expect("already gone");
     assert!(two.get("v1").await.unwrap().is_none());
+}
+
+/// The upstream Kubernetes CSI mock driver (csi-test's mock-driver, built by
+/// scripts/install-test-peers.sh as `csi-mock`), logging every call it receives.
+struct MockDriver {
+    child: std::process::Child,
+    socket: std::path::PathBuf,
+    log: std::path::PathBuf,
+}
+
+impl MockDriver {
+    const NAME: &str = "mock.csi.test";
+
+    fn start(bin: &Path, dir: &Path) -> MockDriver {
+        let socket = dir.join("mock.sock");
+        let log = dir.join("mock.log");
+        let mut child = std::process::Command::new(bin.join("csi-mock"))
+            .args([
+                &format!("-name={}", Self::NAME),
+                "-disable-attach",
+                "-v=5",
+                "-skip_headers",
+            ])
+            .env("CSI_ENDPOINT", &socket)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        for _ in 0..500 {
+            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                return MockDriver { child, socket, log };
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "csi-mock did not listen: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    }
+
+    /// The requests of every logged call to `method` (e.g. "CreateVolume").
+    fn requests(&self, method: &str) -> Vec<serde_json::Value> {
+        let suffix = format!("/{method}");
+        std::fs::read_to_string(&self.log)
+            .unwrap()
+            .lines()
+            .filter_map(|line| line.split_once("gRPCCall: ").map(|(_, json)| json))
+            .filter_map(|json| serde_json::from_str::<serde_json::Value>(json).ok())
+            .filter(|call| {
+                call["Method"]
+                    .as_str()
+                    .is_some_and(|m| m.ends_with(&suffix))
+            })
+            .map(|call| {
+                assert_eq!(call["Error"], "", "{method} failed in the mock: {call}");
+                call["Request"].clone()
+            })
+            .collect()
+    }
+}
+
+impl Drop for MockDriver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_csi_mock_driver_behind_two_bridges() {
+    let bin = require_k8s_peers!();
+    let Some(peers) = std::env::var_os("CUBE_CSI_BRIDGE_PEERS_BIN")
+        .map(std::path::PathBuf::from)
+        .filter(|p| p.join("csi-mock").is_file())
+    else {
+        eprintln!(
+            "skipped: CUBE_CSI_BRIDGE_PEERS_BIN has no csi-mock (scripts/install-test-peers.sh)"
+        );
+        return;
+    };
+    let api = ApiServer::start(&bin);
+    let admin = api.admin().await;
+    install_chart(
+        &api,
+        RELEASE,
+        NAMESPACE,
+        &serde_json::json!({
+            "driver": "mock",
+            "node": {"enabled": false},
+            "kubernetes": {
+                "storageClass": "mock-nfs",
+                "secrets": [{"namespace": "default", "names": ["prov-creds"]}],
+            },
+        }),
+    );
+    create_secret(&admin, "prov-creds", PROVISIONER_SECRET).await;
+    create_class(
+        &admin,
+        "mock-nfs",
+        MockDriver::NAME,
+        &[
+            ("server", "nfs-server.default.svc.cluster.local"),
+            ("share", "/exports"),
+            ("csi.storage.k8s.io/provisioner-secret-name", "prov-creds"),
+            ("csi.storage.k8s.io/provisioner-secret-namespace", "default"),
+        ],
+    )
+    .await;
+    let account = chart_service_account(&admin, RELEASE, "controller").await;
+    let kubeconfig = api.service_account_kubeconfig(NAMESPACE, &account).await;
+    let mock = MockDriver::start(&peers, api.dir.path());
+    let bridge = |mode| {
+        let (kubeconfig, socket) = (kubeconfig.clone(), mock.socket.clone());
+        World::start_with_config(mode, Caps::default(), "", move |text| {
+            let text = text.replacen("driver = \"fake\"", "driver = \"mock\"", 1);
+            serving("controller")(driver_at(&socket)(
+                kubernetes_mode(&kubeconfig, "mock-nfs")(text),
+            ))
+        })
+    };
+    let a = bridge(Mode::Rpc).await;
+    let b = bridge(Mode::Binary).await;
+
+    let created = a
+        .create("vol-mock-1")
+        .await
+        .expect("create through the mock driver");
+    let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+    let csi_volume_id = handle["id"].as_str().unwrap().to_string();
+    let creates = mock.requests("CreateVolume");
+    assert_eq!(creates.len(), 1, "{creates:?}");
+    assert_eq!(creates[0]["name"], "cube-vol-mock-1");
+    assert_eq!(
+        creates[0]["parameters"],
+        serde_json::json!({"server": "nfs-server.default.svc.cluster.local", "share": "/exports"})
+    );
+    assert_eq!(
+        creates[0]["secrets"],
+        serde_json::json!({PROVISIONER_SECRET.0: PROVISIONER_SECRET.1})
+    );
+    let object = cube_volumes(admin.clone())
+        .get(&object_name("mock", "vol-mock-1"))
+        .await
+        .expect("a CubeVolume");
+    assert_eq!(object.data["spec"]["csiVolumeId"], csi_volume_id.as_str());
+    assert_eq!(object.data["spec"]["csiDriver"], MockDriver::NAME);
+
+    b.destroy("vol-mock-1")
+        .await
+        .expect("destroy by the other replica");
+    let deletes = mock.requests("DeleteVolume");
+    assert_eq!(deletes.len(), 1, "{deletes:?}");
+    assert_eq!(deletes[0]["volume_id"], csi_volume_id.as_str());
+    assert_eq!(
+        deletes[0]["secrets"],
+        serde_json::json!({PROVISIONER_SECRET.0: PROVISIONER_SECRET.1})
+    );
+    assert!(
+        cube_volumes(admin)
+            .get_opt(&object_name("mock", "vol-mock-1"))
+            .await
+            .unwrap()
+            .is_none()
+    );
 }
