@@ -15,7 +15,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Api;
 
 use super::{Kube, KubeError};
-use crate::config::{SecretsConfig, is_dns_label, is_dns_subdomain};
+use crate::config::{is_dns_label, is_dns_subdomain};
 
 /// The prefix of the parameters a CO consumes itself.
 pub const PARAMETER_PREFIX: &str = "csi.storage.k8s.io/";
@@ -397,17 +397,6 @@ impl StorageClassSource {
         }
         Ok(out)
     }
-}
-
-/// Secrets for every use, as the config's `[secrets]` section would give them.
-pub async fn all_secrets(source: &StorageClassSource) -> Result<SecretsConfig, KubeError> {
-    let owned = |m: Arc<BTreeMap<String, String>>| (*m).clone();
-    Ok(SecretsConfig {
-        provisioner: owned(source.secrets(SecretUse::Provisioner).await?),
-        controller_publish: owned(source.secrets(SecretUse::ControllerPublish).await?),
-        node_stage: owned(source.secrets(SecretUse::NodeStage).await?),
-        node_publish: owned(source.secrets(SecretUse::NodePublish).await?),
-    })
 }
 
 #[cfg(test)]
