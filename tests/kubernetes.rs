@@ -338,6 +338,35 @@ async fn storage_class_reuse_and_crd_store_shared_by_two_bridges() {
             .is_empty()
     );
 
+    // A created volume recorded how to delete it, as a PersistentVolume does: Destroy
+    // still works once its StorageClass is gone.
+    let kept = a.create("vol-k8s-orphan").await.expect("create");
+    let kept_id = serde_json::from_str::<serde_json::Value>(&kept.private_data).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let object = volumes
+        .get(&object_name(common::DRIVER, "vol-k8s-orphan"))
+        .await
+        .unwrap();
+    assert_eq!(object.data["spec"]["reclaimPolicy"], "Delete");
+    assert_eq!(
+        object.data["spec"]["provisionerSecretRef"],
+        serde_json::json!({"namespace": "default", "name": "prov-creds"})
+    );
+    Api::<StorageClass>::all(admin.clone())
+        .delete(CLASS, &Default::default())
+        .await
+        .unwrap();
+    a.driver.clear_calls();
+    b.destroy("vol-k8s-orphan")
+        .await
+        .expect("destroy after the StorageClass was deleted");
+    let deletes = mutating(&a.driver.calls(), "DeleteVolume");
+    assert_eq!(deletes.len(), 1);
+    assert_eq!(deletes[0].volume_id, kept_id);
+    assert_eq!(deletes[0].secrets, secret_map(PROVISIONER_SECRET));
+
     // No secret value, and not the API token, reached any log line of either replica.
     let kubeconfig_json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&kubeconfig).unwrap()).unwrap();
@@ -502,6 +531,7 @@ async fn cubevolume_store_refuses_stale_writes() {
         volume_context: Default::default(),
         capacity_bytes: 0,
         updated_at: 1,
+        deletion: None,
         revision: None,
     };
     one.put(&mut record).await.expect("create");

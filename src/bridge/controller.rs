@@ -9,6 +9,8 @@
 //! record: every write names the revision it read, CreateVolume is idempotent by name, and
 //! a replica that loses a race re-reads and carries on from what the winner wrote.
 
+use std::collections::HashMap;
+
 use super::handoff::VolumeHandle;
 use super::locks::LockScope;
 use super::naming::csi_volume_name;
@@ -18,7 +20,7 @@ use crate::csi::{ControllerCaps, CsiError, Deadline, DriverIdentity};
 use crate::k8s::SecretUse;
 use crate::proto::csi::v1 as csi;
 use crate::store::controller::now_secs;
-use crate::store::{ControllerStore, StoreError, VolumeRecord, VolumeState};
+use crate::store::{ControllerStore, DeletionPolicy, StoreError, VolumeRecord, VolumeState};
 
 /// How often a write that lost a race to another replica is retried on a fresh read.
 const STORE_RACE_RETRIES: usize = 3;
@@ -98,11 +100,12 @@ impl Bridge {
     async fn delete_volume(
         &self,
         csi_volume_id: &str,
+        secrets: HashMap<String, String>,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         let request = csi::DeleteVolumeRequest {
             volume_id: csi_volume_id.to_string(),
-            secrets: self.secrets(SecretUse::Provisioner).await?,
+            secrets,
         };
         match self.controller_csi.delete_volume(request, deadline).await {
             Ok(_) => Ok(()),
@@ -126,6 +129,7 @@ impl Bridge {
         volume_id: &str,
         csi_name: &str,
         csi_driver: &str,
+        deletion: Option<&DeletionPolicy>,
     ) -> Result<VolumeRecord, BridgeError> {
         for _ in 0..STORE_RACE_RETRIES {
             if let Some(existing) = self.store().get(volume_id).await? {
@@ -149,6 +153,7 @@ impl Bridge {
                 volume_context: Default::default(),
                 capacity_bytes: 0,
                 updated_at: now_secs(),
+                deletion: deletion.cloned(),
                 revision: None,
             };
             match self.store().put(&mut record).await {
@@ -169,9 +174,11 @@ impl Bridge {
         &self,
         mut record: VolumeRecord,
         volume: &csi::Volume,
+        deletion: Option<&DeletionPolicy>,
     ) -> Result<(), BridgeError> {
         for _ in 0..STORE_RACE_RETRIES {
             record.state = VolumeState::Created;
+            record.deletion = deletion.cloned();
             record.csi_volume_id = Some(volume.volume_id.clone());
             record.volume_context = volume.volume_context.clone().into_iter().collect();
             record.capacity_bytes = volume.capacity_bytes;
@@ -221,7 +228,12 @@ impl Bridge {
             // Intent first: if the answer to CreateVolume is lost, Destroy can still find
             // the volume by its name.
             let record = self
-                .begin_create(&req.volume_id, &csi_name, &identity.name)
+                .begin_create(
+                    &req.volume_id,
+                    &csi_name,
+                    &identity.name,
+                    spec.deletion.as_ref(),
+                )
                 .await?;
 
             let volume = match self.create_volume(&csi_name, &spec, &deadline).await {
@@ -263,7 +275,8 @@ impl Bridge {
                 }
             };
 
-            self.finish_create(record, &volume).await?;
+            self.finish_create(record, &volume, spec.deletion.as_ref())
+                .await?;
             tracing::info!(csi_volume_id = %volume.volume_id, "CSI volume created");
             Ok(Created {
                 token: String::new(),
@@ -283,7 +296,9 @@ impl Bridge {
         let error = BridgeError::Driver(problem);
         let deadline = Deadline::after(self.config.timeouts.rollback());
         let undone = async {
-            self.delete_volume(csi_volume_id, &deadline).await?;
+            let secrets = self.secrets(SecretUse::Provisioner).await?;
+            self.delete_volume(csi_volume_id, secrets, &deadline)
+                .await?;
             if let Some(record) = self.store().get(volume_id).await? {
                 self.store().delete(&record).await?;
             }
@@ -314,22 +329,30 @@ impl Bridge {
             };
             let (identity, _) = self.controller_view(&deadline).await?;
             check_same_driver(&record, &identity.name)?;
-            let spec = self.volume_spec(&identity.name).await?;
-            let csi_volume_id = match (&record.state, &record.csi_volume_id) {
-                (VolumeState::Created, Some(id)) => id.clone(),
+            // A finished create recorded how to delete it; only an unfinished one (or a
+            // record from before that existed) needs the current settings.
+            let (csi_volume_id, deletion) = match (&record.state, &record.csi_volume_id, &record.deletion) {
+                (VolumeState::Created, Some(id), Some(deletion)) => (id.clone(), Some(deletion.clone())),
+                (VolumeState::Created, Some(id), None) => {
+                    (id.clone(), self.volume_spec(&identity.name).await?.deletion)
+                }
                 _ => {
                     // The answer to an earlier CreateVolume was lost. CreateVolume is
                     // idempotent by name: asking again returns the volume if it exists.
                     tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");
-                    self.create_volume(&record.csi_name, &spec, &deadline)
+                    let spec = self.volume_spec(&identity.name).await?;
+                    let id = self
+                        .create_volume(&record.csi_name, &spec, &deadline)
                         .await?
-                        .volume_id
+                        .volume_id;
+                    (id, spec.deletion)
                 }
             };
-            if spec.retain {
+            if deletion.as_ref().is_some_and(|d| d.retain) {
                 tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
             } else {
-                self.delete_volume(&csi_volume_id, &deadline).await?;
+                let secrets = self.deletion_secrets(deletion.as_ref()).await?;
+                self.delete_volume(&csi_volume_id, secrets, &deadline).await?;
             }
             match self.store().delete(&record).await {
                 Ok(()) => {}

@@ -9,6 +9,7 @@ use super::{Bridge, BridgeError};
 use crate::config::{AccessMode, Config};
 use crate::k8s::{SecretUse, StorageClassSource};
 use crate::proto::csi::v1 as csi;
+use crate::store::DeletionPolicy;
 
 /// Where volume settings come from.
 #[derive(Debug)]
@@ -21,8 +22,8 @@ pub(crate) enum ProfileSource {
 pub(crate) struct VolumeSpec {
     pub parameters: BTreeMap<String, String>,
     pub capability: csi::VolumeCapability,
-    /// StorageClass `reclaimPolicy: Retain`: Destroy keeps the storage.
-    pub retain: bool,
+    /// How Destroy will delete the volume, recorded at Create (StorageClass only).
+    pub deletion: Option<DeletionPolicy>,
 }
 
 impl Bridge {
@@ -38,7 +39,7 @@ impl Bridge {
                     &volume.fs_type,
                     &volume.mount_flags,
                 ),
-                retain: false,
+                deletion: None,
             }),
             ProfileSource::StorageClass(source) => {
                 let class = source.class().await?;
@@ -50,7 +51,10 @@ impl Bridge {
                         &class.fs_type,
                         &class.mount_options,
                     ),
-                    retain: class.retain,
+                    deletion: Some(DeletionPolicy {
+                        retain: class.retain,
+                        secret: class.secret_ref(SecretUse::Provisioner).cloned(),
+                    }),
                 })
             }
         }
@@ -73,6 +77,24 @@ impl Bridge {
             ProfileSource::StorageClass(source) => (*source.secrets(usage).await?).clone(),
         };
         Ok(map.into_iter().collect())
+    }
+
+    /// DeleteVolume's secrets for a volume: from the Secret recorded at its Create when
+    /// there is a record, else as for a new volume.
+    pub(crate) async fn deletion_secrets(
+        &self,
+        deletion: Option<&DeletionPolicy>,
+    ) -> Result<HashMap<String, String>, BridgeError> {
+        match (&self.profile, deletion) {
+            (ProfileSource::StorageClass(source), Some(policy)) => match &policy.secret {
+                Some(reference) => Ok((*source.secret_data(reference).await?)
+                    .clone()
+                    .into_iter()
+                    .collect()),
+                None => Ok(HashMap::new()),
+            },
+            _ => self.secrets(SecretUse::Provisioner).await,
+        }
     }
 }
 

@@ -77,7 +77,7 @@ impl SecretUse {
 }
 
 /// A Secret named by a StorageClass.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct SecretRef {
     pub namespace: String,
     pub name: String,
@@ -348,9 +348,17 @@ impl StorageClassSource {
         usage: SecretUse,
     ) -> Result<Arc<BTreeMap<String, String>>, KubeError> {
         let class = self.class().await?;
-        let Some(reference) = class.secret_ref(usage) else {
-            return Ok(Default::default());
-        };
+        match class.secret_ref(usage) {
+            Some(reference) => self.secret_data(reference).await,
+            None => Ok(Default::default()),
+        }
+    }
+
+    /// The data of one Secret, from the cache while it is fresh.
+    pub async fn secret_data(
+        &self,
+        reference: &SecretRef,
+    ) -> Result<Arc<BTreeMap<String, String>>, KubeError> {
         let mut cache = self.secrets.lock().await;
         if let Some((at, data)) = cache.get(reference)
             && at.elapsed() < self.ttl

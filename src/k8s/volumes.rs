@@ -14,8 +14,9 @@ use kube::core::{ApiResource, GroupVersionKind, NotUsed, Object};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::storage_class::SecretRef;
 use super::{Kube, KubeError};
-use crate::store::{StoreError, VolumeRecord, VolumeState};
+use crate::store::{DeletionPolicy, StoreError, VolumeRecord, VolumeState};
 
 pub const CRD_GROUP: &str = "csibridge.cubesandbox.io";
 pub const CRD_VERSION: &str = "v1alpha1";
@@ -42,6 +43,12 @@ pub struct CubeVolumeSpec {
     pub capacity_bytes: i64,
     #[serde(default)]
     pub updated_at: u64,
+    /// `Delete` or `Retain`, from the StorageClass at Create; absent when not recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reclaim_policy: Option<String>,
+    /// The provisioner secret DeleteVolume gets, from the StorageClass at Create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioner_secret_ref: Option<SecretRef>,
 }
 
 /// `spec.state`, spelled as Kubernetes enums are.
@@ -190,6 +197,11 @@ impl CubeVolumeStore {
             volume_context: record.volume_context.clone(),
             capacity_bytes: record.capacity_bytes,
             updated_at: record.updated_at,
+            reclaim_policy: record
+                .deletion
+                .as_ref()
+                .map(|d| if d.retain { "Retain" } else { "Delete" }.to_string()),
+            provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
         }
     }
 
@@ -206,7 +218,12 @@ impl CubeVolumeStore {
                 ),
             });
         }
+        let deletion = spec.reclaim_policy.as_deref().map(|policy| DeletionPolicy {
+            retain: policy == "Retain",
+            secret: spec.provisioner_secret_ref.clone(),
+        });
         Ok(VolumeRecord {
+            deletion,
             volume_id: spec.volume_id,
             csi_name: spec.csi_name,
             csi_driver: spec.csi_driver,
@@ -287,6 +304,11 @@ mod tests {
             volume_context: BTreeMap::from([("k".into(), "v".into())]),
             capacity_bytes: 5,
             updated_at: 7,
+            reclaim_policy: Some("Retain".into()),
+            provisioner_secret_ref: Some(SecretRef {
+                namespace: "default".into(),
+                name: "creds".into(),
+            }),
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -294,7 +316,9 @@ mod tests {
             serde_json::json!({
                 "driver": "nfs", "volumeId": "v1", "csiDriver": "nfs.csi.k8s.io",
                 "csiName": "cube-v1", "state": "Created", "csiVolumeId": "h",
-                "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7
+                "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
+                "reclaimPolicy": "Retain",
+                "provisionerSecretRef": {"namespace": "default", "name": "creds"}
             })
         );
     }

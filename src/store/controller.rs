@@ -70,10 +70,25 @@ pub struct VolumeRecord {
     pub capacity_bytes: i64,
     /// Seconds since the Unix epoch.
     pub updated_at: u64,
+    /// What Destroy needs, recorded at Create from the StorageClass (as a PersistentVolume
+    /// records it) so that Destroy works even after the StorageClass changed or is gone.
+    /// None: not recorded (config-file settings, or a record from before this existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion: Option<DeletionPolicy>,
     /// The version of the stored record this copy was read at; None for a record not
     /// yet stored. Set by the store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+}
+
+/// How a volume is deleted, as its StorageClass said when it was created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletionPolicy {
+    /// `reclaimPolicy: Retain`: Destroy keeps the storage.
+    pub retain: bool,
+    /// The provisioner secret DeleteVolume gets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<crate::k8s::storage_class::SecretRef>,
 }
 
 /// The controller store behind the bridge.
@@ -339,6 +354,7 @@ mod tests {
             capacity_bytes: 0,
             updated_at: now_secs(),
             csi_driver: None,
+            deletion: None,
             revision: None,
         }
     }

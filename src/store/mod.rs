@@ -5,5 +5,7 @@ pub mod controller;
 pub mod fsutil;
 pub mod journal;
 
-pub use controller::{ControllerStore, EmbeddedStore, StoreError, VolumeRecord, VolumeState};
+pub use controller::{
+    ControllerStore, DeletionPolicy, EmbeddedStore, StoreError, VolumeRecord, VolumeState,
+};
 pub use journal::{NodeJournal, NodeRecord, Step};
