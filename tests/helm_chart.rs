@@ -186,7 +186,8 @@ fn examples_render_exactly_as_the_golden_files() {
     let update = std::env::var_os("UPDATE_GOLDEN").is_some_and(|v| v == "1");
     let mut mismatches = Vec::new();
     for (name, file) in EXAMPLES {
-        let rendered = helm.render(&["-f", &example(file)]);
+        // With the CRD, so that a schema change shows up here too.
+        let rendered = helm.render(&["--include-crds", "-f", &example(file)]);
         let golden_path = Path::new(GOLDEN_DIR).join(format!("{name}.yaml"));
         if update {
             std::fs::create_dir_all(GOLDEN_DIR).expect("create tests/golden/helm");
