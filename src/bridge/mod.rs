@@ -65,7 +65,6 @@ pub struct Bridge {
     journal: Option<NodeJournal>,
     /// Where volume parameters, capability and secrets come from.
     profile: ProfileSource,
-    kube: Option<Arc<Kube>>,
     locks: VolumeLocks,
     mount_view: Arc<MountView>,
     discovered: tokio::sync::Mutex<Discovered>,
@@ -124,7 +123,6 @@ impl Bridge {
             store,
             journal,
             profile,
-            kube,
             locks,
             mount_view,
             discovered: Default::default(),
@@ -297,7 +295,7 @@ impl Bridge {
     /// belongs to this driver, and the CubeVolume objects can be listed. An unreachable
     /// API server is only a warning, like an unreachable driver.
     async fn check_kubernetes(&self, roles: Roles) -> Result<(), BridgeError> {
-        if self.kube.is_none() {
+        if !self.config.uses_kubernetes() {
             return Ok(());
         }
         let outcome = async {

@@ -66,13 +66,6 @@ impl KubeError {
         }
     }
 
-    pub fn code(&self) -> Option<u16> {
-        match self {
-            KubeError::Api { code, .. } => *code,
-            _ => None,
-        }
-    }
-
     /// Whether retrying later could help (the server was unreachable or overloaded).
     pub fn is_transient(&self) -> bool {
         match self {
