@@ -106,21 +106,30 @@ async fn nfs_style_class(client: &kube::Client) {
     .await;
 }
 
-/// Installs the chart as the tests deploy it; panics with helm's words on failure.
-fn install_chart(api: &ApiServer, release: &str, namespace: &str, values: &serde_json::Value) {
-    let values_path = api.dir.path().join(format!("{release}-values.json"));
-    std::fs::write(&values_path, serde_json::to_vec(values).unwrap()).unwrap();
-    let (ok, out) = api.helm(&[
+/// `helm install`s the chart with these values files (none: its defaults); panics with
+/// helm's words on failure, else returns what helm printed (the NOTES among it).
+fn helm_install(api: &ApiServer, release: &str, namespace: &str, values: &[&Path]) -> String {
+    let mut args = vec![
         "install",
         release,
         CHART_DIR,
         "--namespace",
         namespace,
         "--create-namespace",
-        "-f",
-        values_path.to_str().unwrap(),
-    ]);
+    ];
+    for file in values {
+        args.extend(["-f", file.to_str().unwrap()]);
+    }
+    let (ok, out) = api.helm(&args);
     assert!(ok, "helm install {release} failed:\n{out}");
+    out
+}
+
+/// Installs the chart with `values` as the tests deploy it.
+fn install_chart(api: &ApiServer, release: &str, namespace: &str, values: &serde_json::Value) {
+    let values_path = api.dir.path().join(format!("{release}-values.json"));
+    std::fs::write(&values_path, serde_json::to_vec(values).unwrap()).unwrap();
+    helm_install(api, release, namespace, &[&values_path]);
 }
 
 /// The ServiceAccount the chart made for one side (`node`, `controller`) of a release.
@@ -392,15 +401,7 @@ async fn unusable_storage_classes_are_refused_before_anything_changes() {
     let api = ApiServer::start(&bin);
     let admin = api.admin().await;
     // The chart with its defaults, for its CRD; the bridges below run as admin.
-    let (ok, out) = api.helm(&[
-        "install",
-        "defaults",
-        CHART_DIR,
-        "--namespace",
-        NAMESPACE,
-        "--create-namespace",
-    ]);
-    assert!(ok, "{out}");
+    helm_install(&api, "defaults", NAMESPACE, &[]);
     create_class(
         &admin,
         "typo",
@@ -450,17 +451,7 @@ async fn chart_examples_install_into_a_real_api_server() {
     ] {
         let values = Path::new(CHART_DIR).join("examples").join(example);
         let namespace = format!("cube-{release}");
-        let (ok, out) = api.helm(&[
-            "install",
-            release,
-            CHART_DIR,
-            "--namespace",
-            &namespace,
-            "--create-namespace",
-            "-f",
-            values.to_str().unwrap(),
-        ]);
-        assert!(ok, "helm install of {example} failed:\n{out}");
+        let out = helm_install(&api, release, &namespace, &[&values]);
         // NOTES.txt: the Cube entries for this release, ready to paste.
         for entry in [
             "volume_plugins:\n  - name: ",
@@ -505,15 +496,7 @@ async fn cubevolume_store_refuses_stale_writes() {
 
     let bin = require_k8s_peers!();
     let api = ApiServer::start(&bin);
-    let (ok, out) = api.helm(&[
-        "install",
-        "defaults",
-        CHART_DIR,
-        "--namespace",
-        NAMESPACE,
-        "--create-namespace",
-    ]);
-    assert!(ok, "{out}");
+    helm_install(&api, "defaults", NAMESPACE, &[]);
     let settings = KubernetesConfig {
         kubeconfig: Some(api.kubeconfig.clone()),
         namespace: Some(NAMESPACE.into()),
