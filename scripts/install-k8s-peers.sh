@@ -42,18 +42,9 @@ for f in go.mod go.sum helm/go.mod helm/go.sum; do
 done
 
 # --- Debian packages -------------------------------------------------------
-declare -A want=()
-for pair in openssl:openssl python3:python3 curl:curl flock:util-linux \
-	sha256sum:coreutils base64:coreutils; do
-	command -v "${pair%%:*}" >/dev/null 2>&1 || want[${pair#*:}]=1
-done
-if [ ${#want[@]} -gt 0 ]; then
-	[ "$(id -u)" = 0 ] || die "missing packages ${!want[*]} and not root"
-	log "installing Debian packages: ${!want[*]}"
-	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq >&2
-	apt-get install -y -qq --no-install-recommends "${!want[@]}" >&2
-fi
+. "$repo/scripts/ensure-commands.sh"
+ensure_commands openssl:openssl python3:python3 curl:curl flock:util-linux \
+	sha256sum:coreutils base64:coreutils
 command -v go >/dev/null 2>&1 || die "go is not on PATH"
 
 # --- cache key -------------------------------------------------------------

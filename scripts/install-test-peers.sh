@@ -44,19 +44,10 @@ csi_mock_pkg=github.com/kubernetes-csi/csi-test/v4/cmd/mock-driver
 [ -f "$proto" ] || die "missing $proto"
 
 # --- Debian packages -------------------------------------------------------
-declare -A want=()
-for pair in mount:mount umount:mount findmnt:util-linux mountpoint:util-linux \
+. "$repo/scripts/ensure-commands.sh"
+ensure_commands mount:mount umount:mount findmnt:util-linux mountpoint:util-linux \
 	unshare:util-linux nsenter:util-linux flock:util-linux setsid:util-linux \
-	sha256sum:coreutils base64:coreutils; do
-	command -v "${pair%%:*}" >/dev/null 2>&1 || want[${pair#*:}]=1
-done
-if [ ${#want[@]} -gt 0 ]; then
-	[ "$(id -u)" = 0 ] || die "missing packages ${!want[*]} and not root"
-	log "installing Debian packages: ${!want[*]}"
-	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq >&2
-	apt-get install -y -qq --no-install-recommends "${!want[@]}" >&2
-fi
+	sha256sum:coreutils base64:coreutils
 command -v go >/dev/null 2>&1 || die "go is not on PATH"
 
 # --- cache key -------------------------------------------------------------

@@ -1,0 +1,17 @@
+# Sourced by the scripts/install-*-peers.sh installers (after they define log and die).
+#
+# ensure_commands <command>:<debian-package>...
+#   Installs, with apt-get, the packages whose command is missing (running apt-get update
+#   only then). Installing needs root; without it, missing packages are an error.
+ensure_commands() {
+	local pair
+	local -A want=()
+	for pair in "$@"; do
+		command -v "${pair%%:*}" >/dev/null 2>&1 || want[${pair#*:}]=1
+	done
+	[ ${#want[@]} -gt 0 ] || return 0
+	[ "$(id -u)" = 0 ] || die "missing packages ${!want[*]} and not root"
+	log "installing Debian packages: ${!want[*]}"
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${!want[@]}" >&2
+}
