@@ -14,6 +14,11 @@ fi
 CUBE_CSI_BRIDGE_PEERS_BIN="$(bash scripts/install-test-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_PEERS_BIN
 
+# The real CSI drivers (csi-driver-host-path, csi-driver-nfs), built offline from the pinned
+# release sources in ../shared/peers and cached (tests/real_drivers.rs, the benchmarks).
+CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN="$(bash scripts/install-real-drivers.sh | tail -n 1)"
+export CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN
+
 # A real kube-apiserver, etcd and helm (tests/kubernetes.rs, tests/helm_chart.rs), built
 # from the Go module proxy once and cached (the first build takes several minutes).
 CUBE_CSI_BRIDGE_K8S_BIN="$(bash scripts/install-k8s-peers.sh | tail -n 1)"
