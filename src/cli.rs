@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::bridge::{Caller, HookKind};
+use crate::bridge::HookKind;
 use crate::config::{self, Config};
-use crate::cube::binary::{self, HookOutput, HookRequest};
+use crate::cube::binary::{HookOutput, HookRequest};
 use crate::mount::view::{MOUNTINFO_SUBCOMMAND, print_mountinfo_in_namespace};
 use crate::proto::cube::v1 as pb;
 use crate::telemetry::{self, LogFormat};
@@ -317,15 +317,10 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
         Ok(c) => c,
         Err(e) => return finish_hook(HookOutput::failure(&e.to_string()), EXIT_CONFIG),
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("starting the async runtime");
-    let mut output = None;
-    runtime.block_on(binary::run(config, request, &Caller::waiting(), |o| {
-        output = Some(o)
-    }));
-    finish_hook(output.expect("every hook answers"), EXIT_FAILURE)
+    // Still single-threaded: the hook runs in a worker that outlives a SIGKILL of this
+    // process (see cube::worker).
+    let output = crate::cube::worker::run_in_worker(config, request);
+    finish_hook(output, EXIT_FAILURE)
 }
 
 /// Prints the hook's one JSON object and picks the exit code; on failure the message

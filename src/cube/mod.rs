@@ -9,3 +9,4 @@ pub mod listener;
 pub mod server;
 pub mod service;
 pub mod validate;
+pub mod worker;
