@@ -287,12 +287,38 @@ impl World {
         ref_count: i64,
         private_data: &str,
     ) -> Result<pb::AttachResponse, CubeError> {
+        self.attach_full("default", base_dir, sandbox, volume_id, ref_count, private_data)
+            .await
+    }
+
+    /// Attach as a sandbox of containerd namespace `namespace`.
+    pub async fn attach_as(
+        &self,
+        namespace: &str,
+        sandbox: &str,
+        volume_id: &str,
+        ref_count: i64,
+        private_data: &str,
+    ) -> Result<pb::AttachResponse, CubeError> {
+        self.attach_full(namespace, &self.base_dir, sandbox, volume_id, ref_count, private_data)
+            .await
+    }
+
+    async fn attach_full(
+        &self,
+        namespace: &str,
+        base_dir: &Path,
+        sandbox: &str,
+        volume_id: &str,
+        ref_count: i64,
+        private_data: &str,
+    ) -> Result<pb::AttachResponse, CubeError> {
         let base = base_dir.display().to_string();
         match self.mode {
             Mode::Rpc => VolumePluginServiceClient::new(self.channel())
                 .attach(pb::AttachRequest {
                     sandbox_id: sandbox.into(),
-                    namespace: "default".into(),
+                    namespace: namespace.into(),
                     volume_id: volume_id.into(),
                     volume_base_dir: base,
                     ref_count,
@@ -309,7 +335,7 @@ impl World {
                     "--sandbox-id",
                     sandbox,
                     "--namespace",
-                    "default",
+                    namespace,
                     "--volume-id",
                     volume_id,
                     "--ref-count",
@@ -361,11 +387,24 @@ impl World {
         ref_count: i64,
         metadata: &HashMap<String, String>,
     ) -> Result<(), CubeError> {
+        self.detach_as("default", sandbox, volume_id, ref_count, metadata)
+            .await
+    }
+
+    /// Detach as a sandbox of containerd namespace `namespace`.
+    pub async fn detach_as(
+        &self,
+        namespace: &str,
+        sandbox: &str,
+        volume_id: &str,
+        ref_count: i64,
+        metadata: &HashMap<String, String>,
+    ) -> Result<(), CubeError> {
         match self.mode {
             Mode::Rpc => VolumePluginServiceClient::new(self.channel())
                 .detach(pb::DetachRequest {
                     sandbox_id: sandbox.into(),
-                    namespace: "default".into(),
+                    namespace: namespace.into(),
                     volume_id: volume_id.into(),
                     metadata: metadata.clone(),
                     ref_count,
@@ -383,7 +422,7 @@ impl World {
                     "--sandbox-id",
                     sandbox,
                     "--namespace",
-                    "default",
+                    namespace,
                     "--volume-id",
                     volume_id,
                     "--ref-count",
