@@ -62,7 +62,7 @@ pub enum BridgeError {
     InvalidRequest(String),
     /// A CSI call failed (the message names the call and carries the driver's words).
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(Box<DriverError>),
     /// The driver, the state or the setup cannot do what was asked (capabilities,
     /// configuration, a record that does not fit).
     #[error("{0}")]
@@ -104,6 +104,12 @@ pub enum BridgeError {
     /// The caller stopped waiting; the hook undid its own work.
     #[error("the caller stopped waiting; the partial work was undone")]
     CallerGone,
+}
+
+impl From<DriverError> for BridgeError {
+    fn from(error: DriverError) -> Self {
+        BridgeError::Driver(Box::new(error))
+    }
 }
 
 impl BridgeError {

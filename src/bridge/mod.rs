@@ -233,7 +233,7 @@ impl Bridge {
                 e.call
             ))
         } else {
-            BridgeError::Driver(e)
+            BridgeError::Driver(Box::new(e))
         }
     }
 

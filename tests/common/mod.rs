@@ -287,8 +287,15 @@ impl World {
         ref_count: i64,
         private_data: &str,
     ) -> Result<pb::AttachResponse, CubeError> {
-        self.attach_full("default", base_dir, sandbox, volume_id, ref_count, private_data)
-            .await
+        self.attach_full(
+            "default",
+            base_dir,
+            sandbox,
+            volume_id,
+            ref_count,
+            private_data,
+        )
+        .await
     }
 
     /// Attach as a sandbox of containerd namespace `namespace`.
@@ -300,8 +307,15 @@ impl World {
         ref_count: i64,
         private_data: &str,
     ) -> Result<pb::AttachResponse, CubeError> {
-        self.attach_full(namespace, &self.base_dir, sandbox, volume_id, ref_count, private_data)
-            .await
+        self.attach_full(
+            namespace,
+            &self.base_dir,
+            sandbox,
+            volume_id,
+            ref_count,
+            private_data,
+        )
+        .await
     }
 
     async fn attach_full(
