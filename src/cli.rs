@@ -64,8 +64,21 @@ pub enum Command {
     Check(ConfigArg),
     /// Print the CubeMaster conf.yaml and Cubelet config.toml entries for this instance.
     Register(RegisterArgs),
-    /// List the volumes this node has attached, from the node journal.
-    List(ConfigArg),
+    /// List the volumes this node has attached (node journal joined with the mount
+    /// table), or with --controller the controller store's records (state, age, handle).
+    List(ListArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// List the controller store's records instead of this node's volumes.
+    #[arg(long)]
+    pub controller: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
 }
 
 #[derive(Debug, Args)]
@@ -269,13 +282,22 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             print!("{}", crate::admin::registration_snippets(&config, &binary));
             ExitCode::SUCCESS
         }
-        Command::List(arg) => {
+        Command::List(args) => {
             telemetry::init(cli.log_format, "warn");
-            let config = match load_config(arg.config, argv0.as_deref()) {
+            let config = match load_config(args.config.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            match crate::admin::list(&config) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("starting the async runtime");
+            let listed = if args.controller {
+                runtime.block_on(crate::admin::list_controller(&config, args.output))
+            } else {
+                runtime.block_on(crate::admin::list(&config, args.output))
+            };
+            match listed {
                 Ok(text) => {
                     print!("{text}");
                     ExitCode::SUCCESS

@@ -13,6 +13,7 @@ pub mod csi;
 pub mod cube;
 pub mod demo;
 pub mod k8s;
+pub mod metrics;
 pub mod mount;
 pub mod proto;
 pub mod store;

@@ -120,6 +120,24 @@ impl BridgeError {
         }
     }
 
+    /// A short, stable name of the kind of failure (a metrics label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BridgeError::InvalidRequest(_) => "invalid_request",
+            BridgeError::Driver(_) => "driver_error",
+            BridgeError::Precondition(_) => "precondition",
+            BridgeError::NotVisible { .. } => "not_visible",
+            BridgeError::StillMounted { .. } => "still_mounted",
+            BridgeError::Busy { .. } => "busy",
+            BridgeError::Store(_) => "store_error",
+            BridgeError::Journal(_) => "journal_error",
+            BridgeError::Settings(_) => "settings_error",
+            BridgeError::Io { .. } => "io_error",
+            BridgeError::RollbackFailed { .. } => "rollback_failed",
+            BridgeError::CallerGone => "caller_gone",
+        }
+    }
+
     /// A driver error that may mean the driver is still working on the call.
     pub fn is_uncertain_driver_error(&self) -> bool {
         matches!(self, BridgeError::Driver(e) if e.is_uncertain())

@@ -12,6 +12,7 @@ mod deadline;
 pub mod error;
 pub mod faults;
 pub mod handoff;
+pub mod inventory;
 pub mod locks;
 pub mod naming;
 pub mod node;
@@ -161,11 +162,16 @@ impl Bridge {
             let started = Instant::now();
             tracing::debug!("hook started");
             let result = work.await;
-            let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+            let elapsed = started.elapsed();
+            let elapsed_ms = elapsed.as_secs_f64() * 1e3;
             match &result {
                 Ok(_) => tracing::info!(elapsed_ms, "hook succeeded"),
                 Err(error) => tracing::error!(elapsed_ms, %error, "hook failed"),
             }
+            let outcome = result
+                .as_ref()
+                .map_or_else(BridgeError::kind, |_| "success");
+            crate::metrics::hook(hook.as_str(), outcome, elapsed);
             result.map_err(|error| HookError {
                 hook,
                 volume_id: volume_id.to_string(),

@@ -220,12 +220,16 @@ impl Bridge {
                     match self.undo_attach(&mut record, &before, &change, &rollback).await {
                         Ok(()) => {
                             tracing::info!("partial attach undone");
+                            crate::metrics::rollback("attach", "undone");
                             Err(error)
                         }
-                        Err(rollback) => Err(BridgeError::RollbackFailed {
+                        Err(rollback) => {
+                            crate::metrics::rollback("attach", "failed");
+                            Err(BridgeError::RollbackFailed {
                             error: Box::new(error),
                             rollback: Box::new(rollback),
-                        }),
+                        })
+                        }
                     }
                 }
             };

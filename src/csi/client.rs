@@ -116,6 +116,7 @@ impl CsiClient {
                 request.set_timeout(remaining);
                 match tokio::time::timeout(remaining, send(self.channel.clone(), request)).await {
                     Ok(Ok(response)) => {
+                        crate::metrics::csi_call(name, "Ok", started.elapsed());
                         tracing::debug!(
                             call = name,
                             attempts,
@@ -132,6 +133,7 @@ impl CsiClient {
                 }
             };
             let mut error = self.error(name, &status, attempts, redact);
+            crate::metrics::csi_call(name, error.status, started.elapsed());
             if is_final(status.code()) {
                 return Err(error);
             }
@@ -140,6 +142,7 @@ impl CsiClient {
                 error.gave_up_after = Some(deadline.elapsed());
                 return Err(error);
             }
+            crate::metrics::csi_retry(name, error.status);
             tracing::warn!(
                 call = name,
                 code = ?status.code(),

@@ -70,6 +70,7 @@ pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError
     };
     checked.map_err(|message| {
         tracing::warn!(op = hook.as_str(), %volume_id, %message, "rejected an invalid request");
+        crate::metrics::hook(hook.as_str(), "invalid_request", std::time::Duration::ZERO);
         HookError {
             hook,
             volume_id,
