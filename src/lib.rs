@@ -13,6 +13,7 @@ pub mod demo;
 pub mod k8s;
 pub mod mount;
 pub mod ops;
+pub mod probe;
 pub mod proto;
 pub mod store;
 pub mod telemetry;

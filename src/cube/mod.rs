@@ -3,6 +3,7 @@
 
 pub mod binary;
 pub mod errors;
+pub mod health;
 pub mod hooks;
 pub mod server;
 pub mod service;

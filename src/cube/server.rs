@@ -99,6 +99,7 @@ pub async fn serve(config: Config, shutdown: impl Future<Output = ()>) -> anyhow
         });
     }
 
+    let health = super::health::DaemonHealth::start(bridge.config(), roles);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -114,6 +115,7 @@ pub async fn serve(config: Config, shutdown: impl Future<Output = ()>) -> anyhow
             .then(|| VolumeControllerServiceServer::new(service.clone()));
         let node = roles.node.then(|| VolumePluginServiceServer::new(service));
         builder
+            .add_service(health.service())
             .add_optional_service(controller)
             .add_optional_service(node)
     };
