@@ -24,6 +24,10 @@ export CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN
 CUBE_CSI_BRIDGE_K8S_BIN="$(bash scripts/install-k8s-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_K8S_BIN
 
+# systemd-analyze (tests/systemd_units.rs) from Debian, and cargo-deny (the dependency check
+# below) built from crates.io once and cached.
+CUBE_CSI_BRIDGE_OPS_BIN="$(bash scripts/install-ops-tools.sh | tail -n 1)"
+
 cargo fmt --check
 cargo clippy --locked --all-targets -- -D warnings
 cargo test --locked
