@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 
+use crate::bridge::HookKind;
 use crate::config::{self, Config};
-use crate::cube::binary::{self, HookOutput, HookRequest};
+use crate::cube::binary::{HookOutput, HookRequest};
 use crate::mount::view::{MOUNTINFO_SUBCOMMAND, print_mountinfo_in_namespace};
 use crate::proto::cube::v1 as pb;
 use crate::telemetry::{self, LogFormat};
@@ -93,22 +94,13 @@ pub struct RegisterArgs {
     pub binary_path: Option<PathBuf>,
 }
 
-/// The operation Cube asks a binary hook for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Op {
-    Create,
-    Destroy,
-    Attach,
-    Detach,
-}
-
 /// The binary-hook argv. Cube passes flag and value as separate arguments, never
 /// `--k=v`, and values may begin with `-` (volume ids may), so every value accepts that.
 #[derive(Debug, Args)]
 pub struct HookArgs {
     /// The hook: create and destroy come from CubeMaster, attach and detach from Cubelet.
-    #[arg(long, value_enum)]
-    pub op: Op,
+    #[arg(long, value_parser = HookKind::parse, value_name = "create|destroy|attach|detach")]
+    pub op: HookKind,
     /// Cube volume id ([A-Za-z0-9_-]{1,128}); every op.
     #[arg(long, allow_hyphen_values = true, value_name = "ID")]
     pub volume_id: Option<String>,
@@ -141,25 +133,28 @@ pub struct HookArgs {
 impl HookArgs {
     /// Builds the wire request, naming the first missing or malformed argument.
     pub fn request(&self) -> Result<HookRequest, String> {
-        fn need(value: &Option<String>, flag: &str, op: Op) -> Result<String, String> {
+        fn need(value: &Option<String>, flag: &str, op: HookKind) -> Result<String, String> {
             value
                 .clone()
-                .ok_or_else(|| format!("--op {} needs {flag}", op_name(op)))
+                .ok_or_else(|| format!("--op {op} needs {flag}"))
         }
         let op = self.op;
         let volume_id = need(&self.volume_id, "--volume-id", op)?;
         let ref_count = || -> Result<i64, String> {
             let text = need(&self.ref_count, "--ref-count", op)?;
-            text.parse()
-                .map_err(|_| format!("--ref-count {text:?} is not an integer"))
+            match text.parse::<i64>() {
+                Ok(n) if n >= 0 => Ok(n),
+                Ok(n) => Err(format!("--ref-count {n} is negative; it counts holders")),
+                Err(_) => Err(format!("--ref-count {text:?} is not an integer")),
+            }
         };
         Ok(match op {
-            Op::Create => HookRequest::Create(pb::CreateRequest {
+            HookKind::Create => HookRequest::Create(pb::CreateRequest {
                 volume_id,
                 name: need(&self.name, "--name", op)?,
             }),
-            Op::Destroy => HookRequest::Destroy(pb::DestroyRequest { volume_id }),
-            Op::Attach => HookRequest::Attach(pb::AttachRequest {
+            HookKind::Destroy => HookRequest::Destroy(pb::DestroyRequest { volume_id }),
+            HookKind::Attach => HookRequest::Attach(pb::AttachRequest {
                 sandbox_id: need(&self.sandbox_id, "--sandbox-id", op)?,
                 namespace: need(&self.namespace, "--namespace", op)?,
                 volume_id,
@@ -167,7 +162,7 @@ impl HookArgs {
                 volume_base_dir: need(&self.volume_base_dir, "--volume-base-dir", op)?,
                 private_data: self.private_data.clone().unwrap_or_default(),
             }),
-            Op::Detach => HookRequest::Detach(pb::DetachRequest {
+            HookKind::Detach => HookRequest::Detach(pb::DetachRequest {
                 sandbox_id: need(&self.sandbox_id, "--sandbox-id", op)?,
                 namespace: need(&self.namespace, "--namespace", op)?,
                 volume_id,
@@ -179,15 +174,6 @@ impl HookArgs {
                 )?)?,
             }),
         })
-    }
-}
-
-fn op_name(op: Op) -> &'static str {
-    match op {
-        Op::Create => "create",
-        Op::Destroy => "destroy",
-        Op::Attach => "attach",
-        Op::Detach => "detach",
     }
 }
 
@@ -233,22 +219,15 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 Err(code) => return code,
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
-            match runtime.block_on(crate::cube::server::serve(
-                config,
-                crate::cube::server::shutdown_signal(),
-            )) {
+            let served = runtime.block_on(async {
+                let daemon = crate::cube::server::Daemon::open(config).await?;
+                daemon.run(crate::cube::server::shutdown_signal()).await
+            });
+            match served {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    tracing::error!("{e:#}");
-                    let misconfigured = e
-                        .downcast_ref::<crate::cube::server::Misconfigured>()
-                        .is_some()
-                        || e.downcast_ref::<crate::bridge::BridgeError>().is_some();
-                    ExitCode::from(if misconfigured {
-                        EXIT_CONFIG
-                    } else {
-                        EXIT_FAILURE
-                    })
+                    tracing::error!("{e}");
+                    ExitCode::from(e.exit_code())
                 }
             }
         }
@@ -271,7 +250,7 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 Err(code) => return code,
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
-            match runtime.block_on(crate::ops::check(config, Duration::from_secs(10))) {
+            match runtime.block_on(crate::admin::check(config, Duration::from_secs(10))) {
                 Ok(true) => ExitCode::SUCCESS,
                 Ok(false) => ExitCode::from(EXIT_FAILURE),
                 Err(e) => {
@@ -290,7 +269,7 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 .binary_path
                 .or_else(|| std::env::current_exe().ok())
                 .unwrap_or_else(|| PathBuf::from("/usr/local/bin/cube-csi-bridge"));
-            print!("{}", crate::ops::registration_snippets(&config, &binary));
+            print!("{}", crate::admin::registration_snippets(&config, &binary));
             ExitCode::SUCCESS
         }
         Command::Probe(args) => {
@@ -314,7 +293,7 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            match crate::ops::list(&config) {
+            match crate::admin::list(&config) {
                 Ok(text) => {
                     print!("{text}");
                     ExitCode::SUCCESS
@@ -356,11 +335,9 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
         Ok(c) => c,
         Err(e) => return finish_hook(HookOutput::failure(&e.to_string()), EXIT_CONFIG),
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("starting the async runtime");
-    let output = runtime.block_on(binary::run(config, request));
+    // Still single-threaded: the hook runs in a worker that outlives a SIGKILL of this
+    // process (see cube::worker).
+    let output = crate::cube::worker::run_in_worker(config, request);
     finish_hook(output, EXIT_FAILURE)
 }
 

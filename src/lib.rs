@@ -4,6 +4,8 @@
 //! binary hook. South side (`csi`): a CSI container orchestrator. Between them, the
 //! translation core (`bridge`), over `mount` queries and persistent `store`s.
 
+pub mod admin;
+pub mod app;
 pub mod bridge;
 pub mod cli;
 pub mod config;
@@ -12,7 +14,6 @@ pub mod cube;
 pub mod demo;
 pub mod k8s;
 pub mod mount;
-pub mod ops;
 pub mod probe;
 pub mod proto;
 pub mod store;

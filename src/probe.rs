@@ -13,7 +13,8 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 use crate::cli::ConfigArg;
-use crate::config::{Config, Endpoint};
+use crate::config::Config;
+use crate::csi::Endpoint;
 use crate::cube::health::READY_SERVICE;
 
 /// The `probe` command line.
@@ -41,7 +42,7 @@ pub struct Verdict {
 pub async fn probe(config: &Config, ready: bool, timeout: Duration) -> Verdict {
     let socket = config.socket_path();
     let service = if ready { READY_SERVICE } else { "" };
-    let verdict = check(&socket, service, timeout).await;
+    let verdict = check(socket, service, timeout).await;
     let who = format!(
         "cube-csi-bridge {:?} on {}",
         config.driver,

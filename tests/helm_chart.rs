@@ -13,7 +13,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use cube_csi_bridge::config::{Config, Services};
+use cube_csi_bridge::config::{Config, Roles};
+use cube_csi_bridge::csi::Endpoint;
 
 const K8S_BIN_ENV: &str = "CUBE_CSI_BRIDGE_K8S_BIN";
 const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cube-csi-bridge");
@@ -390,8 +391,8 @@ controller:
         let manifest = helm.render(&args);
         let mut found = 0;
         for (key, services) in [
-            ("node.toml", [Services::Node, Services::Both].as_slice()),
-            ("controller.toml", [Services::Controller].as_slice()),
+            ("node.toml", [Roles::NODE, Roles::BOTH].as_slice()),
+            ("controller.toml", [Roles::CONTROLLER].as_slice()),
         ] {
             let Some(text) = block_scalar(&manifest, key) else {
                 continue;
@@ -401,12 +402,16 @@ controller:
             let config = Config::parse(&text, &path)
                 .unwrap_or_else(|e| panic!("{name} values: {key} is refused: {e}\n{text}"));
             assert!(
-                services.contains(&config.serve.services),
+                services.contains(&config.serve.roles),
                 "{name} values: {key} serves {:?}",
-                config.serve.services
+                config.serve.roles
             );
-            assert_eq!(config.csi.endpoint, "unix:///csi/csi.sock", "{name}/{key}");
-            let socket = config.serve.socket.clone().unwrap_or_default();
+            assert_eq!(
+                config.csi.endpoint,
+                Endpoint::Unix("/csi/csi.sock".into()),
+                "{name}/{key}"
+            );
+            let socket = config.socket_path().display().to_string();
             let expected = match key {
                 "node.toml" => format!("/run/cube-csi-bridge/{}.sock", config.driver),
                 _ => format!("/run/cube-csi-bridge/{}-controller.sock", config.driver),
@@ -436,8 +441,8 @@ controller:
                 assert_eq!(config.timeouts.attach_secs, 60);
                 if key == "node.toml" {
                     assert_eq!(
-                        config.csi.controller_endpoint.as_deref(),
-                        Some("http://10.0.0.8:10000")
+                        config.csi.controller_endpoint,
+                        Some(Endpoint::Tcp("10.0.0.8:10000".into()))
                     );
                 }
             }

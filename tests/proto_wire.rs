@@ -212,7 +212,7 @@ async fn cube_method_paths_answer() {
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
     let channel =
-        cube_csi_bridge::csi::client::channel(&cube_csi_bridge::config::Endpoint::Unix(socket));
+        cube_csi_bridge::csi::client::channel(&cube_csi_bridge::csi::Endpoint::Unix(socket));
     let mut grpc = tonic::client::Grpc::new(channel);
     for path in [
         "/cubelet.services.volumeplugin.v1.VolumePluginService/Attach",

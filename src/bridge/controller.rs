@@ -8,17 +8,26 @@
 //! Several controller replicas may share one store (Kubernetes mode). They meet on the
 //! record: every write names the revision it read, CreateVolume is idempotent by name, and
 //! a replica that loses a race re-reads and carries on from what the winner wrote.
+//!
+//! Cube never Destroys after a failed Create, so a Create that was killed or cancelled
+//! after CreateVolume would leak the CSI volume. The sweep resolves `Creating` records
+//! older than a grace period: it claims the record (state `Deleting`, a compare-and-swap
+//! that a replica still working on that Create would have refreshed), finds the volume
+//! by repeating CreateVolume with the recorded name, deletes it, and drops the record.
 
-use std::collections::HashMap;
+use std::time::Duration;
 
+use super::faults::{self, When};
 use super::handoff::VolumeHandle;
 use super::locks::LockScope;
 use super::naming::csi_volume_name;
-use super::profile::VolumeSpec;
-use super::{Bridge, BridgeError, CreateVolume, Created, DestroyVolume, HookError, HookKind};
-use crate::csi::{ControllerCaps, CsiError, Deadline, DriverIdentity};
-use crate::k8s::SecretUse;
-use crate::proto::csi::v1 as csi;
+use super::ports::{
+    ControllerCaps, CreatedVolume, DriverIdentity, NewVolume, SecretUse, Secrets, VolumeSpec,
+};
+use super::{
+    Bridge, BridgeError, Caller, CreateVolume, Created, Deadline, DestroyVolume, HookError,
+    HookKind,
+};
 use crate::store::controller::now_secs;
 use crate::store::{ControllerStore, DeletionPolicy, StoreError, VolumeRecord, VolumeState};
 
@@ -32,12 +41,12 @@ pub(crate) fn require_create_delete(
 ) -> Result<(), BridgeError> {
     match caps {
         Some(c) if c.create_delete_volume => Ok(()),
-        Some(_) => Err(BridgeError::Driver(format!(
+        Some(_) => Err(BridgeError::Precondition(format!(
             "CSI driver {} lacks the CREATE_DELETE_VOLUME controller capability, so it cannot \
              back Cube's Create and Destroy",
             identity.name
         ))),
-        None => Err(BridgeError::Driver(format!(
+        None => Err(BridgeError::Precondition(format!(
             "CSI driver {} has no controller service at this endpoint, so it cannot back \
              Cube's Create and Destroy; point csi.controller_endpoint (or csi.endpoint) at \
              the driver's controller",
@@ -46,84 +55,77 @@ pub(crate) fn require_create_delete(
     }
 }
 
+/// What a sweep found.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SweepReport {
+    /// Abandoned creates whose CSI volume was deleted and record dropped.
+    pub reclaimed: usize,
+    /// Records claimed by another replica or refreshed meanwhile.
+    pub skipped: usize,
+    pub failed: usize,
+}
+
 impl Bridge {
-    fn store(&self) -> &ControllerStore {
+    fn controller_store(&self) -> &dyn ControllerStore {
         self.store
-            .as_ref()
+            .as_deref()
             .expect("controller hooks are only routed to a bridge with the controller role")
     }
 
-    /// The CreateVolume request for a Cube volume (the same every time for one id).
-    async fn create_request(
-        &self,
-        csi_name: &str,
-        spec: &VolumeSpec,
-    ) -> Result<csi::CreateVolumeRequest, BridgeError> {
-        let volume = &self.config.volume;
-        Ok(csi::CreateVolumeRequest {
-            name: csi_name.to_string(),
-            capacity_range: (volume.capacity_bytes > 0).then_some(csi::CapacityRange {
-                required_bytes: volume.capacity_bytes as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![spec.capability.clone()],
-            parameters: spec.parameters.clone().into_iter().collect(),
-            secrets: self.secrets(SecretUse::Provisioner).await?,
-            ..Default::default()
-        })
+    async fn store_put(&self, hook: HookKind, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        faults::point(hook, When::Before, "store");
+        let written = self.controller_store().put(record).await;
+        faults::point(hook, When::After, "store");
+        written
     }
 
+    async fn store_delete(&self, hook: HookKind, record: &VolumeRecord) -> Result<(), StoreError> {
+        faults::point(hook, When::Before, "store");
+        let deleted = self.controller_store().delete(record).await;
+        faults::point(hook, When::After, "store");
+        deleted
+    }
+
+    /// CreateVolume for a Cube volume (the same request every time for one name).
     async fn create_volume(
         &self,
+        hook: HookKind,
         csi_name: &str,
         spec: &VolumeSpec,
         deadline: &Deadline,
-    ) -> Result<csi::Volume, BridgeError> {
-        let request = self.create_request(csi_name, spec).await?;
-        let reply = self.controller_csi.create_volume(request, deadline).await;
-        match reply {
-            Ok(reply) => reply
-                .volume
-                .filter(|v| !v.volume_id.is_empty())
-                .ok_or_else(|| {
-                    BridgeError::Driver(
-                        "CSI CreateVolume succeeded but returned no volume id".into(),
-                    )
-                }),
-            Err(e) => {
-                self.note_csi_error(&e).await;
-                Err(e.into())
-            }
-        }
+    ) -> Result<CreatedVolume, BridgeError> {
+        let volume = NewVolume {
+            name: csi_name.to_string(),
+            required_bytes: self.config.volume.capacity_bytes,
+            capability: spec.capability.clone(),
+            parameters: spec.parameters.clone(),
+            secrets: self.settings.secrets(SecretUse::Provisioner).await?,
+        };
+        faults::point(hook, When::Before, "CreateVolume");
+        let reply = self.controller.create_volume(&volume, deadline).await;
+        faults::point(hook, When::After, "CreateVolume");
+        self.driver(reply).await
     }
 
     async fn delete_volume(
         &self,
+        hook: HookKind,
         csi_volume_id: &str,
-        secrets: HashMap<String, String>,
+        secrets: &Secrets,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        let request = csi::DeleteVolumeRequest {
-            volume_id: csi_volume_id.to_string(),
-            secrets,
-        };
-        match self.controller_csi.delete_volume(request, deadline).await {
-            Ok(_) => Ok(()),
-            // DeleteVolume of an unknown volume must succeed (CSI spec); some drivers
-            // answer NOT_FOUND anyway.
-            Err(CsiError {
-                code: tonic::Code::NotFound,
-                ..
-            }) => Ok(()),
-            Err(e) => {
-                self.note_csi_error(&e).await;
-                Err(e.into())
-            }
-        }
+        faults::point(hook, When::Before, "DeleteVolume");
+        let reply = self
+            .controller
+            .delete_volume(csi_volume_id, secrets, deadline)
+            .await;
+        faults::point(hook, When::After, "DeleteVolume");
+        self.driver(reply).await
     }
 
     /// Records the intent to create (state Creating), or adopts the record another
-    /// replica or an earlier attempt left for this volume.
+    /// replica or an earlier attempt left for this volume, refreshing its age so that no
+    /// sweep takes it for abandoned while this Create works on it.
     async fn begin_create(
         &self,
         volume_id: &str,
@@ -132,31 +134,40 @@ impl Bridge {
         deletion: Option<&DeletionPolicy>,
     ) -> Result<VolumeRecord, BridgeError> {
         for _ in 0..STORE_RACE_RETRIES {
-            if let Some(existing) = self.store().get(volume_id).await? {
-                check_same_driver(&existing, csi_driver)?;
-                if existing.csi_name != csi_name {
-                    return Err(BridgeError::Driver(format!(
-                        "the controller store already records this volume as CSI volume \
-                         name {:?}, but volume.name_prefix now gives {csi_name:?}; restore \
-                         the old name_prefix or Destroy the volume first",
-                        existing.csi_name
-                    )));
+            let mut record = match self.controller_store().get(volume_id).await? {
+                Some(existing) => {
+                    check_same_driver(&existing, csi_driver)?;
+                    if existing.csi_name != csi_name {
+                        return Err(BridgeError::Precondition(format!(
+                            "the controller store already records this volume as CSI volume \
+                             name {:?}, but volume.name_prefix now gives {csi_name:?}; restore \
+                             the old name_prefix or Destroy the volume first",
+                            existing.csi_name
+                        )));
+                    }
+                    match existing.state {
+                        VolumeState::Created => return Ok(existing),
+                        VolumeState::Deleting => return Err(being_reclaimed(volume_id)),
+                        VolumeState::Creating => {}
+                    }
+                    let mut touched = existing;
+                    touched.updated_at = now_secs();
+                    touched
                 }
-                return Ok(existing);
-            }
-            let mut record = VolumeRecord {
-                volume_id: volume_id.to_string(),
-                csi_name: csi_name.to_string(),
-                csi_driver: Some(csi_driver.to_string()),
-                state: VolumeState::Creating,
-                csi_volume_id: None,
-                volume_context: Default::default(),
-                capacity_bytes: 0,
-                updated_at: now_secs(),
-                deletion: deletion.cloned(),
-                revision: None,
+                None => VolumeRecord {
+                    volume_id: volume_id.to_string(),
+                    csi_name: csi_name.to_string(),
+                    csi_driver: Some(csi_driver.to_string()),
+                    state: VolumeState::Creating,
+                    csi_volume_id: None,
+                    volume_context: Default::default(),
+                    capacity_bytes: 0,
+                    updated_at: now_secs(),
+                    deletion: deletion.cloned(),
+                    revision: None,
+                },
             };
-            match self.store().put(&mut record).await {
+            match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(record),
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
@@ -169,36 +180,42 @@ impl Bridge {
     }
 
     /// Records the created volume. A replica that raced this one and recorded the same
-    /// handle first is success.
+    /// handle first is success; a sweep that claimed the record meanwhile is not.
     async fn finish_create(
         &self,
         mut record: VolumeRecord,
-        volume: &csi::Volume,
+        volume: &CreatedVolume,
         deletion: Option<&DeletionPolicy>,
     ) -> Result<(), BridgeError> {
         for _ in 0..STORE_RACE_RETRIES {
             record.state = VolumeState::Created;
             record.deletion = deletion.cloned();
-            record.csi_volume_id = Some(volume.volume_id.clone());
-            record.volume_context = volume.volume_context.clone().into_iter().collect();
+            record.csi_volume_id = Some(volume.csi_volume_id.clone());
+            record.volume_context = volume.volume_context.clone();
             record.capacity_bytes = volume.capacity_bytes;
             record.updated_at = now_secs();
-            match self.store().put(&mut record).await {
+            match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
                 Err(StoreError::Conflict { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
-            match self.store().get(&record.volume_id).await? {
-                Some(current) if current.csi_volume_id.as_deref() == Some(&volume.volume_id) => {
+            match self.controller_store().get(&record.volume_id).await? {
+                Some(current)
+                    if current.csi_volume_id.as_deref() == Some(&volume.csi_volume_id)
+                        && current.state == VolumeState::Created =>
+                {
                     return Ok(());
+                }
+                Some(current) if current.state == VolumeState::Deleting => {
+                    return Err(being_reclaimed(&record.volume_id));
                 }
                 Some(current) => record = current,
                 None => {
-                    return Err(BridgeError::Driver(format!(
+                    return Err(BridgeError::Precondition(format!(
                         "the record of this volume was deleted while CSI volume {:?} was \
                          being created (a concurrent Destroy?); the CSI volume may need \
                          deleting",
-                        volume.volume_id
+                        volume.csi_volume_id
                     )));
                 }
             }
@@ -209,15 +226,16 @@ impl Bridge {
         .into())
     }
 
-    /// Cube Create.
-    pub async fn create(&self, req: CreateVolume) -> Result<Created, HookError> {
+    /// Cube Create. Cube never Destroys after a failed Create, so a Create whose caller
+    /// left deletes what it made.
+    pub async fn create(&self, req: CreateVolume, caller: &Caller) -> Result<Created, HookError> {
         let volume_id = req.volume_id.clone();
         self.hook(HookKind::Create, &volume_id, async {
             let deadline = Deadline::after(self.config.timeouts.create());
             let (identity, caps) = self.controller_view(&deadline).await?;
             require_create_delete(&identity, caps.as_ref())?;
             // Resolved before anything is written: a bad StorageClass changes nothing.
-            let spec = self.volume_spec(&identity.name).await?;
+            let spec = self.settings.spec(&identity.name).await?;
             let _guard = self
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
@@ -225,8 +243,8 @@ impl Bridge {
             let csi_name = csi_volume_name(&self.config.volume.name_prefix, &req.volume_id);
             tracing::info!(name = %req.name, csi_name, "creating CSI volume");
 
-            // Intent first: if the answer to CreateVolume is lost, Destroy can still find
-            // the volume by its name.
+            // Intent first: if the answer to CreateVolume is lost, Destroy (or the sweep)
+            // can still find the volume by its name.
             let record = self
                 .begin_create(
                     &req.volume_id,
@@ -236,14 +254,16 @@ impl Bridge {
                 )
                 .await?;
 
-            let volume = match self.create_volume(&csi_name, &spec, &deadline).await {
+            let volume = match self
+                .create_volume(HookKind::Create, &csi_name, &spec, &deadline)
+                .await
+            {
                 Ok(v) => v,
                 Err(error) => {
                     // A final error means nothing was created: forget the intent (unless
                     // the record is an earlier, finished create).
-                    let uncertain = matches!(&error, BridgeError::Csi(e) if e.is_uncertain());
-                    if !uncertain && record.state == VolumeState::Creating {
-                        match self.store().delete(&record).await {
+                    if !error.is_uncertain_driver_error() && record.state == VolumeState::Creating {
+                        match self.store_delete(HookKind::Create, &record).await {
                             Ok(()) | Err(StoreError::Conflict { .. }) => {}
                             Err(e) => return Err(e.into()),
                         }
@@ -254,8 +274,8 @@ impl Bridge {
 
             let required = self.config.volume.capacity_bytes as i64;
             let handle = VolumeHandle {
-                csi_volume_id: volume.volume_id.clone(),
-                volume_context: volume.volume_context.clone().into_iter().collect(),
+                csi_volume_id: volume.csi_volume_id.clone(),
+                volume_context: volume.volume_context.clone(),
                 controller_publish: caps.is_some_and(|c| c.publish_unpublish_volume),
             };
             let encoded = if volume.capacity_bytes != 0 && volume.capacity_bytes < required {
@@ -263,6 +283,8 @@ impl Bridge {
                     "the driver created a volume of {} bytes, less than the {required} requested",
                     volume.capacity_bytes
                 ))
+            } else if caller.is_gone() && record.state == VolumeState::Creating {
+                Err("the caller stopped waiting for Create".to_string())
             } else {
                 handle.encode()
             };
@@ -270,14 +292,14 @@ impl Bridge {
                 Ok(private_data) => private_data,
                 Err(problem) => {
                     return Err(self
-                        .undo_create(&req.volume_id, &volume.volume_id, problem)
+                        .undo_create(&req.volume_id, &volume.csi_volume_id, problem)
                         .await);
                 }
             };
 
             self.finish_create(record, &volume, spec.deletion.as_ref())
                 .await?;
-            tracing::info!(csi_volume_id = %volume.volume_id, "CSI volume created");
+            tracing::info!(csi_volume_id = %volume.csi_volume_id, "CSI volume created");
             Ok(Created {
                 token: String::new(),
                 private_data,
@@ -293,14 +315,14 @@ impl Bridge {
         csi_volume_id: &str,
         problem: String,
     ) -> BridgeError {
-        let error = BridgeError::Driver(problem);
+        let error = BridgeError::Precondition(problem);
         let deadline = Deadline::after(self.config.timeouts.rollback());
         let undone = async {
-            let secrets = self.secrets(SecretUse::Provisioner).await?;
-            self.delete_volume(csi_volume_id, secrets, &deadline)
+            let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
+            self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
                 .await?;
-            if let Some(record) = self.store().get(volume_id).await? {
-                self.store().delete(&record).await?;
+            if let Some(record) = self.controller_store().get(volume_id).await? {
+                self.store_delete(HookKind::Create, &record).await?;
             }
             Ok::<_, BridgeError>(())
         }
@@ -323,66 +345,157 @@ impl Bridge {
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
                 .await?;
-            let Some(record) = self.store().get(&req.volume_id).await? else {
+            let Some(record) = self.controller_store().get(&req.volume_id).await? else {
                 tracing::info!("no record of this volume; nothing to delete");
                 return Ok(());
             };
-            let (identity, _) = self.controller_view(&deadline).await?;
-            check_same_driver(&record, &identity.name)?;
-            // A finished create recorded how to delete it; only an unfinished one (or a
-            // record from before that existed) needs the current settings.
-            let (csi_volume_id, deletion) = match (&record.state, &record.csi_volume_id, &record.deletion) {
-                (VolumeState::Created, Some(id), Some(deletion)) => (id.clone(), Some(deletion.clone())),
-                (VolumeState::Created, Some(id), None) => {
-                    (id.clone(), self.volume_spec(&identity.name).await?.deletion)
-                }
-                _ => {
-                    // The answer to an earlier CreateVolume was lost. CreateVolume is
-                    // idempotent by name: asking again returns the volume if it exists.
-                    tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");
-                    let spec = self.volume_spec(&identity.name).await?;
-                    let id = self
-                        .create_volume(&record.csi_name, &spec, &deadline)
-                        .await?
-                        .volume_id;
-                    (id, spec.deletion)
-                }
-            };
-            if deletion.as_ref().is_some_and(|d| d.retain) {
-                tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
-            } else {
-                let secrets = self.deletion_secrets(deletion.as_ref()).await?;
-                self.delete_volume(&csi_volume_id, secrets, &deadline).await?;
-            }
-            match self.store().delete(&record).await {
-                Ok(()) => {}
-                // Another replica changed or removed the record meanwhile; what matters
-                // is that it no longer names a live volume.
-                Err(StoreError::Conflict { .. }) => match self.store().get(&req.volume_id).await? {
-                    None => {}
-                    Some(current) if current.csi_volume_id.as_deref() == Some(&csi_volume_id) => {
-                        self.store().delete(&current).await?;
-                    }
-                    Some(_) => {
-                        return Err(StoreError::Conflict {
-                            volume_id: req.volume_id.clone(),
-                        }
-                        .into());
-                    }
-                },
-                Err(e) => return Err(e.into()),
-            }
-            tracing::info!(%csi_volume_id, "CSI volume deleted");
-            Ok(())
+            self.delete_recorded(HookKind::Destroy, record, &deadline)
+                .await
         })
         .await
     }
+
+    /// Deletes the CSI volume a record names (resolving an unfinished create by name
+    /// first) and then the record.
+    async fn delete_recorded(
+        &self,
+        hook: HookKind,
+        record: VolumeRecord,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let (identity, _) = self.controller_view(deadline).await?;
+        check_same_driver(&record, &identity.name)?;
+        // A finished create recorded how to delete it; only an unfinished one (or a
+        // record from before that existed) needs the current settings.
+        let (csi_volume_id, deletion) = match (
+            &record.state,
+            &record.csi_volume_id,
+            &record.deletion,
+        ) {
+            (VolumeState::Created, Some(id), Some(deletion)) => {
+                (id.clone(), Some(deletion.clone()))
+            }
+            (VolumeState::Created, Some(id), None) => (
+                id.clone(),
+                self.settings.spec(&identity.name).await?.deletion,
+            ),
+            _ => {
+                // The answer to an earlier CreateVolume was lost. CreateVolume is
+                // idempotent by name: asking again returns the volume if it exists.
+                tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");
+                let spec = self.settings.spec(&identity.name).await?;
+                let id = self
+                    .create_volume(hook, &record.csi_name, &spec, deadline)
+                    .await?
+                    .csi_volume_id;
+                (id, spec.deletion.or(record.deletion.clone()))
+            }
+        };
+        if deletion.as_ref().is_some_and(|d| d.retain) {
+            tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
+        } else {
+            let secrets = self.settings.deletion_secrets(deletion.as_ref()).await?;
+            self.delete_volume(hook, &csi_volume_id, &secrets, deadline)
+                .await?;
+        }
+        match self.store_delete(hook, &record).await {
+            Ok(()) => {}
+            // Another replica changed or removed the record meanwhile; what matters is
+            // that it no longer names a live volume.
+            Err(StoreError::Conflict { .. }) => {
+                match self.controller_store().get(&record.volume_id).await? {
+                    None => {}
+                    Some(current) if current.csi_volume_id.as_deref() == Some(&csi_volume_id) => {
+                        self.store_delete(hook, &current).await?;
+                    }
+                    Some(_) => {
+                        return Err(StoreError::Conflict {
+                            volume_id: record.volume_id.clone(),
+                        }
+                        .into());
+                    }
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        tracing::info!(%csi_volume_id, "CSI volume deleted");
+        Ok(())
+    }
+
+    /// Resolves abandoned creates: `Creating` records (and `Deleting` claims whose
+    /// sweeper died) untouched for longer than `grace`. `Created` records are never
+    /// judged here: only an operator can tell a leak from a volume in use.
+    pub async fn sweep_abandoned_creates(
+        &self,
+        grace: Duration,
+    ) -> Result<SweepReport, BridgeError> {
+        let mut report = SweepReport::default();
+        let now = now_secs();
+        for record in self.controller_store().list().await? {
+            let abandoned = record.state != VolumeState::Created
+                && now.saturating_sub(record.updated_at) >= grace.as_secs();
+            if !abandoned {
+                continue;
+            }
+            let span = tracing::info_span!("sweep", volume_id = %record.volume_id);
+            let volume_id = record.volume_id.clone();
+            match self.reclaim(record).await {
+                Ok(true) => {
+                    span.in_scope(|| {
+                        tracing::warn!("deleted the CSI volume of an abandoned Create")
+                    });
+                    report.reclaimed += 1;
+                }
+                Ok(false) => report.skipped += 1,
+                Err(error) => {
+                    span.in_scope(|| tracing::error!(%volume_id, %error, "reclaiming an abandoned Create failed; the next sweep retries"));
+                    report.failed += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Claims one abandoned record and deletes what it names. `false`: someone else
+    /// holds or claimed it.
+    pub(crate) async fn reclaim(&self, mut record: VolumeRecord) -> Result<bool, BridgeError> {
+        // A Create in this process, or another process on this host, holds the lock.
+        let Some(_guard) = self
+            .locks
+            .try_acquire(LockScope::Controller, &record.volume_id)?
+        else {
+            return Ok(false);
+        };
+        record.state = VolumeState::Deleting;
+        record.updated_at = now_secs();
+        match self.store_put(HookKind::Destroy, &mut record).await {
+            Ok(()) => {}
+            // A replica refreshed (a Create still retrying) or claimed it first.
+            Err(StoreError::Conflict { .. }) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        let deadline = Deadline::after(self.config.timeouts.destroy());
+        self.delete_recorded(HookKind::Destroy, record, &deadline)
+            .await?;
+        Ok(true)
+    }
+}
+
+fn being_reclaimed(volume_id: &str) -> BridgeError {
+    BridgeError::Store(StoreError::Backend {
+        store: "controller store".into(),
+        action: format!("creating volume {volume_id:?}"),
+        transient: true,
+        source: "an earlier, abandoned Create of this volume is being cleaned up; retry in a \
+                 moment"
+            .into(),
+    })
 }
 
 /// Refuses to hand a volume's handle to a different CSI driver than created it.
 fn check_same_driver(record: &VolumeRecord, driver_name: &str) -> Result<(), BridgeError> {
     match &record.csi_driver {
-        Some(created_by) if created_by != driver_name => Err(BridgeError::Driver(format!(
+        Some(created_by) if created_by != driver_name => Err(BridgeError::Precondition(format!(
             "this volume was created by CSI driver {created_by:?}, but the driver at the \
              controller endpoint is now {driver_name:?}; refusing to pass its handle to \
              another driver (point csi.controller_endpoint back at {created_by:?})"

@@ -4,11 +4,12 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::csi::CsiError;
+use super::ports::{DriverError, SettingsError};
 use crate::store::StoreError;
+use crate::store::journal::JournalError;
 
 /// The four Cube hooks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HookKind {
     Create,
     Destroy,
@@ -17,6 +18,13 @@ pub enum HookKind {
 }
 
 impl HookKind {
+    pub const ALL: [HookKind; 4] = [
+        HookKind::Create,
+        HookKind::Destroy,
+        HookKind::Attach,
+        HookKind::Detach,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             HookKind::Create => "create",
@@ -24,6 +32,19 @@ impl HookKind {
             HookKind::Attach => "attach",
             HookKind::Detach => "detach",
         }
+    }
+
+    /// Create and Destroy come from CubeMaster; Attach and Detach from Cubelet.
+    pub fn is_node(self) -> bool {
+        matches!(self, HookKind::Attach | HookKind::Detach)
+    }
+
+    /// The hook named `name` (as Cube's `--op` spells it).
+    pub fn parse(name: &str) -> Result<Self, String> {
+        HookKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == name)
+            .ok_or_else(|| format!("{name:?} is not one of create, destroy, attach, detach"))
     }
 }
 
@@ -41,10 +62,11 @@ pub enum BridgeError {
     InvalidRequest(String),
     /// A CSI call failed (the message names the call and carries the driver's words).
     #[error(transparent)]
-    Csi(#[from] CsiError),
-    /// The driver cannot do what this setup needs (capabilities, configuration).
+    Driver(#[from] DriverError),
+    /// The driver, the state or the setup cannot do what was asked (capabilities,
+    /// configuration, a record that does not fit).
     #[error("{0}")]
-    Driver(String),
+    Precondition(String),
     /// NodePublishVolume succeeded but the mount is not where Cubelet looks.
     #[error(
         "{path} is not a mount point in {view} although NodePublishVolume succeeded: the \
@@ -62,9 +84,11 @@ pub enum BridgeError {
     Busy { waited: Duration },
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// Reading the StorageClass or its Secrets failed.
     #[error(transparent)]
-    Kubernetes(#[from] crate::k8s::KubeError),
+    Journal(#[from] JournalError),
+    /// Reading the volume settings (a StorageClass or its Secrets) failed.
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -77,8 +101,9 @@ pub enum BridgeError {
         error: Box<BridgeError>,
         rollback: Box<BridgeError>,
     },
-    #[error("the bridge is shutting down")]
-    ShuttingDown,
+    /// The caller stopped waiting; the hook undid its own work.
+    #[error("the caller stopped waiting; the partial work was undone")]
+    CallerGone,
 }
 
 impl BridgeError {
@@ -87,6 +112,11 @@ impl BridgeError {
             context: context.into(),
             source,
         }
+    }
+
+    /// A driver error that may mean the driver is still working on the call.
+    pub fn is_uncertain_driver_error(&self) -> bool {
+        matches!(self, BridgeError::Driver(e) if e.is_uncertain())
     }
 }
 

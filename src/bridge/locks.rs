@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use nix::fcntl::Flock;
 use tokio::sync::OwnedMutexGuard;
 
+use super::Deadline;
 use super::error::BridgeError;
-use crate::csi::Deadline;
 use crate::store::fsutil::{lock_exclusive, try_lock_exclusive};
 
 /// Which side's operations a lock serializes (Create/Destroy and Attach/Detach of one
@@ -60,6 +60,41 @@ impl VolumeLocks {
         })
     }
 
+    /// Takes the volume's lock if nobody holds it, without waiting.
+    pub fn try_acquire(
+        &self,
+        scope: LockScope,
+        volume_id: &str,
+    ) -> Result<Option<VolumeGuard>, BridgeError> {
+        let Ok(local) = self.local_mutex(scope, volume_id).try_lock_owned() else {
+            return Ok(None);
+        };
+        let path = self.path(scope, volume_id);
+        let file = try_lock_exclusive(&path)
+            .map_err(|e| BridgeError::io(format!("lock file {}", path.display()), e))?;
+        Ok(file.map(|file| VolumeGuard {
+            _file: file,
+            _local: local,
+        }))
+    }
+
+    fn local_mutex(&self, scope: LockScope, volume_id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut local = self.local.lock().expect("lock table poisoned");
+        if local.len() > 1024 {
+            // Forget locks nobody holds or waits for.
+            local.retain(|_, m| Arc::strong_count(m) > 1);
+        }
+        local
+            .entry((scope, volume_id.to_string()))
+            .or_default()
+            .clone()
+    }
+
+    fn path(&self, scope: LockScope, volume_id: &str) -> PathBuf {
+        self.dir
+            .join(format!("{}-{volume_id}.lock", scope.as_str()))
+    }
+
     /// Waits for the volume's lock until the deadline.
     pub async fn acquire(
         &self,
@@ -67,17 +102,7 @@ impl VolumeLocks {
         volume_id: &str,
         deadline: &Deadline,
     ) -> Result<VolumeGuard, BridgeError> {
-        let mutex = {
-            let mut local = self.local.lock().expect("lock table poisoned");
-            if local.len() > 1024 {
-                // Forget locks nobody holds or waits for.
-                local.retain(|_, m| Arc::strong_count(m) > 1);
-            }
-            local
-                .entry((scope, volume_id.to_string()))
-                .or_default()
-                .clone()
-        };
+        let mutex = self.local_mutex(scope, volume_id);
         let busy = || BridgeError::Busy {
             waited: deadline.elapsed(),
         };
@@ -85,9 +110,7 @@ impl VolumeLocks {
             .await
             .map_err(|_| busy())?;
 
-        let path = self
-            .dir
-            .join(format!("{}-{volume_id}.lock", scope.as_str()));
+        let path = self.path(scope, volume_id);
         let io_err = |e| BridgeError::io(format!("lock file {}", path.display()), e);
         if let Some(file) = try_lock_exclusive(&path).map_err(io_err)? {
             return Ok(VolumeGuard {

@@ -1,17 +1,25 @@
 //! The translation core: Cube's four hooks in terms of CSI calls, with per-volume locks,
-//! rollback of failed work, and reconciliation at start-up.
+//! holders per namespace, rollback of a hook's own failed work, and reconciliation.
 //!
-//! It speaks in its own request types (types.rs); `cube/` translates the wire at the
-//! north edge and `csi/` at the south edge.
+//! It speaks in its own types (types.rs) and reaches the outside only through its ports
+//! (ports.rs): a CSI driver, a mount table, the volume settings, and the stores. `cube/`
+//! translates the wire at the north edge; `csi/`, `mount/` and `k8s/` implement the ports;
+//! `app.rs` wires real adapters to a `Bridge`; tests wire in-memory ones.
 
+pub mod caller;
 pub mod controller;
+mod deadline;
 pub mod error;
+pub mod faults;
 pub mod handoff;
 pub mod locks;
 pub mod naming;
 pub mod node;
+pub mod ports;
 pub mod profile;
 pub mod reconcile;
+#[cfg(test)]
+mod tests;
 pub mod types;
 
 use std::future::Future;
@@ -20,30 +28,18 @@ use std::time::Instant;
 
 use tracing::Instrument;
 
+pub use caller::Caller;
+pub use deadline::Deadline;
 pub use error::{BridgeError, HookError, HookKind};
 pub use types::*;
 
-use crate::config::{Config, ControllerStoreKind};
-use crate::csi::{self, ControllerCaps, CsiClient, Deadline, DriverIdentity, NodeCaps};
-use crate::k8s::Kube;
-use crate::mount::MountView;
+use crate::config::{Config, ControllerStoreKind, Roles};
 use crate::store::{ControllerStore, NodeJournal};
 use locks::VolumeLocks;
-use profile::ProfileSource;
-
-/// Which Cube services this bridge instance answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Roles {
-    pub controller: bool,
-    pub node: bool,
-}
-
-/// How the process was started: long-running, or forked by Cube for one hook.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProcessMode {
-    Daemon,
-    ForkedHook,
-}
+use ports::{
+    ControllerCaps, ControllerDriver, DriverError, DriverIdentity, Finality, MountCheck, NodeCaps,
+    NodeDriver, VolumeSettings,
+};
 
 /// What has been learned about the driver; cleared when a call suggests it restarted.
 #[derive(Debug, Default)]
@@ -53,55 +49,57 @@ struct Discovered {
     node_id: Option<String>,
 }
 
+/// The adapters a bridge works through.
+pub struct Ports {
+    /// Where controller calls go (`csi.controller_endpoint`, else `csi.endpoint`).
+    pub controller: Arc<dyn ControllerDriver>,
+    /// The driver's node endpoint (`csi.endpoint`).
+    pub node: Arc<dyn NodeDriver>,
+    /// Required for the controller role.
+    pub store: Option<Arc<dyn ControllerStore>>,
+    pub settings: Arc<dyn VolumeSettings>,
+    /// Where Cubelet looks for mounts.
+    pub mounts: Arc<dyn MountCheck>,
+}
+
 /// One bridge instance: one Cube driver name over one CSI driver.
 pub struct Bridge {
     config: Arc<Config>,
-    /// The driver's node endpoint (`csi.endpoint`).
-    node_csi: CsiClient,
-    /// Where controller calls go (`csi.controller_endpoint`, else `csi.endpoint`).
-    controller_csi: CsiClient,
-    controller_endpoint_explicit: bool,
-    store: Option<ControllerStore>,
+    roles: Roles,
+    controller: Arc<dyn ControllerDriver>,
+    node: Arc<dyn NodeDriver>,
+    store: Option<Arc<dyn ControllerStore>>,
     journal: Option<NodeJournal>,
-    /// Where volume parameters, capability and secrets come from.
-    profile: ProfileSource,
+    settings: Arc<dyn VolumeSettings>,
+    mounts: Arc<dyn MountCheck>,
     locks: VolumeLocks,
-    mount_view: Arc<MountView>,
     discovered: tokio::sync::Mutex<Discovered>,
+    /// This boot, recorded in node journal records.
+    boot_id: String,
 }
 
 impl std::fmt::Debug for Bridge {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bridge")
             .field("driver", &self.config.driver)
-            .field("node_csi", &self.node_csi.endpoint())
-            .field("controller_csi", &self.controller_csi.endpoint())
+            .field("roles", &self.roles)
+            .field("node_csi", &self.node.endpoint())
+            .field("controller_csi", &self.controller.endpoint())
             .finish_non_exhaustive()
     }
 }
 
 impl Bridge {
-    /// Opens the state this instance's roles need. Does not contact the driver.
-    pub fn new(config: Config, roles: Roles, mode: ProcessMode) -> Result<Self, BridgeError> {
-        let (controller_endpoint, explicit) = config.controller_endpoint();
-        let kube = config
-            .uses_kubernetes()
-            .then(|| Arc::new(Kube::new(&config.kubernetes)));
-        let store = match (roles.controller, config.state.controller_store, &kube) {
-            (false, _, _) => None,
-            (true, ControllerStoreKind::Kubernetes, Some(kube)) => {
-                Some(ControllerStore::Kubernetes(Arc::new(
-                    crate::k8s::CubeVolumeStore::new(kube.clone(), &config.driver),
-                )))
-            }
-            (true, _, _) => {
-                let store = crate::store::EmbeddedStore::open(&config.store_path())?;
-                Some(ControllerStore::Embedded(Arc::new(store)))
-            }
-        };
-        let profile = profile::profile_source(&config, kube.as_ref());
+    /// Opens the state `roles` need (node journal, lock directory). Does not contact the
+    /// driver.
+    pub fn new(config: Arc<Config>, roles: Roles, ports: Ports) -> Result<Self, BridgeError> {
+        if roles.controller && ports.store.is_none() {
+            return Err(BridgeError::Precondition(
+                "the controller role needs a controller store".into(),
+            ));
+        }
         let journal = if roles.node {
-            let dir = config.journal_dir();
+            let dir = config.state.journal_dir();
             Some(
                 NodeJournal::open(&dir)
                     .map_err(|e| BridgeError::io(format!("node journal {}", dir.display()), e))?,
@@ -109,24 +107,21 @@ impl Bridge {
         } else {
             None
         };
-        let lock_dir = config.lock_dir();
-        let locks = VolumeLocks::new(&lock_dir)
+        let lock_dir = &config.state.lock_dir;
+        let locks = VolumeLocks::new(lock_dir)
             .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?;
-        let mount_view = Arc::new(MountView::from_setting(
-            &config.node.mount_view,
-            mode == ProcessMode::ForkedHook,
-        ));
         Ok(Self {
-            node_csi: CsiClient::new(&config.csi_endpoint()),
-            controller_csi: CsiClient::new(&controller_endpoint),
-            controller_endpoint_explicit: explicit,
-            store,
+            roles,
+            controller: ports.controller,
+            node: ports.node,
+            store: ports.store,
             journal,
-            profile,
+            settings: ports.settings,
+            mounts: ports.mounts,
             locks,
-            mount_view,
             discovered: Default::default(),
-            config: Arc::new(config),
+            boot_id: crate::store::journal::boot_id(),
+            config,
         })
     }
 
@@ -134,8 +129,24 @@ impl Bridge {
         &self.config
     }
 
-    pub fn mount_view(&self) -> &MountView {
-        &self.mount_view
+    pub fn roles(&self) -> Roles {
+        self.roles
+    }
+
+    pub fn mounts(&self) -> &dyn MountCheck {
+        self.mounts.as_ref()
+    }
+
+    pub fn node_driver(&self) -> &dyn NodeDriver {
+        self.node.as_ref()
+    }
+
+    pub fn store(&self) -> Option<&dyn ControllerStore> {
+        self.store.as_deref()
+    }
+
+    pub fn journal(&self) -> Option<&NodeJournal> {
+        self.journal.as_ref()
     }
 
     /// The one place every hook starts and ends: a span, timing, and the outcome log.
@@ -166,9 +177,20 @@ impl Bridge {
     }
 
     /// Forgets cached capabilities after an error that may mean the driver restarted.
-    async fn note_csi_error(&self, error: &csi::CsiError) {
+    async fn note_driver_error(&self, error: &DriverError) {
         if error.is_uncertain() {
             *self.discovered.lock().await = Discovered::default();
+        }
+    }
+
+    /// A driver call's result, noting errors that may mean the driver restarted.
+    async fn driver<T>(&self, reply: Result<T, DriverError>) -> Result<T, BridgeError> {
+        match reply {
+            Ok(value) => Ok(value),
+            Err(e) => {
+                self.note_driver_error(&e).await;
+                Err(e.into())
+            }
         }
     }
 
@@ -181,13 +203,13 @@ impl Bridge {
             return Ok(found.clone());
         }
         let result = async {
-            let identity = csi::discovery::identity(&self.controller_csi, deadline).await?;
+            let identity = self.controller.identity(deadline).await?;
             let caps = if identity.controller_service {
-                Some(csi::discovery::controller_caps(&self.controller_csi, deadline).await?)
+                Some(self.controller.capabilities(deadline).await?)
             } else {
                 None
             };
-            Ok::<_, csi::CsiError>((identity, caps))
+            Ok::<_, DriverError>((identity, caps))
         }
         .await;
         match result {
@@ -196,22 +218,22 @@ impl Bridge {
                 Ok(found)
             }
             Err(e) => {
-                self.note_csi_error(&e).await;
+                self.note_driver_error(&e).await;
                 Err(self.explain_controller_error(e))
             }
         }
     }
 
-    fn explain_controller_error(&self, e: csi::CsiError) -> BridgeError {
-        if e.code == tonic::Code::Unimplemented && !self.controller_endpoint_explicit {
-            BridgeError::Driver(format!(
+    fn explain_controller_error(&self, e: DriverError) -> BridgeError {
+        if e.finality == Finality::Unimplemented && self.config.csi.controller_endpoint.is_none() {
+            BridgeError::Precondition(format!(
                 "the driver at {} advertises a controller service but does not serve {} \
                  there; point csi.controller_endpoint at the driver's controller",
-                self.controller_csi.endpoint(),
+                self.controller.endpoint(),
                 e.call
             ))
         } else {
-            BridgeError::Csi(e)
+            BridgeError::Driver(e)
         }
     }
 
@@ -219,16 +241,9 @@ impl Bridge {
         if let Some(caps) = self.discovered.lock().await.node_caps {
             return Ok(caps);
         }
-        match csi::discovery::node_caps(&self.node_csi, deadline).await {
-            Ok(caps) => {
-                self.discovered.lock().await.node_caps = Some(caps);
-                Ok(caps)
-            }
-            Err(e) => {
-                self.note_csi_error(&e).await;
-                Err(e.into())
-            }
-        }
+        let caps = self.driver(self.node.capabilities(deadline).await).await?;
+        self.discovered.lock().await.node_caps = Some(caps);
+        Ok(caps)
     }
 
     async fn node_id(&self, deadline: &Deadline) -> Result<String, BridgeError> {
@@ -238,77 +253,67 @@ impl Bridge {
         if let Some(id) = &self.discovered.lock().await.node_id {
             return Ok(id.clone());
         }
-        match csi::discovery::node_id(&self.node_csi, deadline).await {
-            Ok(id) => {
-                self.discovered.lock().await.node_id = Some(id.clone());
-                Ok(id)
-            }
-            Err(e) => {
-                self.note_csi_error(&e).await;
-                Err(e.into())
-            }
-        }
+        let id = self.driver(self.node.node_id(deadline).await).await?;
+        self.discovered.lock().await.node_id = Some(id.clone());
+        Ok(id)
     }
 
     /// Checks, before serving, that the driver can do what the served roles need.
     /// An unreachable driver is only a warning (it may start later; calls connect
     /// lazily); a driver that answers but cannot serve Cube is an error.
-    pub async fn check_driver(&self, roles: Roles, deadline: &Deadline) -> Result<(), BridgeError> {
-        if roles.controller {
+    pub async fn check_driver(&self, deadline: &Deadline) -> Result<(), BridgeError> {
+        let unreachable = |e: &BridgeError| e.is_uncertain_driver_error();
+        if self.roles.controller {
             match self.controller_view(deadline).await {
                 Ok((identity, caps)) => {
                     tracing::info!(
                         driver = %identity.name,
                         version = %identity.vendor_version,
-                        endpoint = self.controller_csi.endpoint(),
+                        endpoint = self.controller.endpoint(),
                         "controller side: CSI driver found"
                     );
                     controller::require_create_delete(&identity, caps.as_ref())?;
                 }
-                Err(BridgeError::Csi(e)) if e.is_uncertain() => {
+                Err(e) if unreachable(&e) => {
                     tracing::warn!(error = %e, "controller side: CSI driver not reachable yet; will connect on first use");
                 }
                 Err(e) => return Err(e),
             }
         }
-        if roles.node {
+        if self.roles.node {
             match self.node_plan(false, deadline).await {
                 Ok(plan) => tracing::info!(
-                    endpoint = self.node_csi.endpoint(),
+                    endpoint = self.node.endpoint(),
                     stage_unstage = plan.stage,
                     controller_publish = plan.controller_publish_node.is_some(),
                     "node side: CSI driver found"
                 ),
-                Err(BridgeError::Csi(e)) if e.is_uncertain() => {
+                Err(e) if unreachable(&e) => {
                     tracing::warn!(error = %e, "node side: CSI driver not reachable yet; will connect on first use");
                 }
                 Err(e) => return Err(e),
             }
         }
-        // Last, so that the driver's name (for the StorageClass's provisioner) is known.
-        self.check_kubernetes(roles).await
+        // Last, so that the driver's name (for a StorageClass's provisioner) is known.
+        self.check_settings_and_store().await
     }
-}
 
-impl Bridge {
-    /// Checks the Kubernetes side before serving: the StorageClass is readable and
-    /// belongs to this driver, and the CubeVolume objects can be listed. An unreachable
-    /// API server is only a warning, like an unreachable driver.
-    async fn check_kubernetes(&self, roles: Roles) -> Result<(), BridgeError> {
-        if !self.config.uses_kubernetes() {
-            return Ok(());
-        }
+    /// Checks the settings source and, for the Kubernetes store, that CubeVolumes can be
+    /// listed. An unreachable API server is only a warning, like an unreachable driver.
+    async fn check_settings_and_store(&self) -> Result<(), BridgeError> {
+        let known = self
+            .discovered
+            .lock()
+            .await
+            .controller
+            .as_ref()
+            .map(|(identity, _)| identity.name.clone());
         let outcome = async {
-            if let ProfileSource::StorageClass(source) = &self.profile {
-                let class = source.class().await?;
-                let known = self.discovered.lock().await.controller.clone();
-                if let Some((identity, _)) = known {
-                    class.check_provisioner(&identity.name)?;
-                }
-                tracing::info!(storage_class = source.name(), provisioner = %class.provisioner, "StorageClass found");
+            if let Some(line) = self.settings.check(known.as_deref()).await? {
+                tracing::info!("{line}");
             }
-            if roles.controller
-                && let Some(store @ ControllerStore::Kubernetes(_)) = &self.store
+            if self.config.state.controller_store == ControllerStoreKind::Kubernetes
+                && let Some(store) = &self.store
             {
                 let count = store.list().await?.len();
                 tracing::info!(volumes = count, store = %store.describe(), "controller store reachable");
@@ -317,11 +322,12 @@ impl Bridge {
         }
         .await;
         match outcome {
-            Err(BridgeError::Kubernetes(e))
-            | Err(BridgeError::Store(crate::store::StoreError::Kubernetes(e)))
-                if e.is_transient() =>
-            {
+            Err(BridgeError::Settings(e)) if e.transient => {
                 tracing::warn!(error = %e, "Kubernetes API not reachable yet; will retry on first use");
+                Ok(())
+            }
+            Err(BridgeError::Store(e)) if e.is_transient() => {
+                tracing::warn!(error = %e, "controller store not reachable yet; will retry on first use");
                 Ok(())
             }
             other => other,

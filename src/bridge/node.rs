@@ -1,23 +1,32 @@
 //! Attach and Detach: the node side, as kubelet would do it for one pod volume.
 //!
 //! Attach = [ControllerPublish] → [NodeStage at the staging path] → NodePublish at the
-//! host_path → check that Cubelet sees the mount. Detach at ref_count 0 = the reverse.
-//! The node journal is written before every mutating call, a failed Attach undoes its
-//! own work before answering (Cube never Detaches after a failed Attach), and the mount
-//! table, not ref_count, decides whether a volume is really attached.
+//! host_path → check that Cubelet sees the mount. Detach tears down only when no
+//! namespace holds the volume any more.
+//!
+//! Cubelet counts holders per (namespace, volume): each namespace's ref_count is Cube's
+//! truth for that namespace, while the mount is shared by all of them. The journal keeps
+//! the union: which sandboxes of which namespaces hold the volume.
+//!
+//! The journal is written before every mutating call. A failed (or abandoned) Attach
+//! undoes only its own work before answering, since Cube never Detaches after a failed
+//! Attach, and the mount table, not ref_count, decides whether a volume is really attached.
 
 use std::path::{Path, PathBuf};
 
+use super::faults::{self, When};
 use super::handoff::{AttachMetadata, VolumeHandle};
 use super::locks::LockScope;
 use super::naming::VolumePaths;
-use super::{
-    AttachVolume, Attached, Bridge, BridgeError, DetachVolume, HookError, HookKind, blocking,
+use super::ports::{
+    ControllerPublish, DriverError, Publish, SecretUse, Secrets, Stage, Undone, Visibility,
 };
-use crate::csi::{CsiError, Deadline};
-use crate::k8s::SecretUse;
+use super::{
+    AttachVolume, Attached, Bridge, BridgeError, Caller, Deadline, DetachVolume, HookError,
+    HookKind, blocking,
+};
 use crate::mount::ops;
-use crate::proto::csi::v1 as csi;
+use crate::store::journal::{HolderChange, JournalError};
 use crate::store::{NodeJournal, NodeRecord, Step};
 
 /// Which optional calls Attach makes for this driver.
@@ -30,8 +39,22 @@ pub(crate) struct NodePlan {
     pub driver_name: String,
 }
 
+/// Which steps an undo reverses.
+#[derive(Debug, Clone, Copy)]
+struct UndoSteps {
+    controller_publish: bool,
+    stage: bool,
+}
+
+impl UndoSteps {
+    const ALL: UndoSteps = UndoSteps {
+        controller_publish: true,
+        stage: true,
+    };
+}
+
 impl Bridge {
-    pub(crate) fn journal(&self) -> &NodeJournal {
+    pub(crate) fn node_journal(&self) -> &NodeJournal {
         self.journal
             .as_ref()
             .expect("node hooks are only routed to a bridge with the node role")
@@ -48,11 +71,11 @@ impl Bridge {
         let (identity, caps) = self.controller_view(deadline).await?;
         let driver_publishes = caps.is_some_and(|c| c.publish_unpublish_volume);
         if volume_needs_publish && !driver_publishes {
-            return Err(BridgeError::Driver(format!(
+            return Err(BridgeError::Precondition(format!(
                 "this volume needs ControllerPublishVolume (its driver had \
                  PUBLISH_UNPUBLISH_VOLUME when it was created), but {} ({}) offers no \
                  controller publish; set csi.controller_endpoint to the driver's controller",
-                self.controller_csi.endpoint(),
+                self.controller.endpoint(),
                 identity.name
             )));
         }
@@ -68,101 +91,133 @@ impl Bridge {
         })
     }
 
-    /// Is `path` a mount point where Cubelet looks?
-    pub(crate) async fn visible(&self, path: &Path) -> Result<bool, BridgeError> {
-        let (view, path) = (self.mount_view.clone(), path.to_path_buf());
-        blocking(move || {
-            view.is_mount_point(&path)
-                .map_err(|e| BridgeError::io(format!("reading mounts of {}", view.describe()), e))
+    /// Whether `path` is a mount point where Cubelet looks.
+    pub(crate) async fn visibility(
+        &self,
+        path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Visibility, BridgeError> {
+        self.mounts.visibility(path, deadline).await.map_err(|e| {
+            BridgeError::io(format!("reading mounts of {}", self.mounts.describe()), e)
         })
-        .await
     }
 
-    async fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), BridgeError> {
-        let (journal, record) = (self.journal().clone(), record.clone());
-        blocking(move || {
-            journal.save(&record, durable).map_err(|e| {
-                BridgeError::io(
-                    format!("writing node journal in {}", journal.dir().display()),
-                    e,
-                )
-            })
-        })
-        .await
+    /// Writes the record; `durable` (before a CSI call) waits for the disk, off the async
+    /// threads.
+    async fn save(
+        &self,
+        hook: HookKind,
+        record: &NodeRecord,
+        durable: bool,
+    ) -> Result<(), BridgeError> {
+        faults::point(hook, When::Before, "journal");
+        if durable {
+            let (journal, record) = (self.node_journal().clone(), record.clone());
+            blocking(move || journal.save(&record, true).map_err(BridgeError::from)).await?;
+        } else {
+            self.node_journal().save(record, false)?;
+        }
+        faults::point(hook, When::After, "journal");
+        Ok(())
     }
 
-    async fn load(&self, volume_id: &str) -> Result<Option<NodeRecord>, BridgeError> {
-        let (journal, id) = (self.journal().clone(), volume_id.to_string());
-        blocking(move || {
-            journal.load(&id).map_err(|e| {
-                BridgeError::io(
-                    format!("reading node journal in {}", journal.dir().display()),
-                    e,
-                )
-            })
-        })
-        .await
+    /// The record of a volume. An unreadable one (a torn write after a power loss) is
+    /// rebuilt from the mount table at `paths`, so the volume never stays unattachable.
+    async fn load_or_rebuild(
+        &self,
+        volume_id: &str,
+        csi_volume_id: &str,
+        paths: &VolumePaths,
+        deadline: &Deadline,
+    ) -> Result<Option<NodeRecord>, BridgeError> {
+        match self.node_journal().load(volume_id) {
+            Ok(found) => Ok(found),
+            Err(JournalError::Corrupt { path, message }) => {
+                tracing::error!(
+                    record = %path.display(),
+                    %message,
+                    "node journal record unusable; rebuilding it from the mount table"
+                );
+                let mut record = NodeRecord::new(volume_id, csi_volume_id, paths.target.clone());
+                record.boot_id = self.boot_id.clone();
+                if self.visibility(&paths.target, deadline).await? != Visibility::NotMounted {
+                    record.publish = Step::Uncertain;
+                }
+                if path_exists(&paths.staging).await {
+                    record.staging_path = Some(paths.staging.clone());
+                    record.stage = Step::Uncertain;
+                }
+                Ok(Some(record))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Cube Attach.
-    pub async fn attach(&self, req: AttachVolume) -> Result<Attached, HookError> {
+    pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {
         let volume_id = req.volume_id.clone();
         self.hook(HookKind::Attach, &volume_id, async {
             let deadline = Deadline::after(self.config.timeouts.attach());
             let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
-            let _guard = self.locks.acquire(LockScope::Node, &req.volume_id, &deadline).await?;
-            let holder = format!("{}/{}", req.namespace, req.sandbox_id);
-
-            let mut record = match self.load(&req.volume_id).await? {
-                Some(existing)
-                    if existing.target_path == paths.target
-                        && existing.csi_volume_id == req.handle.csi_volume_id =>
-                {
-                    existing
-                }
-                Some(mut stale) => {
-                    if stale.publish == Step::Done && self.visible(&stale.target_path).await? {
-                        return Err(BridgeError::InvalidRequest(format!(
-                            "volume is already attached on this node at {} as CSI volume {:?}; \
-                             detach it before attaching it at {} as {:?}",
-                            stale.target_path.display(),
-                            stale.csi_volume_id,
-                            paths.target.display(),
-                            req.handle.csi_volume_id
-                        )));
-                    }
-                    tracing::warn!(
-                        old_target = %stale.target_path.display(),
-                        "tearing down a stale, unmounted attachment of this volume first"
-                    );
-                    self.teardown(&mut stale, &deadline).await?;
-                    NodeRecord::new(&req.volume_id, &req.handle.csi_volume_id, paths.target.clone())
-                }
-                None => NodeRecord::new(&req.volume_id, &req.handle.csi_volume_id, paths.target.clone()),
+            let _guard = self
+                .locks
+                .acquire(LockScope::Node, &req.volume_id, &deadline)
+                .await?;
+            let change = HolderChange::Attach {
+                namespace: req.namespace.clone(),
+                sandbox: req.sandbox_id.clone(),
+                first: req.ref_count == 0,
             };
+            let mut record = self.record_for_attach(&req, &paths, &deadline).await?;
 
-            if record.publish == Step::Done && self.visible(&paths.target).await? {
-                // Already attached and healthy: no CSI call, and no disk write unless this
-                // sandbox is new to the record.
-                if record.holders.insert(holder) {
-                    self.save(&record, false).await?;
+            if record.publish == Step::Done
+                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted
+            {
+                // Already attached and healthy: no CSI call, and at most one appended
+                // line for the holder.
+                if caller.is_gone() {
+                    return Err(BridgeError::CallerGone);
+                }
+                let mut holders = record.holders.clone();
+                change.apply(&mut holders);
+                if holders != record.holders {
+                    self.node_journal().append_holder(&req.volume_id, &change)?;
                 }
                 tracing::debug!(ref_count = req.ref_count, "already mounted");
                 return Ok(attached(&record, &req.volume_id));
             }
-            if req.ref_count > 0 {
+            if req.ref_count > 0 || record.is_held() {
                 tracing::warn!(
                     ref_count = req.ref_count,
                     "volume has holders but is not mounted (host reboot or lost mount?); re-establishing it"
                 );
             }
 
-            record.holders.insert(holder);
-            match self.establish(&mut record, &req.handle, &paths, &deadline).await {
-                Ok(()) => Ok(attached(&record, &req.volume_id)),
+            // This sandbox's holder is recorded only once the Attach has succeeded: an
+            // Attach that dies half way was never answered, so nobody holds the volume
+            // because of it, and reconciliation must undo it.
+            let before = record.clone();
+            record.boot_id = self.boot_id.clone();
+            if record.since == 0 {
+                record.since = crate::store::controller::now_secs();
+            }
+            self.node_journal().mark_pending(&req.volume_id)?;
+            let established = match self
+                .establish(HookKind::Attach, &mut record, &req.handle, &paths, &deadline, caller)
+                .await
+            {
+                Ok(()) if caller.is_gone() => Err(BridgeError::CallerGone),
+                other => other,
+            };
+            let result = match established {
+                Ok(()) => {
+                    change.apply(&mut record.holders);
+                    self.save(HookKind::Attach, &record, false).await?;
+                    Ok(attached(&record, &req.volume_id))
+                }
                 Err(error) => {
                     let rollback = Deadline::after(self.config.timeouts.rollback());
-                    match self.teardown(&mut record, &rollback).await {
+                    match self.undo_attach(&mut record, &before, &change, &rollback).await {
                         Ok(()) => {
                             tracing::info!("partial attach undone");
                             Err(error)
@@ -173,33 +228,127 @@ impl Bridge {
                         }),
                     }
                 }
+            };
+            // A failed undo stays pending, for reconciliation to finish.
+            if !matches!(result, Err(BridgeError::RollbackFailed { .. })) {
+                self.node_journal().clear_pending(&req.volume_id)?;
             }
+            result
         })
         .await
     }
 
-    /// The calls of a first (or repaired) Attach, recording each step before making it.
-    async fn establish(
+    /// The record Attach starts from: the journal's, or a new one. A record of another
+    /// CSI volume or path that is no longer mounted is torn down first.
+    async fn record_for_attach(
         &self,
+        req: &AttachVolume,
+        paths: &VolumePaths,
+        deadline: &Deadline,
+    ) -> Result<NodeRecord, BridgeError> {
+        let fresh = || {
+            NodeRecord::new(
+                &req.volume_id,
+                &req.handle.csi_volume_id,
+                paths.target.clone(),
+            )
+        };
+        let existing = self
+            .load_or_rebuild(&req.volume_id, &req.handle.csi_volume_id, paths, deadline)
+            .await?;
+        match existing {
+            Some(record)
+                if record.target_path == paths.target
+                    && record.csi_volume_id == req.handle.csi_volume_id =>
+            {
+                Ok(record)
+            }
+            Some(mut stale) => {
+                if stale.publish == Step::Done
+                    && self.visibility(&stale.target_path, deadline).await? == Visibility::Mounted
+                {
+                    return Err(BridgeError::InvalidRequest(format!(
+                        "volume is already attached on this node at {} as CSI volume {:?}; \
+                         detach it before attaching it at {} as {:?}",
+                        stale.target_path.display(),
+                        stale.csi_volume_id,
+                        paths.target.display(),
+                        req.handle.csi_volume_id
+                    )));
+                }
+                tracing::warn!(
+                    old_target = %stale.target_path.display(),
+                    "tearing down a stale, unmounted attachment of this volume first"
+                );
+                self.teardown(HookKind::Attach, &mut stale, deadline)
+                    .await?;
+                Ok(fresh())
+            }
+            None => Ok(fresh()),
+        }
+    }
+
+    /// Undoes what one failed or abandoned Attach did. When no other namespace held the
+    /// volume before it, that is everything; otherwise only the steps this call made (the
+    /// publish it attempted, and a stage or ControllerPublish that were not already done),
+    /// and its holder.
+    async fn undo_attach(
+        &self,
+        record: &mut NodeRecord,
+        before: &NodeRecord,
+        change: &HolderChange,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let mut others = before.holders.clone();
+        if let HolderChange::Attach {
+            namespace,
+            sandbox,
+            first,
+        } = change
+        {
+            if *first {
+                others.remove(namespace);
+            } else if let Some(set) = others.get_mut(namespace) {
+                set.remove(sandbox);
+            }
+        }
+        if others.is_empty() {
+            return self.teardown(HookKind::Attach, record, deadline).await;
+        }
+        let steps = UndoSteps {
+            controller_publish: before.controller_publish != Step::Done,
+            stage: before.stage != Step::Done,
+        };
+        self.undo_steps(HookKind::Attach, record, steps, deadline)
+            .await?;
+        self.save(HookKind::Attach, record, false).await
+    }
+
+    /// The calls of a first (or repaired) Attach, recording each step before making it.
+    /// Steps already done are not undone by a failure here.
+    pub(crate) async fn establish(
+        &self,
+        hook: HookKind,
         record: &mut NodeRecord,
         handle: &VolumeHandle,
         paths: &VolumePaths,
         deadline: &Deadline,
+        caller: &Caller,
     ) -> Result<(), BridgeError> {
         let plan = self.node_plan(handle.controller_publish, deadline).await?;
         // Everything that may fail to resolve is resolved before anything changes.
-        let spec = self.volume_spec(&plan.driver_name).await?;
+        let spec = self.settings.spec(&plan.driver_name).await?;
         let publish_secrets = if plan.controller_publish_node.is_some() {
-            self.secrets(SecretUse::ControllerPublish).await?
+            self.settings.secrets(SecretUse::ControllerPublish).await?
         } else {
-            Default::default()
+            Secrets::default()
         };
         let stage_secrets = if plan.stage {
-            self.secrets(SecretUse::NodeStage).await?
+            self.settings.secrets(SecretUse::NodeStage).await?
         } else {
-            Default::default()
+            Secrets::default()
         };
-        let node_publish_secrets = self.secrets(SecretUse::NodePublish).await?;
+        let node_publish_secrets = self.settings.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();
         let base = paths
             .target
@@ -218,79 +367,85 @@ impl Bridge {
         })
         .await?;
 
-        if let Some(node_id) = plan.controller_publish_node {
+        if let Some(node_id) = plan.controller_publish_node
+            && record.controller_publish != Step::Done
+        {
+            check_caller(caller)?;
             record.node_id = node_id.clone();
             record.controller_publish = Step::Uncertain;
-            self.save(record, true).await?;
-            let request = csi::ControllerPublishVolumeRequest {
-                volume_id: record.csi_volume_id.clone(),
+            self.save(hook, record, true).await?;
+            let call = ControllerPublish {
+                csi_volume_id: record.csi_volume_id.clone(),
                 node_id,
-                volume_capability: Some(spec.capability.clone()),
-                readonly: false,
+                capability: spec.capability.clone(),
+                volume_context: record.volume_context.clone(),
                 secrets: publish_secrets,
-                volume_context: record.volume_context.clone().into_iter().collect(),
             };
-            let reply = self
-                .controller_csi
-                .controller_publish_volume(request, deadline)
-                .await;
-            let reply = self
-                .step_result(&mut record.controller_publish, reply)
+            faults::point(hook, When::Before, "ControllerPublishVolume");
+            let reply = self.controller.publish(&call, deadline).await;
+            faults::point(hook, When::After, "ControllerPublishVolume");
+            record.publish_context = self
+                .step_result(&mut record.controller_publish, Step::Absent, reply)
                 .await?;
-            record.publish_context = reply.publish_context.into_iter().collect();
         }
 
         if plan.stage {
+            check_caller(caller)?;
+            let previous = record.stage;
             record.staging_path = Some(paths.staging.clone());
             record.stage = Step::Uncertain;
-            self.save(record, true).await?;
-            let request = csi::NodeStageVolumeRequest {
-                volume_id: record.csi_volume_id.clone(),
-                publish_context: record.publish_context.clone().into_iter().collect(),
-                staging_target_path: path_string(&paths.staging),
-                volume_capability: Some(spec.capability.clone()),
+            self.save(hook, record, true).await?;
+            let call = Stage {
+                csi_volume_id: record.csi_volume_id.clone(),
+                staging_path: paths.staging.clone(),
+                publish_context: record.publish_context.clone(),
+                volume_context: record.volume_context.clone(),
+                capability: spec.capability.clone(),
                 secrets: stage_secrets,
-                volume_context: record.volume_context.clone().into_iter().collect(),
             };
-            let reply = self.node_csi.node_stage_volume(request, deadline).await;
-            self.step_result(&mut record.stage, reply).await?;
+            faults::point(hook, When::Before, "NodeStageVolume");
+            let reply = self.node.stage(&call, deadline).await;
+            faults::point(hook, When::After, "NodeStageVolume");
+            self.step_result(&mut record.stage, previous, reply).await?;
         }
 
+        check_caller(caller)?;
         record.publish = Step::Uncertain;
-        self.save(record, true).await?;
-        let request = csi::NodePublishVolumeRequest {
-            volume_id: record.csi_volume_id.clone(),
-            publish_context: record.publish_context.clone().into_iter().collect(),
-            staging_target_path: record
-                .staging_path
-                .as_deref()
-                .map(path_string)
-                .unwrap_or_default(),
-            target_path: path_string(&paths.target),
-            volume_capability: Some(spec.capability.clone()),
-            readonly: false,
+        self.save(hook, record, true).await?;
+        let call = Publish {
+            csi_volume_id: record.csi_volume_id.clone(),
+            target_path: paths.target.clone(),
+            staging_path: record.staging_path.clone(),
+            publish_context: record.publish_context.clone(),
+            volume_context: record.volume_context.clone(),
+            capability: spec.capability.clone(),
             secrets: node_publish_secrets,
-            volume_context: record.volume_context.clone().into_iter().collect(),
         };
-        let reply = self.node_csi.node_publish_volume(request, deadline).await;
-        self.step_result(&mut record.publish, reply).await?;
-        self.save(record, false).await?;
+        faults::point(hook, When::Before, "NodePublishVolume");
+        let reply = self.node.publish(&call, deadline).await;
+        faults::point(hook, When::After, "NodePublishVolume");
+        self.step_result(&mut record.publish, Step::Absent, reply)
+            .await?;
+        self.save(hook, record, false).await?;
 
-        if !self.visible(&paths.target).await? {
+        if self.visibility(&paths.target, deadline).await? == Visibility::NotMounted {
             return Err(BridgeError::NotVisible {
                 path: paths.target.clone(),
-                view: self.mount_view.describe(),
+                view: self.mounts.describe(),
             });
         }
         Ok(())
     }
 
-    /// Records the outcome of a mutating call: Done on success; Absent after a final
-    /// error (nothing is in progress, per CSI); still Uncertain after a non-final one.
+    /// Records the outcome of a mutating call: Done on success. On failure a step that was
+    /// Done before this call stays Done (the earlier success stands); otherwise it is
+    /// Absent after a final error (nothing is in progress, per CSI) and still Uncertain
+    /// after a non-final one.
     async fn step_result<T>(
         &self,
         step: &mut Step,
-        reply: Result<T, CsiError>,
+        previous: Step,
+        reply: Result<T, DriverError>,
     ) -> Result<T, BridgeError> {
         match reply {
             Ok(value) => {
@@ -298,33 +453,49 @@ impl Bridge {
                 Ok(value)
             }
             Err(error) => {
-                if !error.is_uncertain() {
+                if previous == Step::Done {
+                    *step = Step::Done;
+                } else if !error.is_uncertain() {
                     *step = Step::Absent;
                 }
-                self.note_csi_error(&error).await;
-                Err(error.into())
+                self.driver(Err(error)).await
             }
         }
     }
 
-    /// Cube Detach.
+    /// Cube Detach. Runs to the end even if the caller leaves: Cube retries a failed
+    /// Detach with the same metadata, and finishing is what that retry would do.
     pub async fn detach(&self, req: DetachVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
         self.hook(HookKind::Detach, &volume_id, async {
-            if req.ref_count > 0 {
-                tracing::debug!(
-                    ref_count = req.ref_count,
-                    "other sandboxes still hold the volume"
-                );
-                return Ok(());
-            }
             let deadline = Deadline::after(self.config.timeouts.detach());
             let _guard = self
                 .locks
                 .acquire(LockScope::Node, &req.volume_id, &deadline)
                 .await?;
-            let mut record = match (self.load(&req.volume_id).await?, req.recorded) {
-                (Some(record), recorded) => {
+            let change = HolderChange::Detach {
+                namespace: req.namespace.clone(),
+                sandbox: req.sandbox_id.clone(),
+                last: req.ref_count == 0,
+            };
+            let paths = match &req.recorded {
+                Some(meta) => meta.paths.clone(),
+                None => VolumePaths::new(
+                    &self.config.node.default_volume_base_dir,
+                    &self.config.driver,
+                    &req.volume_id,
+                ),
+            };
+            let csi_volume_id = req
+                .recorded
+                .as_ref()
+                .map(|m| m.csi_volume_id.clone())
+                .unwrap_or_default();
+            let loaded = self
+                .load_or_rebuild(&req.volume_id, &csi_volume_id, &paths, &deadline)
+                .await?;
+            let mut record = match (loaded, req.recorded) {
+                (Some(mut record), recorded) => {
                     if let Some(meta) = recorded
                         && meta.paths.target != record.target_path
                     {
@@ -334,148 +505,166 @@ impl Bridge {
                             "Detach metadata and node journal disagree; following the journal"
                         );
                     }
+                    let mut holders = record.holders.clone();
+                    change.apply(&mut holders);
+                    if req.ref_count > 0 || !holders.is_empty() {
+                        if holders != record.holders {
+                            self.node_journal().append_holder(&req.volume_id, &change)?;
+                        }
+                        tracing::debug!(
+                            ref_count = req.ref_count,
+                            namespaces = holders.len(),
+                            "other sandboxes still hold the volume"
+                        );
+                        return Ok(());
+                    }
+                    record.holders = holders;
                     record
                 }
-                (None, Some(meta)) => self.record_from_metadata(&req.volume_id, meta).await?,
+                (None, _) if req.ref_count > 0 => {
+                    tracing::debug!(ref_count = req.ref_count, "nothing recorded on this node");
+                    return Ok(());
+                }
+                (None, Some(meta)) => self.record_from_metadata(&req.volume_id, meta),
                 (None, None) => {
                     tracing::info!("nothing attached on this node; nothing to do");
                     return Ok(());
                 }
             };
-            self.teardown(&mut record, &deadline).await
+            self.teardown(HookKind::Detach, &mut record, &deadline)
+                .await
         })
         .await
     }
 
     /// Without a journal record (lost, or never written), Detach works from Cube's
-    /// metadata: steps start Absent, and teardown calls the driver only for what is still
-    /// mounted. Metadata outside the configured base dir is refused unless there is
-    /// nothing there to act on.
-    async fn record_from_metadata(
-        &self,
-        volume_id: &str,
-        meta: AttachMetadata,
-    ) -> Result<NodeRecord, BridgeError> {
-        let base = meta
-            .paths
-            .target
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default();
-        if base != self.config.node.default_volume_base_dir
-            && (path_exists(&meta.paths.target).await || path_exists(&meta.paths.staging).await)
-        {
-            return Err(BridgeError::InvalidRequest(format!(
-                "metadata mount_dir {} is outside node.default_volume_base_dir {} and this node \
-                 has no journal record of it; refusing to act on it (set \
-                 node.default_volume_base_dir to Cubelet's volume_plugin_base_dir)",
-                meta.paths.target.display(),
-                self.config.node.default_volume_base_dir.display()
-            )));
-        }
+    /// metadata (its base dir was checked against node.allowed_base_dirs at the edge):
+    /// steps start Absent, and teardown calls the driver only for what is still mounted.
+    fn record_from_metadata(&self, volume_id: &str, meta: AttachMetadata) -> NodeRecord {
         let mut record = NodeRecord::new(volume_id, &meta.csi_volume_id, meta.paths.target.clone());
         if meta.staged {
             record.staging_path = Some(meta.paths.staging);
         }
-        Ok(record)
+        record
     }
 
     /// Undoes whatever the record says may exist, in reverse order, saving progress so a
     /// later Detach resumes where this one stopped. Removes the record when done.
     pub(crate) async fn teardown(
         &self,
+        hook: HookKind,
         record: &mut NodeRecord,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        let target = record.target_path.clone();
-        if record.publish.needs_undo() || self.visible(&target).await? {
-            let request = csi::NodeUnpublishVolumeRequest {
-                volume_id: record.csi_volume_id.clone(),
-                target_path: path_string(&target),
-            };
-            let reply = self.node_csi.node_unpublish_volume(request, deadline).await;
-            self.undo_result(reply, &target, "NodeUnpublishVolume")
-                .await?;
-            record.publish = Step::Absent;
-            self.save(record, false).await?;
-        }
-        remove_dir(&target, true).await?;
-
-        if let Some(staging) = record.staging_path.clone() {
-            if record.stage.needs_undo() || self.visible(&staging).await? {
-                let request = csi::NodeUnstageVolumeRequest {
-                    volume_id: record.csi_volume_id.clone(),
-                    staging_target_path: path_string(&staging),
-                };
-                let reply = self.node_csi.node_unstage_volume(request, deadline).await;
-                self.undo_result(reply, &staging, "NodeUnstageVolume")
-                    .await?;
-                record.stage = Step::Absent;
-                self.save(record, false).await?;
-            }
-            remove_dir(&staging, true).await?;
-            if let Some(parent) = staging.parent() {
-                // Shared by every staged volume: removed only when the last one goes.
-                remove_dir(parent, false).await?;
-            }
-        }
-
-        if record.controller_publish.needs_undo() {
-            let request = csi::ControllerUnpublishVolumeRequest {
-                volume_id: record.csi_volume_id.clone(),
-                node_id: record.node_id.clone(),
-                secrets: self.secrets(SecretUse::ControllerPublish).await?,
-            };
-            match self
-                .controller_csi
-                .controller_unpublish_volume(request, deadline)
-                .await
-            {
-                Ok(_) => {}
-                Err(e) if e.code == tonic::Code::NotFound => {}
-                Err(e) => {
-                    self.note_csi_error(&e).await;
-                    return Err(e.into());
-                }
-            }
-            record.controller_publish = Step::Absent;
-        }
-
-        let (journal, id) = (self.journal().clone(), record.volume_id.clone());
+        self.node_journal().mark_pending(&record.volume_id)?;
+        self.undo_steps(hook, record, UndoSteps::ALL, deadline)
+            .await?;
+        faults::point(hook, When::Before, "journal");
+        let (journal, id) = (self.node_journal().clone(), record.volume_id.clone());
         blocking(move || {
-            journal
-                .remove(&id)
-                .map_err(|e| BridgeError::io(format!("removing node journal record of {id}"), e))
+            journal.remove(&id)?;
+            journal.clear_pending(&id)?;
+            Ok(())
         })
-        .await
+        .await?;
+        faults::point(hook, When::After, "journal");
+        Ok(())
     }
 
-    /// Judges an unpublish/unstage reply: success must leave `path` unmounted, and
-    /// NOT_FOUND counts as success when nothing is mounted there (drivers such as
-    /// csi-driver-host-path answer NOT_FOUND for volumes they no longer know).
-    async fn undo_result<T>(
+    /// NodeUnpublish (always, when anything may be mounted), then the steps in `which`.
+    async fn undo_steps(
         &self,
-        reply: Result<T, CsiError>,
+        hook: HookKind,
+        record: &mut NodeRecord,
+        which: UndoSteps,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let target = record.target_path.clone();
+        if record.publish.needs_undo()
+            || self.visibility(&target, deadline).await? != Visibility::NotMounted
+        {
+            faults::point(hook, When::Before, "NodeUnpublishVolume");
+            let reply = self
+                .node
+                .unpublish(&record.csi_volume_id, &target, deadline)
+                .await;
+            faults::point(hook, When::After, "NodeUnpublishVolume");
+            self.undo_result(reply, &target, "NodeUnpublishVolume", deadline)
+                .await?;
+            record.publish = Step::Absent;
+            self.save(hook, record, false).await?;
+        }
+        remove_dir(&target, true, deadline).await?;
+
+        if which.stage
+            && let Some(staging) = record.staging_path.clone()
+        {
+            if record.stage.needs_undo()
+                || self.visibility(&staging, deadline).await? == Visibility::Mounted
+            {
+                faults::point(hook, When::Before, "NodeUnstageVolume");
+                let reply = self
+                    .node
+                    .unstage(&record.csi_volume_id, &staging, deadline)
+                    .await;
+                faults::point(hook, When::After, "NodeUnstageVolume");
+                self.undo_result(reply, &staging, "NodeUnstageVolume", deadline)
+                    .await?;
+                record.stage = Step::Absent;
+                self.save(hook, record, false).await?;
+            }
+            remove_dir(&staging, true, deadline).await?;
+            if let Some(parent) = staging.parent() {
+                // Shared by every staged volume: removed only when the last one goes.
+                remove_dir(parent, false, deadline).await?;
+            }
+        }
+
+        if which.controller_publish && record.controller_publish.needs_undo() {
+            let secrets = self.settings.secrets(SecretUse::ControllerPublish).await?;
+            faults::point(hook, When::Before, "ControllerUnpublishVolume");
+            let reply = self
+                .controller
+                .unpublish(&record.csi_volume_id, &record.node_id, &secrets, deadline)
+                .await;
+            faults::point(hook, When::After, "ControllerUnpublishVolume");
+            self.driver(reply).await?;
+            record.controller_publish = Step::Absent;
+            self.save(hook, record, false).await?;
+        }
+        Ok(())
+    }
+
+    /// Judges an unpublish/unstage reply: success must leave `path` unmounted, and a
+    /// driver that no longer knows the volume is success when nothing is mounted there
+    /// (csi-driver-host-path answers NOT_FOUND for volumes it forgot).
+    async fn undo_result(
+        &self,
+        reply: Result<Undone, DriverError>,
         path: &Path,
         call: &'static str,
+        deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        match reply {
-            Ok(_) => {}
-            Err(e) if e.code == tonic::Code::NotFound && !self.visible(path).await? => {
-                tracing::info!(call, path = %path.display(), "driver no longer knows the volume and nothing is mounted");
-                return Ok(());
-            }
-            Err(e) => {
-                self.note_csi_error(&e).await;
-                return Err(e.into());
-            }
-        }
-        if self.visible(path).await? {
-            return Err(BridgeError::StillMounted {
+        let undone = self.driver(reply).await?;
+        let still_mounted = self.visibility(path, deadline).await? == Visibility::Mounted;
+        match (undone, still_mounted) {
+            (_, false) => Ok(()),
+            (Undone::UnknownVolume, true) => Err(BridgeError::Precondition(format!(
+                "CSI {call} answered NOT_FOUND for the volume but {} is still mounted",
+                path.display()
+            ))),
+            (Undone::Done, true) => Err(BridgeError::StillMounted {
                 path: path.to_path_buf(),
                 call,
-            });
+            }),
         }
+    }
+}
+
+fn check_caller(caller: &Caller) -> Result<(), BridgeError> {
+    if caller.is_gone() {
+        Err(BridgeError::CallerGone)
+    } else {
         Ok(())
     }
 }
@@ -497,19 +686,21 @@ fn attached(record: &NodeRecord, volume_id: &str) -> Attached {
     }
 }
 
-fn path_string(path: &Path) -> String {
-    path.to_string_lossy().into_owned()
-}
-
 async fn path_exists(path: &Path) -> bool {
     tokio::fs::symlink_metadata(path).await.is_ok()
 }
 
 /// Removes a directory the bridge or driver made, if it is empty and not mounted;
-/// `warn_if_kept` reports one left in place because it still holds files.
-async fn remove_dir(dir: &Path, warn_if_kept: bool) -> Result<(), BridgeError> {
+/// `warn_if_kept` reports one left in place because it still holds files. Bounded by the
+/// deadline: a directory on a dead network mount must not hang the hook.
+async fn remove_dir(
+    dir: &Path,
+    warn_if_kept: bool,
+    deadline: &Deadline,
+) -> Result<(), BridgeError> {
     let dir: PathBuf = dir.to_path_buf();
-    blocking(move || match ops::remove_dir_if_empty(&dir) {
+    let shown = dir.display().to_string();
+    let work = blocking(move || match ops::remove_dir_if_empty(&dir) {
         Ok(true) => Ok(()),
         Ok(false) => {
             if warn_if_kept && dir.exists() {
@@ -518,6 +709,16 @@ async fn remove_dir(dir: &Path, warn_if_kept: bool) -> Result<(), BridgeError> {
             Ok(())
         }
         Err(e) => Err(BridgeError::io("cleaning up", e)),
-    })
-    .await
+    });
+    tokio::time::timeout_at(deadline.instant().into(), work)
+        .await
+        .unwrap_or_else(|_| {
+            Err(BridgeError::io(
+                format!("removing {shown}"),
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer within the hook's budget",
+                ),
+            ))
+        })
 }

@@ -1,79 +1,200 @@
-//! Start-up reconciliation of the node journal: finish what a crash interrupted.
+//! Reconciliation of the node journal: finish or undo what a crash, a killed hook or a
+//! reboot left behind, and re-establish mounts that sandboxes still hold.
 //!
-//! A record whose publish step is not Done is an Attach that never answered Cube, so
-//! nobody uses it: it is torn down. A Done record whose mount is gone (host reboot) is
-//! kept: the next Attach re-establishes it, or Detach cleans it up.
+//! Each volume is judged on a fresh read under its lock (a live hook may have changed it
+//! since the journal was listed):
+//! - a record from an earlier boot: Cubelet's counts did not survive the reboot and no
+//!   Detach will come for the sandboxes that died, so it is torn down when nothing is
+//!   mounted any more;
+//! - a record nobody holds (an Attach that never answered, a teardown that stopped half
+//!   way): torn down;
+//! - a held record whose mount is gone or whose steps are uncertain: re-established;
+//! - a held, mounted record: healthy.
 
 use tracing::Instrument;
 
+use super::handoff::VolumeHandle;
 use super::locks::LockScope;
-use super::{Bridge, BridgeError};
-use crate::csi::Deadline;
+use super::naming::VolumePaths;
+use super::ports::Visibility;
+use super::{Bridge, BridgeError, Caller, Deadline, HookKind};
 use crate::store::Step;
+use crate::store::journal::JournalError;
 
-/// What reconciliation found.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// Which volumes a pass looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every record (start-up, periodic), waiting for each volume's lock.
+    All,
+    /// Only volumes marked pending whose lock is free: operations that died. Cheap enough
+    /// to run after every hook.
+    Abandoned,
+}
+
+/// What a pass found.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ReconcileReport {
     pub healthy: usize,
     pub rolled_back: usize,
+    pub earlier_boot: usize,
+    pub repaired: usize,
+    /// Held but not mounted, and repairing it failed (reported, retried next pass).
     pub mount_lost: usize,
     pub failed: usize,
+    /// Busy with a live hook (Abandoned scope only).
+    pub skipped: usize,
+}
+
+impl ReconcileReport {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// What happened to one volume.
+enum Outcome {
+    Healthy,
+    RolledBack,
+    EarlierBoot,
+    Repaired,
+    MountLost,
+    Skipped,
 }
 
 impl Bridge {
-    /// Walks the node journal once. Errors on single volumes are logged and counted.
-    pub async fn reconcile_node(&self) -> Result<ReconcileReport, BridgeError> {
-        let journal = self.journal().clone();
-        let records = super::blocking(move || {
-            journal.list().map_err(|e| {
-                BridgeError::io(
-                    format!("listing node journal {}", journal.dir().display()),
-                    e,
-                )
-            })
+    /// One reconciliation pass. Errors on single volumes are logged and counted.
+    pub async fn reconcile_node(&self, scope: Scope) -> Result<ReconcileReport, BridgeError> {
+        let journal = self.node_journal().clone();
+        let ids = super::blocking(move || {
+            let mut ids = journal.pending()?;
+            if scope == Scope::All {
+                ids.extend(journal.volume_ids()?);
+            }
+            ids.sort();
+            ids.dedup();
+            Ok(ids)
         })
         .await?;
         let mut report = ReconcileReport::default();
-        for record in records {
-            let mut record = match record {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::error!(error = %e, "unreadable node journal record; left in place");
+        for volume_id in ids {
+            let span = tracing::info_span!("reconcile", %volume_id);
+            match self
+                .reconcile_volume(&volume_id, scope)
+                .instrument(span.clone())
+                .await
+            {
+                Ok(Outcome::Healthy) => report.healthy += 1,
+                Ok(Outcome::RolledBack) => report.rolled_back += 1,
+                Ok(Outcome::EarlierBoot) => report.earlier_boot += 1,
+                Ok(Outcome::Repaired) => report.repaired += 1,
+                Ok(Outcome::MountLost) => report.mount_lost += 1,
+                Ok(Outcome::Skipped) => report.skipped += 1,
+                Err(error) => {
+                    span.in_scope(|| {
+                        tracing::error!(%error, "reconciling failed; a later hook or pass retries")
+                    });
                     report.failed += 1;
-                    continue;
                 }
-            };
-            let deadline = Deadline::after(self.config.timeouts.detach());
-            let span = tracing::info_span!("reconcile", volume_id = %record.volume_id);
-            let outcome = async {
-                let _guard = self
-                    .locks
-                    .acquire(LockScope::Node, &record.volume_id, &deadline)
-                    .await?;
-                let mounted = self.visible(&record.target_path).await?;
-                if record.publish == Step::Done {
-                    if mounted {
-                        report.healthy += 1;
-                    } else {
-                        tracing::warn!(
-                            target = %record.target_path.display(),
-                            holders = ?record.holders,
-                            "attached volume is no longer mounted; the next Attach re-establishes it"
-                        );
-                        report.mount_lost += 1;
-                    }
-                    return Ok(());
-                }
-                tracing::info!("rolling back an attach that never completed");
-                self.teardown(&mut record, &deadline).await?;
-                report.rolled_back += 1;
-                Ok::<_, BridgeError>(())
-            };
-            if let Err(error) = outcome.instrument(span).await {
-                tracing::error!(%error, "reconciling failed; a later Detach or restart retries");
-                report.failed += 1;
             }
         }
         Ok(report)
+    }
+
+    async fn reconcile_volume(
+        &self,
+        volume_id: &str,
+        scope: Scope,
+    ) -> Result<Outcome, BridgeError> {
+        let deadline = Deadline::after(self.config.timeouts.detach());
+        let _guard = match scope {
+            Scope::All => Some(
+                self.locks
+                    .acquire(LockScope::Node, volume_id, &deadline)
+                    .await?,
+            ),
+            Scope::Abandoned => match self.locks.try_acquire(LockScope::Node, volume_id)? {
+                Some(guard) => Some(guard),
+                None => return Ok(Outcome::Skipped),
+            },
+        };
+        let journal = self.node_journal();
+        let mut record = match journal.load(volume_id) {
+            Ok(Some(record)) => record,
+            Ok(None) => {
+                journal.clear_pending(volume_id)?;
+                return Ok(Outcome::Healthy);
+            }
+            Err(e @ JournalError::Corrupt { .. }) => {
+                // Without the record the paths are unknown; the next Attach or Detach of the
+                // volume rebuilds it from what Cube sends.
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let mounted = self.visibility(&record.target_path, &deadline).await?;
+
+        if !record.boot_id.is_empty() && record.boot_id != self.boot_id {
+            if mounted == Visibility::Mounted {
+                tracing::warn!(
+                    target = %record.target_path.display(),
+                    "record from an earlier boot is still mounted; left for its Detach"
+                );
+                return Ok(Outcome::Healthy);
+            }
+            tracing::info!(
+                holders = ?record.holders,
+                "tearing down an attachment from an earlier boot (its sandboxes died with it)"
+            );
+            self.teardown(HookKind::Detach, &mut record, &deadline)
+                .await?;
+            return Ok(Outcome::EarlierBoot);
+        }
+
+        if !record.is_held() {
+            tracing::info!("rolling back an attach or detach that never finished");
+            self.teardown(HookKind::Detach, &mut record, &deadline)
+                .await?;
+            return Ok(Outcome::RolledBack);
+        }
+
+        if record.is_settled() && mounted != Visibility::NotMounted {
+            journal.clear_pending(volume_id)?;
+            return Ok(Outcome::Healthy);
+        }
+
+        tracing::warn!(
+            target = %record.target_path.display(),
+            holders = ?record.holders,
+            "held volume is not mounted (or its steps are uncertain); re-establishing it"
+        );
+        let handle = VolumeHandle {
+            csi_volume_id: record.csi_volume_id.clone(),
+            volume_context: record.volume_context.clone(),
+            controller_publish: record.controller_publish != Step::Absent,
+        };
+        let paths = VolumePaths::from_target(&record.target_path, &self.config.driver, volume_id)
+            .map_err(BridgeError::Precondition)?;
+        let repaired = self
+            .establish(
+                HookKind::Attach,
+                &mut record,
+                &handle,
+                &paths,
+                &deadline,
+                &Caller::waiting(),
+            )
+            .await;
+        match repaired {
+            Ok(()) => {
+                self.node_journal().save(&record, false)?;
+                journal.clear_pending(volume_id)?;
+                Ok(Outcome::Repaired)
+            }
+            Err(error) => {
+                tracing::error!(%error, "re-establishing a held volume failed; the next Attach retries");
+                self.node_journal().save(&record, false)?;
+                Ok(Outcome::MountLost)
+            }
+        }
     }
 }

@@ -7,9 +7,10 @@ use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Uri};
 use tonic::{Code, Status};
 
-use super::error::CsiError;
-use super::retry::{Backoff, Deadline, is_final};
-use crate::config::Endpoint;
+use super::Endpoint;
+use super::retry::{Backoff, finality, is_final};
+use crate::bridge::Deadline;
+use crate::bridge::ports::DriverError;
 use crate::proto::csi::v1 as csi;
 use csi::controller_client::ControllerClient;
 use csi::identity_client::IdentityClient;
@@ -34,7 +35,7 @@ pub fn channel(endpoint: &Endpoint) -> Channel {
         }
         Endpoint::Tcp(hostport) => {
             tonic::transport::Endpoint::from_shared(format!("http://{hostport}"))
-                .expect("host:port validated by the config")
+                .expect("host:port checked by Endpoint::parse")
                 .connect_lazy()
         }
     }
@@ -66,11 +67,15 @@ impl CsiClient {
         &self.endpoint
     }
 
-    fn error(&self, call: &'static str, status: &Status, attempts: u32) -> CsiError {
-        CsiError {
+    /// The core's error for a failed call.
+    pub fn error(&self, call: &'static str, status: &Status, attempts: u32) -> DriverError {
+        let code = status.code();
+        DriverError {
             call,
             endpoint: self.endpoint.clone(),
-            code: status.code(),
+            status: code_name(code),
+            grpc_code: code as i32,
+            finality: finality(code),
             message: status.message().to_string(),
             attempts,
             gave_up_after: None,
@@ -84,7 +89,7 @@ impl CsiClient {
         deadline: &Deadline,
         req: &Req,
         send: impl Fn(Channel, tonic::Request<Req>) -> Fut,
-    ) -> Result<Resp, CsiError>
+    ) -> Result<Resp, DriverError>
     where
         Req: Clone,
         Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
@@ -144,7 +149,7 @@ macro_rules! csi_calls {
     ($( $(#[$doc:meta])* $fn:ident: $client:ident::$method:ident($req:ident) -> $resp:ident; )*) => {
         impl CsiClient {$(
             $(#[$doc])*
-            pub async fn $fn(&self, req: csi::$req, deadline: &Deadline) -> Result<csi::$resp, CsiError> {
+            pub async fn $fn(&self, req: csi::$req, deadline: &Deadline) -> Result<csi::$resp, DriverError> {
                 self.call(stringify!($req).trim_end_matches("Request"), deadline, &req, |channel, request| async move {
                     $client::new(channel).$method(request).await
                 })
@@ -169,9 +174,28 @@ csi_calls! {
     node_unstage_volume: NodeClient::node_unstage_volume(NodeUnstageVolumeRequest) -> NodeUnstageVolumeResponse;
     node_publish_volume: NodeClient::node_publish_volume(NodePublishVolumeRequest) -> NodePublishVolumeResponse;
     node_unpublish_volume: NodeClient::node_unpublish_volume(NodeUnpublishVolumeRequest) -> NodeUnpublishVolumeResponse;
+    node_get_volume_stats: NodeClient::node_get_volume_stats(NodeGetVolumeStatsRequest) -> NodeGetVolumeStatsResponse;
 }
 
-/// Whether `code` from an unpublish/unstage/delete means "already gone".
-pub fn is_not_found(code: Code) -> bool {
-    code == Code::NotFound
+/// The status name as gRPC spells it in Go and Rust alike (`NotFound`, `Internal`, …).
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "Ok",
+        Code::Cancelled => "Cancelled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
+    }
 }

@@ -6,9 +6,11 @@
 //! with exponential backoff, with the same arguments, inside the hook's budget. Every
 //! other code is final: nothing is in progress, so retrying would not change the answer.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tonic::Code;
+
+use crate::bridge::ports::Finality;
 
 /// First backoff delay; doubled after each failure up to `MAX_BACKOFF`.
 pub const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
@@ -26,36 +28,12 @@ pub fn is_final(code: Code) -> bool {
     )
 }
 
-/// The instant a hook must be done by. Every CSI attempt and backoff fits inside it.
-#[derive(Debug, Clone, Copy)]
-pub struct Deadline {
-    start: Instant,
-    at: Instant,
-}
-
-impl Deadline {
-    pub fn after(budget: Duration) -> Self {
-        let start = Instant::now();
-        Self {
-            start,
-            at: start + budget,
-        }
-    }
-
-    pub fn remaining(&self) -> Duration {
-        self.at.saturating_duration_since(Instant::now())
-    }
-
-    pub fn elapsed(&self) -> Duration {
-        self.start.elapsed()
-    }
-
-    pub fn expired(&self) -> bool {
-        self.remaining().is_zero()
-    }
-
-    pub fn instant(&self) -> Instant {
-        self.at
+/// How the core must treat a failure with `code`.
+pub fn finality(code: Code) -> Finality {
+    match code {
+        Code::Unimplemented => Finality::Unimplemented,
+        c if is_final(c) => Finality::Final,
+        _ => Finality::Uncertain,
     }
 }
 
@@ -96,6 +74,7 @@ mod tests {
             Code::Aborted,
         ] {
             assert!(!is_final(code), "{code:?}");
+            assert_eq!(finality(code), Finality::Uncertain);
         }
         for code in [
             Code::InvalidArgument,
@@ -103,11 +82,12 @@ mod tests {
             Code::AlreadyExists,
             Code::FailedPrecondition,
             Code::Internal,
-            Code::Unimplemented,
             Code::Unknown,
         ] {
             assert!(is_final(code), "{code:?}");
+            assert_eq!(finality(code), Finality::Final);
         }
+        assert_eq!(finality(Code::Unimplemented), Finality::Unimplemented);
     }
 
     #[test]

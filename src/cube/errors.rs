@@ -5,20 +5,24 @@ use tonic::{Code, Status};
 
 use crate::bridge::{BridgeError, HookError};
 
+/// The error table: which status each failure answers with.
 fn code(error: &BridgeError) -> Code {
     match error {
         BridgeError::InvalidRequest(_) => Code::InvalidArgument,
-        BridgeError::Csi(e) if e.gave_up_after.is_some() => Code::DeadlineExceeded,
-        BridgeError::Csi(e) => e.code,
-        BridgeError::Driver(_) | BridgeError::NotVisible { .. } => Code::FailedPrecondition,
-        BridgeError::StillMounted { .. } | BridgeError::Store(_) | BridgeError::Io { .. } => {
-            Code::Internal
-        }
+        BridgeError::Driver(e) if e.gave_up_after.is_some() => Code::DeadlineExceeded,
+        BridgeError::Driver(e) => Code::from_i32(e.grpc_code),
+        BridgeError::Precondition(_) | BridgeError::NotVisible { .. } => Code::FailedPrecondition,
         BridgeError::Busy { .. } => Code::Aborted,
-        BridgeError::Kubernetes(e) if e.is_transient() => Code::Unavailable,
-        BridgeError::Kubernetes(_) => Code::FailedPrecondition,
+        BridgeError::Store(crate::store::StoreError::Conflict { .. }) => Code::Aborted,
+        BridgeError::Store(e) if e.is_transient() => Code::Unavailable,
+        BridgeError::Settings(e) if e.transient => Code::Unavailable,
+        BridgeError::Settings(_) => Code::FailedPrecondition,
+        BridgeError::StillMounted { .. }
+        | BridgeError::Store(_)
+        | BridgeError::Journal(_)
+        | BridgeError::Io { .. } => Code::Internal,
         BridgeError::RollbackFailed { error, .. } => code(error),
-        BridgeError::ShuttingDown => Code::Unavailable,
+        BridgeError::CallerGone => Code::Cancelled,
     }
 }
 
@@ -34,10 +38,56 @@ pub fn to_status(error: &HookError) -> Status {
 
 /// The binary hook's stdout for a failure: exactly one JSON object.
 pub fn to_json(error: &HookError) -> String {
-    serde_json::json!({ "error": error.to_string() }).to_string()
+    message_json(&error.to_string())
 }
 
 /// The JSON for a failure that happened before any hook ran (bad argv, no config).
 pub fn message_json(message: &str) -> String {
     serde_json::json!({ "error": message }).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bridge::HookKind;
+    use crate::store::StoreError;
+
+    fn status_of(error: BridgeError) -> Code {
+        to_status(&HookError {
+            hook: HookKind::Create,
+            volume_id: "v".into(),
+            error,
+        })
+        .code()
+    }
+
+    #[test]
+    fn store_failures_map_by_kind_not_by_backend() {
+        assert_eq!(
+            status_of(
+                StoreError::Conflict {
+                    volume_id: "v".into()
+                }
+                .into()
+            ),
+            Code::Aborted
+        );
+        let outage = |transient| StoreError::Backend {
+            store: "s".into(),
+            action: "a".into(),
+            transient,
+            source: "down".into(),
+        };
+        assert_eq!(status_of(outage(true).into()), Code::Unavailable);
+        assert_eq!(status_of(outage(false).into()), Code::Internal);
+        let settings = |transient| {
+            BridgeError::Settings(crate::bridge::ports::SettingsError {
+                message: "m".into(),
+                transient,
+                source: None,
+            })
+        };
+        assert_eq!(status_of(settings(true)), Code::Unavailable);
+        assert_eq!(status_of(settings(false)), Code::FailedPrecondition);
+    }
 }

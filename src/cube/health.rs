@@ -14,8 +14,8 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-use crate::bridge::Roles;
-use crate::config::{Config, Endpoint};
+use crate::config::{Config, Roles};
+use crate::csi::Endpoint;
 use crate::proto::csi::v1 as csi;
 use crate::proto::cube::v1 as pb;
 use csi::identity_client::IdentityClient;
@@ -46,13 +46,10 @@ impl DaemonHealth {
         let server = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
         let mut endpoints = Vec::new();
         if roles.node {
-            endpoints.push(config.csi_endpoint());
+            endpoints.push(config.csi.endpoint.clone());
         }
-        if roles.controller {
-            let (controller, _) = config.controller_endpoint();
-            if !endpoints.contains(&controller) {
-                endpoints.push(controller);
-            }
+        if roles.controller && !endpoints.contains(config.csi.controller()) {
+            endpoints.push(config.csi.controller().clone());
         }
         let prober = tokio::spawn(keep_readiness(reporter, roles, endpoints));
         Self { server, prober }
@@ -282,11 +279,7 @@ mod tests {
             socket.display()
         );
         let config = Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
-        let roles = Roles {
-            controller: false,
-            node: true,
-        };
-        let health = DaemonHealth::start(&config, roles);
+        let health = DaemonHealth::start(&config, Roles::NODE);
         let mut client = health_client(&health, dir.path()).await;
 
         assert_eq!(status(&mut client, "").await, Ok(Wire::Serving as i32));

@@ -1,7 +1,8 @@
 //! Cube's four hooks from wire request to wire reply, shared by the gRPC services and the
-//! binary hook: validate, call the bridge, shape the reply.
+//! binary hook: validate, call the bridge, shape the reply. A request that fails
+//! validation changes nothing: no lock, no directory, no CSI call, no record.
 
-use crate::bridge::{Bridge, BridgeError, HookError, HookKind};
+use crate::bridge::{Bridge, BridgeError, Caller, HookError, HookKind};
 use crate::proto::cube::v1 as pb;
 
 use super::validate;
@@ -18,10 +19,11 @@ fn invalid(hook: HookKind, volume_id: &str, message: String) -> HookError {
 pub async fn create(
     bridge: &Bridge,
     req: pb::CreateRequest,
+    caller: &Caller,
 ) -> Result<pb::CreateResponse, HookError> {
     let volume_id = req.volume_id.clone();
     let req = validate::create(req).map_err(|m| invalid(HookKind::Create, &volume_id, m))?;
-    let created = bridge.create(req).await?;
+    let created = bridge.create(req, caller).await?;
     Ok(pb::CreateResponse {
         token: created.token,
         private_data: created.private_data,
@@ -41,11 +43,12 @@ pub async fn destroy(
 pub async fn attach(
     bridge: &Bridge,
     req: pb::AttachRequest,
+    caller: &Caller,
 ) -> Result<pb::AttachResponse, HookError> {
     let volume_id = req.volume_id.clone();
     let req = validate::attach(req, bridge.config())
         .map_err(|m| invalid(HookKind::Attach, &volume_id, m))?;
-    let attached = bridge.attach(req).await?;
+    let attached = bridge.attach(req, caller).await?;
     Ok(pb::AttachResponse {
         host_path: attached.host_path.to_string_lossy().into_owned(),
         metadata: attached.metadata,

@@ -1,153 +1,224 @@
-//! The `serve` daemon: binds Cube's socket, serves the configured services, and shuts
-//! down gracefully (in-flight hooks finish, new ones are refused).
+//! The `serve` daemon, in two steps: `Daemon::open` (config → bridge, driver checked,
+//! listeners bound; errors typed) and `Daemon::run` (serve until shutdown, then refuse new
+//! hooks and let in-flight ones finish within the grace period).
 
 use std::future::Future;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
-use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
 
+use super::listener::{Incoming, ListenError, PeerPolicy, UnixSocket};
 use super::service::CubeService;
-use crate::bridge::{Bridge, ProcessMode, Roles};
-use crate::config::Config;
-use crate::csi::Deadline;
+use crate::bridge::reconcile::Scope;
+use crate::bridge::{Bridge, BridgeError, Deadline};
+use crate::config::{Config, Roles};
+use crate::mount::MountView;
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerServiceServer;
 use pb::volume_plugin_service_server::VolumePluginServiceServer;
 
 /// How long start-up waits for the driver's answers before going on without them.
 const STARTUP_CHECK_BUDGET: Duration = Duration::from_secs(10);
+/// How often the daemon looks for node operations a killed hook abandoned.
+const ABANDONED_SCAN_INTERVAL: Duration = Duration::from_secs(30);
 
-/// A start-up refusal the operator must fix (exit code 78, EX_CONFIG).
+/// Why the daemon could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Misconfigured(pub String);
-
-/// Binds the Unix socket: parent created, a stale socket replaced, a live one refused,
-/// and the mode set to 0660 so only root and the socket's group can reach the hooks.
-pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        crate::mount::ops::ensure_dir(dir, 0o755)?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if tokio::net::UnixStream::connect(path).await.is_ok() {
-                bail!(
-                    "{} is in use by a running process (another bridge instance?)",
-                    path.display()
-                );
-            }
-            std::fs::remove_file(path)
-                .with_context(|| format!("removing stale socket {}", path.display()))?;
-        }
-        Ok(_) => bail!(
-            "{} exists and is not a socket; refusing to replace it",
-            path.display()
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .with_context(|| format!("chmod 0660 {}", path.display()))?;
-    Ok(listener)
+pub enum ServeError {
+    /// The operator must fix the setup (exit code 78, EX_CONFIG).
+    #[error("refusing to start: {0}")]
+    Misconfigured(#[source] BridgeError),
+    #[error(transparent)]
+    Listen(#[from] ListenError),
+    #[error("serving: {0}")]
+    Transport(#[from] tonic::transport::Error),
 }
 
-/// Runs the daemon until `shutdown` resolves, then drains within the grace period.
-pub async fn serve(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let services = config.serve.services;
-    let roles = Roles {
-        controller: services.controller(),
-        node: services.node(),
-    };
-    let grace = Duration::from_secs(config.serve.shutdown_grace_secs);
-    let socket_path = config.socket_path();
-    let tcp = config.serve.tcp.clone();
-    let bridge = Arc::new(Bridge::new(config, roles, ProcessMode::Daemon)?);
-
-    bridge
-        .check_driver(roles, &Deadline::after(STARTUP_CHECK_BUDGET))
-        .await
-        .map_err(|e| Misconfigured(format!("refusing to start: {e}")))?;
-
-    let unix = bind_unix(&socket_path).await?;
-    tracing::info!(socket = %socket_path.display(), ?services, "serving Cube hooks");
-    let tcp = match tcp {
-        Some(addr) => {
-            let listener = TcpListener::bind(&addr)
-                .await
-                .with_context(|| format!("binding tcp {addr}"))?;
-            tracing::info!(%addr, "serving Cube hooks on tcp as well");
-            Some(listener)
+impl ServeError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            ServeError::Misconfigured(_) => 78,
+            ServeError::Listen(ListenError::InUse { .. } | ListenError::NotASocket { .. }) => 78,
+            _ => 1,
         }
-        None => None,
-    };
+    }
+}
 
-    if roles.node {
-        let bridge = bridge.clone();
-        tokio::spawn(async move {
-            match bridge.reconcile_node().await {
+/// An opened daemon: the bridge and its bound listeners, not yet serving.
+pub struct Daemon {
+    bridge: Arc<Bridge>,
+    unix: UnixSocket,
+    tcp: Option<TcpListener>,
+    policy: PeerPolicy,
+    grace: Duration,
+}
+
+impl Daemon {
+    /// Opens the bridge for the configured roles, checks the driver, and binds (or takes
+    /// from systemd) the listeners. When this returns, calls can be made.
+    pub async fn open(config: Config) -> Result<Self, ServeError> {
+        let roles = config.serve.roles;
+        let grace = config.serve.shutdown_grace;
+        let policy = PeerPolicy::new(config.serve.allowed_uids.clone());
+        let socket_path = config.socket_path().to_path_buf();
+        let socket_gid = config.serve.socket_gid;
+        let tcp_addr = config.serve.tcp;
+        let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
+        let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts)
+            .map_err(ServeError::Misconfigured)?;
+        bridge
+            .check_driver(&Deadline::after(STARTUP_CHECK_BUDGET))
+            .await
+            .map_err(ServeError::Misconfigured)?;
+        let unix = match UnixSocket::inherited(&socket_path)? {
+            Some(inherited) => inherited,
+            None => UnixSocket::bind(&socket_path, socket_gid).await?,
+        };
+        let tcp = match tcp_addr {
+            Some(addr) => {
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| ListenError::Io {
+                        context: format!("binding tcp {addr}"),
+                        source,
+                    })?;
+                tracing::info!(%addr, "serving Cube hooks on tcp as well");
+                Some(listener)
+            }
+            None => None,
+        };
+        tracing::info!(socket = %socket_path.display(), roles = roles.as_str(), "serving Cube hooks");
+        Ok(Self {
+            bridge: Arc::new(bridge),
+            unix,
+            tcp,
+            policy,
+            grace,
+        })
+    }
+
+    pub fn bridge(&self) -> &Arc<Bridge> {
+        &self.bridge
+    }
+
+    /// Serves until `shutdown` resolves, then drains within the grace period.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+        let Daemon {
+            bridge,
+            unix,
+            tcp,
+            policy,
+            grace,
+        } = self;
+        let roles = bridge.roles();
+        let housekeeping = spawn_housekeeping(bridge.clone(), roles);
+
+        let health = super::health::DaemonHealth::start(bridge.config(), roles);
+        let hooks = TaskTracker::new();
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = move || {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            }
+        };
+        let router = || {
+            let service = CubeService::new(bridge.clone(), hooks.clone());
+            let controller = roles
+                .controller
+                .then(|| VolumeControllerServiceServer::new(service.clone()));
+            let node = roles.node.then(|| VolumePluginServiceServer::new(service));
+            Server::builder()
+                .add_service(health.service())
+                .add_optional_service(controller)
+                .add_optional_service(node)
+        };
+        let UnixSocket { listener, file } = unix;
+        let unix_server = router()
+            .serve_with_incoming_shutdown(Incoming::new(listener, policy.clone()), stopped());
+        let tcp_server = async {
+            match tcp {
+                Some(listener) => {
+                    router()
+                        .serve_with_incoming_shutdown(Incoming::new(listener, policy), stopped())
+                        .await
+                }
+                None => Ok(()),
+            }
+        };
+        let servers = async { tokio::try_join!(unix_server, tcp_server).map(|_| ()) };
+        tokio::pin!(servers);
+
+        let result = tokio::select! {
+            result = &mut servers => result.map_err(ServeError::from),
+            () = shutdown => {
+                tracing::info!(grace_secs = grace.as_secs(), "shutting down: refusing new hooks, finishing in-flight ones");
+                let _ = stop_tx.send(true);
+                let drained = async {
+                    let served = (&mut servers).await;
+                    // Hooks whose callers already left still run to the end (or to
+                    // their rollback).
+                    hooks.close();
+                    hooks.wait().await;
+                    served
+                };
+                match tokio::time::timeout(grace, drained).await {
+                    Ok(result) => result.map_err(ServeError::from),
+                    Err(_) => {
+                        tracing::warn!("in-flight hooks did not finish within the grace period; exiting anyway");
+                        Ok(())
+                    }
+                }
+            }
+        };
+        housekeeping.abort();
+        file.remove_if_ours();
+        tracing::info!(socket = %file.path.display(), "stopped");
+        result
+    }
+}
+
+/// Start-up reconciliation and the periodic passes: abandoned node operations, and
+/// abandoned Creates on the controller side.
+fn spawn_housekeeping(bridge: Arc<Bridge>, roles: Roles) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if roles.node {
+            match bridge.reconcile_node(Scope::All).await {
                 Ok(report) => tracing::info!(?report, "node journal reconciled"),
                 Err(error) => tracing::error!(%error, "node journal reconciliation failed"),
             }
-        });
-    }
-
-    let health = super::health::DaemonHealth::start(bridge.config(), roles);
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|stop| *stop).await;
         }
-    };
-    let router = || {
-        let service = CubeService::new(bridge.clone());
-        let mut builder = Server::builder();
-        let controller = roles
+        let sweep = bridge
+            .config()
             .controller
-            .then(|| VolumeControllerServiceServer::new(service.clone()));
-        let node = roles.node.then(|| VolumePluginServiceServer::new(service));
-        builder
-            .add_service(health.service())
-            .add_optional_service(controller)
-            .add_optional_service(node)
-    };
-    let unix_server =
-        router().serve_with_incoming_shutdown(UnixListenerStream::new(unix), stopped());
-    let tcp_server = async {
-        match tcp {
-            Some(listener) => {
-                router()
-                    .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped())
-                    .await
-            }
-            None => Ok(()),
-        }
-    };
-    let servers = async { tokio::try_join!(unix_server, tcp_server).map(|_| ()) };
-    tokio::pin!(servers);
-
-    tokio::select! {
-        result = &mut servers => result.context("serving")?,
-        () = shutdown => {
-            tracing::info!(grace_secs = grace.as_secs(), "shutting down: refusing new hooks, finishing in-flight ones");
-            let _ = stop_tx.send(true);
-            match tokio::time::timeout(grace, &mut servers).await {
-                Ok(result) => result.context("serving")?,
-                Err(_) => tracing::warn!("in-flight hooks did not finish within the grace period; exiting anyway"),
+            .sweep_interval
+            .filter(|_| roles.controller);
+        let grace = bridge.config().controller.abandoned_create_after;
+        let mut scan = tokio::time::interval(ABANDONED_SCAN_INTERVAL);
+        let mut sweep_timer = tokio::time::interval(sweep.unwrap_or(Duration::from_secs(86_400)));
+        loop {
+            tokio::select! {
+                _ = scan.tick(), if roles.node => {
+                    match bridge.reconcile_node(Scope::Abandoned).await {
+                        Ok(report) if !report.is_empty() => tracing::info!(?report, "abandoned node operations resolved"),
+                        Ok(_) => {}
+                        Err(error) => tracing::error!(%error, "scanning for abandoned node operations failed"),
+                    }
+                }
+                _ = sweep_timer.tick(), if sweep.is_some() => {
+                    match bridge.sweep_abandoned_creates(grace).await {
+                        Ok(report) if report.reclaimed + report.failed > 0 => tracing::info!(?report, "abandoned creates swept"),
+                        Ok(_) => {}
+                        Err(error) => tracing::error!(%error, "sweeping abandoned creates failed"),
+                    }
+                }
             }
         }
-    }
-    let _ = std::fs::remove_file(&socket_path);
-    tracing::info!("stopped");
-    Ok(())
+    })
 }
 
 /// Resolves on SIGTERM (systemd, Kubernetes) or SIGINT (a terminal), logging which.

@@ -2,6 +2,7 @@
 //! here changes nothing: no lock, no CSI call, no record.
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use crate::bridge::handoff::{AttachMetadata, VolumeHandle};
 use crate::bridge::naming::{validate_base_dir, validate_volume_id};
@@ -58,6 +59,7 @@ pub fn attach(req: pb::AttachRequest, config: &Config) -> Result<AttachVolume, S
     } else {
         validate_base_dir(&req.volume_base_dir)?
     };
+    check_base_dir_allowed(&base_dir, config)?;
     let handle = VolumeHandle::decode(&req.private_data)?;
     Ok(AttachVolume {
         sandbox_id: req.sandbox_id,
@@ -76,6 +78,11 @@ pub fn detach(req: pb::DetachRequest, config: &Config) -> Result<DetachVolume, S
     ref_count(req.ref_count)?;
     let recorded = AttachMetadata::from_map(&req.metadata, &config.driver, &req.volume_id)
         .map_err(|e| format!("metadata: {e}"))?;
+    if let Some(meta) = &recorded
+        && let Some(base) = meta.paths.target.parent()
+    {
+        check_base_dir_allowed(base, config).map_err(|e| format!("metadata mount_dir: {e}"))?;
+    }
     Ok(DetachVolume {
         sandbox_id: req.sandbox_id,
         namespace: req.namespace,
@@ -83,6 +90,27 @@ pub fn detach(req: pb::DetachRequest, config: &Config) -> Result<DetachVolume, S
         ref_count: req.ref_count,
         recorded,
     })
+}
+
+/// The bridge creates directories and the driver mounts under the base dir, as root: only
+/// the configured ones are allowed.
+fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
+    if config.node.base_dir_allowed(dir) {
+        return Ok(());
+    }
+    Err(format!(
+        "volume_base_dir {} is not one of node.allowed_base_dirs ({}); add it there if \
+         Cubelet's volume_plugin_base_dir really is {}",
+        dir.display(),
+        config
+            .node
+            .allowed_base_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        dir.display()
+    ))
 }
 
 /// Parses the binary hook's `--metadata` argument: a JSON object of strings.
@@ -97,11 +125,10 @@ pub fn metadata_json(text: &str) -> Result<HashMap<String, String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     fn config() -> Config {
         Config::parse(
-            "driver = \"nfs\"\n[csi]\nendpoint = \"/run/x.sock\"\n",
+            "driver = \"nfs\"\n[csi]\nendpoint = \"/run/x.sock\"\n[node]\nallowed_base_dirs = [\"/data/v\", \"/data/cube-shared/volume\"]\n",
             Path::new("t.toml"),
         )
         .unwrap()
@@ -133,7 +160,8 @@ mod tests {
     #[test]
     fn attach_rejects_bad_fields_with_their_names() {
         type Mutation = fn(&mut pb::AttachRequest);
-        let cases: [(Mutation, &str); 6] = [
+        let cases: [(Mutation, &str); 7] = [
+            (|r| r.volume_base_dir = "/etc".into(), "allowed_base_dirs"),
             (|r| r.volume_id = "../etc".into(), "volume_id"),
             (|r| r.volume_base_dir = "data".into(), "volume_base_dir"),
             (

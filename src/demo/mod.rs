@@ -10,7 +10,8 @@ use anyhow::{Context, bail, ensure};
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::config::{Config, Endpoint};
+use crate::config::Config;
+use crate::csi::Endpoint;
 use crate::mount::MountTable;
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_client::VolumeControllerServiceClient;
@@ -102,8 +103,8 @@ async fn lifecycle(dir: &Path) -> anyhow::Result<()> {
     let data_dir = dir.join("driver-data");
     let (driver_stop, driver_stopped) = tokio::sync::oneshot::channel::<()>();
     let (bridge_stop, bridge_stopped) = tokio::sync::oneshot::channel::<()>();
-    let Endpoint::Unix(csi_socket) = config.csi_endpoint() else {
-        unreachable!("the demo config uses a unix socket")
+    let Endpoint::Unix(csi_socket) = config.csi.endpoint.clone() else {
+        unreachable!("csi.endpoint is always a unix socket")
     };
     let driver = serve_local_driver(&csi_socket, &data_dir, async {
         let _ = driver_stopped.await;
@@ -115,9 +116,11 @@ async fn lifecycle(dir: &Path) -> anyhow::Result<()> {
         csi_socket.display()
     );
 
-    let bridge_socket = config.socket_path();
+    let bridge_socket = config.socket_path().to_path_buf();
     let base_dir = config.node.default_volume_base_dir.clone();
-    let bridge = tokio::spawn(crate::cube::server::serve(config, async {
+    // Open returns once the socket is bound: calls can be made at once.
+    let daemon = crate::cube::server::Daemon::open(config).await?;
+    let bridge = tokio::spawn(daemon.run(async {
         let _ = bridge_stopped.await;
     }));
     let channel = crate::csi::client::channel(&Endpoint::Unix(bridge_socket.clone()));
@@ -125,7 +128,6 @@ async fn lifecycle(dir: &Path) -> anyhow::Result<()> {
         "  bridge:  serving Cube hooks on {}\n",
         bridge_socket.display()
     );
-    wait_for_socket(&bridge_socket).await?;
 
     let mut controller = VolumeControllerServiceClient::new(channel.clone());
     let mut node = VolumePluginServiceClient::new(channel);
@@ -214,14 +216,4 @@ async fn lifecycle(dir: &Path) -> anyhow::Result<()> {
     served?;
     println!("\ndemo finished: every step succeeded");
     Ok(())
-}
-
-async fn wait_for_socket(path: &Path) -> anyhow::Result<()> {
-    for _ in 0..200 {
-        if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return Ok(());
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
-    }
-    bail!("the bridge did not start listening on {}", path.display())
 }

@@ -1,9 +1,11 @@
-//! The Kubernetes API side: one lazily connected client, StorageClass and Secret reuse,
-//! and the CubeVolume objects of the Kubernetes controller store.
+//! The Kubernetes API side: one lazily connected client, StorageClass and Secret reuse
+//! (the core's `VolumeSettings` port), and the CubeVolume objects (a `ControllerStore`).
 //!
 //! Nothing here contacts the API server until a hook (or `check`) needs it, so a bridge
 //! whose config names no Kubernetes feature never loads a kubeconfig.
 
+mod cache;
+pub mod names;
 pub mod storage_class;
 pub mod volumes;
 
@@ -14,7 +16,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 
 use crate::config::KubernetesConfig;
 
-pub use storage_class::{ResolvedClass, SecretUse, StorageClassSource};
+pub use storage_class::{ResolvedClass, StorageClassSource};
 pub use volumes::{CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION, CubeVolumeStore};
 
 /// A Kubernetes API failure, naming what was being read or written.

@@ -7,32 +7,25 @@
 //! literal: `${pvc.namespace}`-style templates are refused with a message saying so.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Api;
 
+use super::cache::Cached;
+use super::names::{is_dns_label, is_dns_subdomain};
 use super::{Kube, KubeError};
-use crate::config::{is_dns_label, is_dns_subdomain};
+use crate::bridge::ports::{
+    Capability, SecretUse, Secrets, SettingsError, VolumeSettings, VolumeSpec,
+};
+use crate::config::AccessMode;
+use crate::store::{DeletionPolicy, SecretRef};
 
 /// The prefix of the parameters a CO consumes itself.
 pub const PARAMETER_PREFIX: &str = "csi.storage.k8s.io/";
-
-/// Which CSI calls a secret is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum SecretUse {
-    /// CreateVolume and DeleteVolume.
-    Provisioner,
-    /// ControllerPublishVolume and ControllerUnpublishVolume.
-    ControllerPublish,
-    NodeStage,
-    NodePublish,
-    /// Volume expansion (not used by Cube; accepted and stripped).
-    ControllerExpand,
-    NodeExpand,
-}
 
 impl SecretUse {
     const ALL: [SecretUse; 6] = [
@@ -74,13 +67,6 @@ impl SecretUse {
             SecretUse::ControllerExpand | SecretUse::NodeExpand => None,
         }
     }
-}
-
-/// A Secret named by a StorageClass.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-pub struct SecretRef {
-    pub namespace: String,
-    pub name: String,
 }
 
 /// A StorageClass's parameters, split into the driver's and the CO's.
@@ -253,10 +239,8 @@ impl ResolvedClass {
     }
 }
 
-type Cached<T> = tokio::sync::Mutex<Option<(Instant, Arc<T>)>>;
-/// Secret data by reference, with when it was read.
-type SecretCache =
-    tokio::sync::Mutex<BTreeMap<SecretRef, (Instant, Arc<BTreeMap<String, String>>)>>;
+/// The decoded data of one Secret.
+type SecretData = BTreeMap<String, String>;
 
 /// Reads a StorageClass and the Secrets it references, reusing what was read for the
 /// configured time. When the API server cannot be reached, the last good copy is used
@@ -265,8 +249,10 @@ pub struct StorageClassSource {
     kube: Arc<Kube>,
     name: String,
     ttl: Duration,
+    /// `volume.access_mode` of the config (a StorageClass has no access mode).
+    access_mode: AccessMode,
     class: Cached<ResolvedClass>,
-    secrets: SecretCache,
+    secrets: Mutex<BTreeMap<SecretRef, Arc<Cached<SecretData>>>>,
 }
 
 impl std::fmt::Debug for StorageClassSource {
@@ -278,12 +264,13 @@ impl std::fmt::Debug for StorageClassSource {
 }
 
 impl StorageClassSource {
-    pub fn new(kube: Arc<Kube>, name: &str, ttl: Duration) -> Self {
+    pub fn new(kube: Arc<Kube>, name: &str, ttl: Duration, access_mode: AccessMode) -> Self {
         Self {
             kube,
             name: name.to_string(),
             ttl,
-            class: Default::default(),
+            access_mode,
+            class: Cached::new(ttl),
             secrets: Default::default(),
         }
     }
@@ -294,24 +281,8 @@ impl StorageClassSource {
 
     /// The StorageClass, from the cache while it is fresh.
     pub async fn class(&self) -> Result<Arc<ResolvedClass>, KubeError> {
-        let mut cached = self.class.lock().await;
-        if let Some((at, class)) = cached.as_ref()
-            && at.elapsed() < self.ttl
-        {
-            return Ok(class.clone());
-        }
-        match self.read_class().await {
-            Ok(class) => {
-                let class = Arc::new(class);
-                *cached = Some((Instant::now(), class.clone()));
-                Ok(class)
-            }
-            Err(error) if error.is_transient() && cached.is_some() => {
-                tracing::warn!(%error, storage_class = %self.name, "using the last StorageClass read");
-                Ok(cached.as_ref().expect("checked").1.clone())
-            }
-            Err(error) => Err(error),
-        }
+        let what = format!("StorageClass {}", self.name);
+        self.class.get(&what, || self.read_class()).await
     }
 
     async fn read_class(&self) -> Result<ResolvedClass, KubeError> {
@@ -359,24 +330,15 @@ impl StorageClassSource {
         &self,
         reference: &SecretRef,
     ) -> Result<Arc<BTreeMap<String, String>>, KubeError> {
-        let mut cache = self.secrets.lock().await;
-        if let Some((at, data)) = cache.get(reference)
-            && at.elapsed() < self.ttl
-        {
-            return Ok(data.clone());
-        }
-        match self.read_secret(reference).await {
-            Ok(data) => {
-                let data = Arc::new(data);
-                cache.insert(reference.clone(), (Instant::now(), data.clone()));
-                Ok(data)
-            }
-            Err(error) if error.is_transient() && cache.contains_key(reference) => {
-                tracing::warn!(%error, secret = %format_args!("{}/{}", reference.namespace, reference.name), "using the last Secret read");
-                Ok(cache[reference].1.clone())
-            }
-            Err(error) => Err(error),
-        }
+        let cache = self
+            .secrets
+            .lock()
+            .expect("secret caches poisoned")
+            .entry(reference.clone())
+            .or_insert_with(|| Arc::new(Cached::new(self.ttl)))
+            .clone();
+        let what = format!("Secret {}/{}", reference.namespace, reference.name);
+        cache.get(&what, || self.read_secret(reference)).await
     }
 
     async fn read_secret(
@@ -404,6 +366,70 @@ impl StorageClassSource {
             out.insert(key, text);
         }
         Ok(out)
+    }
+}
+
+fn settings_error(e: KubeError) -> SettingsError {
+    SettingsError {
+        message: e.to_string(),
+        transient: e.is_transient(),
+        source: Some(Box::new(e)),
+    }
+}
+
+#[async_trait]
+impl VolumeSettings for StorageClassSource {
+    async fn spec(&self, driver_name: &str) -> Result<VolumeSpec, SettingsError> {
+        let class = self.class().await.map_err(settings_error)?;
+        class
+            .check_provisioner(driver_name)
+            .map_err(settings_error)?;
+        Ok(VolumeSpec {
+            parameters: class.parameters.clone(),
+            capability: Capability {
+                access_mode: self.access_mode,
+                fs_type: class.fs_type.clone(),
+                mount_flags: class.mount_options.clone(),
+            },
+            deletion: Some(DeletionPolicy {
+                retain: class.retain,
+                secret: class.secret_ref(SecretUse::Provisioner).cloned(),
+            }),
+        })
+    }
+
+    async fn secrets(&self, usage: SecretUse) -> Result<Secrets, SettingsError> {
+        let data = StorageClassSource::secrets(self, usage)
+            .await
+            .map_err(settings_error)?;
+        Ok(Secrets((*data).clone()))
+    }
+
+    async fn deletion_secrets(
+        &self,
+        deletion: Option<&DeletionPolicy>,
+    ) -> Result<Secrets, SettingsError> {
+        match deletion {
+            // Recorded at Create: works after the StorageClass changed or is gone.
+            Some(policy) => match &policy.secret {
+                Some(reference) => Ok(Secrets(
+                    (*self.secret_data(reference).await.map_err(settings_error)?).clone(),
+                )),
+                None => Ok(Secrets::default()),
+            },
+            None => VolumeSettings::secrets(self, SecretUse::Provisioner).await,
+        }
+    }
+
+    async fn check(&self, driver_name: Option<&str>) -> Result<Option<String>, SettingsError> {
+        let class = self.class().await.map_err(settings_error)?;
+        if let Some(name) = driver_name {
+            class.check_provisioner(name).map_err(settings_error)?;
+        }
+        Ok(Some(format!(
+            "StorageClass {} found (provisioner {})",
+            self.name, class.provisioner
+        )))
     }
 }
 

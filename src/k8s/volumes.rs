@@ -9,14 +9,17 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use async_trait::async_trait;
+
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::core::{ApiResource, GroupVersionKind, NotUsed, Object};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::storage_class::SecretRef;
 use super::{Kube, KubeError};
-use crate::store::{DeletionPolicy, StoreError, VolumeRecord, VolumeState};
+use crate::store::{
+    ControllerStore, DeletionPolicy, SecretRef, StoreError, VolumeRecord, VolumeState,
+};
 
 pub const CRD_GROUP: &str = "csibridge.cubesandbox.io";
 pub const CRD_VERSION: &str = "v1alpha1";
@@ -56,6 +59,7 @@ pub struct CubeVolumeSpec {
 pub enum SpecState {
     Creating,
     Created,
+    Deleting,
 }
 
 type CubeVolume = Object<CubeVolumeSpec, NotUsed>;
@@ -79,7 +83,11 @@ impl CubeVolumeStore {
     }
 
     async fn api(&self) -> Result<(Api<CubeVolume>, &str), StoreError> {
-        let (client, namespace) = self.kube.client().await.map_err(store_error)?;
+        let (client, namespace) = self
+            .kube
+            .client()
+            .await
+            .map_err(|e| store_error("connecting".into(), e))?;
         Ok((
             Api::namespaced_with(client.clone(), namespace, &self.resource),
             namespace.as_str(),
@@ -89,17 +97,21 @@ impl CubeVolumeStore {
     /// Maps an API error, explaining the usual cause of a 404 on the collection.
     fn failed(&self, action: String, namespace: &str, error: kube::Error) -> StoreError {
         let missing_crd = matches!(&error, kube::Error::Api(s) if s.code == 404);
-        let mut e = KubeError::api(format!("{action} in namespace {namespace}"), error);
+        let action = format!("{action} in namespace {namespace}");
+        let mut e = KubeError::api(action.clone(), error);
         if missing_crd && let KubeError::Api { message, .. } = &mut e {
             message.push_str(
                 " (is the CubeVolume CustomResourceDefinition installed? It is in the Helm \
                  chart's crds/ directory)",
             );
         }
-        store_error(e)
+        store_error(action, e)
     }
+}
 
-    pub async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+#[async_trait]
+impl ControllerStore for CubeVolumeStore {
+    async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
         let (api, namespace) = self.api().await?;
         let name = object_name(&self.driver, volume_id);
         match api.get(&name).await {
@@ -111,7 +123,7 @@ impl CubeVolumeStore {
 
     /// Creates (`record.revision` is None) or updates (it holds the version read) the
     /// object; on success `record.revision` is the new version.
-    pub async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+    async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
         let (api, namespace) = self.api().await?;
         let name = object_name(&self.driver, &record.volume_id);
         let mut object = CubeVolume::new(&name, &self.resource, self.to_spec(record));
@@ -149,7 +161,7 @@ impl CubeVolumeStore {
 
     /// Deletes the object if it is still at `record.revision` (or unconditionally when
     /// that is None). Already gone is success.
-    pub async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+    async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
         let (api, namespace) = self.api().await?;
         let name = object_name(&self.driver, &record.volume_id);
         let params = DeleteParams {
@@ -169,7 +181,7 @@ impl CubeVolumeStore {
         }
     }
 
-    pub async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+    async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
         let (api, namespace) = self.api().await?;
         let params = ListParams::default().labels(&format!("{DRIVER_LABEL}={}", self.driver));
         let objects = api
@@ -183,6 +195,12 @@ impl CubeVolumeStore {
             .collect()
     }
 
+    fn describe(&self) -> String {
+        format!("{CRD_KIND} objects ({CRD_GROUP}/{CRD_VERSION})")
+    }
+}
+
+impl CubeVolumeStore {
     fn to_spec(&self, record: &VolumeRecord) -> CubeVolumeSpec {
         CubeVolumeSpec {
             driver: self.driver.clone(),
@@ -192,6 +210,7 @@ impl CubeVolumeStore {
             state: match record.state {
                 VolumeState::Creating => SpecState::Creating,
                 VolumeState::Created => SpecState::Created,
+                VolumeState::Deleting => SpecState::Deleting,
             },
             csi_volume_id: record.csi_volume_id.clone(),
             volume_context: record.volume_context.clone(),
@@ -210,6 +229,7 @@ impl CubeVolumeStore {
         let spec = object.spec;
         if spec.driver != self.driver || object_name(&spec.driver, &spec.volume_id) != name {
             return Err(StoreError::Corrupt {
+                store: self.describe(),
                 what: format!("CubeVolume {name}"),
                 message: format!(
                     "its spec (driver {:?}, volumeId {:?}) does not match its name; it was \
@@ -230,6 +250,7 @@ impl CubeVolumeStore {
             state: match spec.state {
                 SpecState::Creating => VolumeState::Creating,
                 SpecState::Created => VolumeState::Created,
+                SpecState::Deleting => VolumeState::Deleting,
             },
             csi_volume_id: spec.csi_volume_id,
             volume_context: spec.volume_context,
@@ -240,8 +261,13 @@ impl CubeVolumeStore {
     }
 }
 
-fn store_error(e: KubeError) -> StoreError {
-    StoreError::Kubernetes(e)
+fn store_error(action: String, e: KubeError) -> StoreError {
+    StoreError::Backend {
+        store: format!("{CRD_KIND} objects"),
+        action,
+        transient: e.is_transient(),
+        source: Box::new(e),
+    }
 }
 
 /// The object name of a Cube volume: a readable DNS-1123 form of driver and volume_id,
@@ -272,7 +298,7 @@ pub fn object_name(driver: &str, volume_id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::is_dns_subdomain;
+    use crate::k8s::names::is_dns_subdomain;
 
     #[test]
     fn object_names_are_valid_stable_and_distinct() {

@@ -67,6 +67,22 @@ impl MountTable {
     }
 }
 
+/// Whether `path` is a mount point in mountinfo `text`, without building a table (the
+/// hot Attach path asks exactly this).
+pub fn is_mount_point_in(text: &str, path: &Path) -> bool {
+    let wanted = path.as_os_str().as_encoded_bytes();
+    text.lines().any(|line| {
+        let Some(field) = line.split(' ').nth(4) else {
+            return false;
+        };
+        if field.contains('\\') {
+            unescape(field).as_bytes() == wanted
+        } else {
+            field.as_bytes() == wanted
+        }
+    })
+}
+
 /// `path` with its parent resolved: mountinfo lists resolved paths, while a base dir
 /// may be reached through a symlink. The leaf itself is what may be mounted, so it is
 /// kept as it is. A parent that cannot be resolved leaves `path` unchanged.
@@ -123,6 +139,19 @@ mod tests {
         assert!(t.is_mount_point(Path::new("/data/cube-shared/volume/nfs-v1")));
         assert!(t.is_mount_point(Path::new("/data/with space")));
         assert!(!t.is_mount_point(Path::new("/data/cube-shared/volume")));
+        for (path, mounted) in [
+            ("/", true),
+            ("/data/cube-shared/volume/nfs-v1", true),
+            ("/data/with space", true),
+            ("/data/cube-shared/volume", false),
+            ("/data/cube-shared/volume/nfs-v", false),
+        ] {
+            assert_eq!(
+                is_mount_point_in(SAMPLE, Path::new(path)),
+                mounted,
+                "{path}"
+            );
+        }
         assert_eq!(t.under(Path::new("/data")).count(), 2);
         let (mount, shared) = t.mount_of(Path::new("/data/cube-shared/volume")).unwrap();
         assert_eq!((mount, shared), (Path::new("/"), true));

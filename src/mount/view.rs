@@ -1,114 +1,215 @@
-//! Whose mount table decides that a host_path is really mounted.
+//! Whose mount table decides that a host_path is really mounted (the core's `MountCheck`).
 //!
 //! Cubelet lives in its own mount namespace, a one-way slave of the host's. A volume the
 //! CSI driver mounted is only usable by a sandbox if the mount shows up *there*. setns()
 //! into a mount namespace is refused to a multi-threaded process, so the daemon reads the
 //! mountinfo of a process that lives in that namespace, and only when none is found
-//! forks a short-lived child of itself that enters the namespace and prints its table.
+//! forks a short-lived child of itself that enters the namespace and prints its table
+//! (killed if it does not answer in time).
+//!
+//! `auto` is decided at every check (one stat of Cubelet's namespace file): a daemon
+//! started before Cubelet follows Cubelet's namespace as soon as it appears or changes.
 
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
 
 use super::MountTable;
+use super::mountinfo;
+use crate::bridge::Deadline;
+use crate::bridge::ports::{MountCheck, Visibility};
+use crate::config::{CUBELET_MOUNT_NS, MountViewSetting};
 
 /// The hidden subcommand the namespace reader runs as (see `read_in_namespace`).
 pub const MOUNTINFO_SUBCOMMAND: &str = "__mountinfo-in-namespace";
 
 /// Where mount-point checks look.
 #[derive(Debug)]
-pub enum MountView {
-    /// This process's own mount namespace.
+pub struct MountView {
+    setting: MountViewSetting,
+    /// The binary hook: Cubelet forks it inside its own namespace already.
+    forked_by_cube: bool,
+    /// A process last seen living in the namespace, to read its mountinfo without forking.
+    cached_pid: AtomicU32,
+    /// Resolved parents of checked paths (mountinfo lists resolved paths; base dirs may
+    /// be symlinks). A miss is re-checked with a fresh resolution.
+    resolved: Mutex<HashMap<PathBuf, PathBuf>>,
+}
+
+/// The view one check uses.
+enum Resolved<'a> {
     Own,
-    /// Checks are skipped (only for setups where nothing else is possible).
     Unchecked,
-    /// The namespace bound at `file` (Cubelet's is `.../cubeletmnt/mnt`).
-    Namespace {
-        file: PathBuf,
-        /// A process last seen living there, to read its mountinfo without forking.
-        cached_pid: AtomicU32,
-    },
+    Namespace(&'a Path),
 }
 
 impl MountView {
-    /// Builds the view from the `node.mount_view` setting. `forked_by_cube` is true for
-    /// the binary hook, which Cubelet forks inside its own namespace already.
-    pub fn from_setting(setting: &str, forked_by_cube: bool) -> Self {
-        match setting {
-            "none" => MountView::Unchecked,
-            "self" => MountView::Own,
-            "auto" if forked_by_cube => MountView::Own,
-            "auto" => {
-                let file = Path::new(crate::config::CUBELET_MOUNT_NS);
-                if namespace_inode(file).is_some() {
-                    MountView::namespace(file.to_path_buf())
-                } else {
-                    MountView::Own
-                }
-            }
-            path => MountView::namespace(PathBuf::from(path)),
+    /// The view for `setting`. `forked_by_cube` is true for the binary hook.
+    pub fn new(setting: &MountViewSetting, forked_by_cube: bool) -> Self {
+        Self {
+            setting: setting.clone(),
+            forked_by_cube,
+            cached_pid: AtomicU32::new(0),
+            resolved: Mutex::new(HashMap::new()),
         }
     }
 
-    pub fn namespace(file: PathBuf) -> Self {
-        MountView::Namespace {
-            file,
-            cached_pid: AtomicU32::new(0),
+    fn resolve(&self) -> Resolved<'_> {
+        match &self.setting {
+            MountViewSetting::Unchecked => Resolved::Unchecked,
+            MountViewSetting::Own => Resolved::Own,
+            MountViewSetting::Auto if self.forked_by_cube => Resolved::Own,
+            MountViewSetting::Auto => {
+                let file = Path::new(CUBELET_MOUNT_NS);
+                if namespace_inode(file).is_some() {
+                    Resolved::Namespace(file)
+                } else {
+                    Resolved::Own
+                }
+            }
+            MountViewSetting::Namespace(file) => Resolved::Namespace(file),
         }
     }
 
     /// A short description for messages.
     pub fn describe(&self) -> String {
-        match self {
-            MountView::Own => "this process's mount namespace".into(),
-            MountView::Unchecked => "no mount namespace (checks disabled)".into(),
-            MountView::Namespace { file, .. } => {
+        match self.resolve() {
+            Resolved::Own => "this process's mount namespace".into(),
+            Resolved::Unchecked => "no mount namespace (checks disabled)".into(),
+            Resolved::Namespace(file) => {
                 format!("the mount namespace bound at {}", file.display())
             }
         }
     }
 
-    /// The mount table as seen from this view; `None` when checks are disabled.
-    /// Blocking: call from a blocking-capable context.
-    pub fn table(&self) -> std::io::Result<Option<MountTable>> {
-        match self {
-            MountView::Unchecked => Ok(None),
-            MountView::Own => MountTable::read(None).map(Some),
-            MountView::Namespace { file, cached_pid } => {
-                let inode = namespace_inode(file).ok_or_else(|| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::NotFound,
-                        format!("{} is not a mount-namespace file", file.display()),
-                    )
-                })?;
-                let cached = cached_pid.load(Ordering::Relaxed);
-                if cached != 0 && process_namespace_inode(cached) == Some(inode) {
-                    // Re-check after reading: the pid may have been reused meanwhile.
-                    let table = MountTable::read(Some(cached));
-                    if process_namespace_inode(cached) == Some(inode)
-                        && let Ok(table) = table
-                    {
-                        return Ok(Some(table));
-                    }
-                }
-                if let Some(pid) = find_process_in_namespace(inode) {
-                    cached_pid.store(pid, Ordering::Relaxed);
-                    if let Ok(table) = MountTable::read(Some(pid)) {
-                        return Ok(Some(table));
-                    }
-                }
-                read_in_namespace(file).map(Some)
-            }
+    /// The raw mountinfo text as seen from this view; `None` when checks are disabled.
+    /// Blocking, bounded by `timeout` where it has to fork.
+    pub fn mountinfo(&self, timeout: Duration) -> std::io::Result<Option<String>> {
+        match self.resolve() {
+            Resolved::Unchecked => Ok(None),
+            Resolved::Own => std::fs::read_to_string("/proc/self/mountinfo").map(Some),
+            Resolved::Namespace(file) => self.namespace_mountinfo(file, timeout).map(Some),
         }
     }
 
-    /// Whether `path` is a mount point in this view (`true` when checks are disabled).
-    /// A symlinked parent is resolved first (see `resolve_parent`).
-    pub fn is_mount_point(&self, path: &Path) -> std::io::Result<bool> {
-        let Some(table) = self.table()? else {
-            return Ok(true);
+    /// The mount table as seen from this view; `None` when checks are disabled.
+    pub fn table(&self, timeout: Duration) -> std::io::Result<Option<MountTable>> {
+        Ok(self
+            .mountinfo(timeout)?
+            .map(|text| MountTable::parse(&text)))
+    }
+
+    fn namespace_mountinfo(&self, file: &Path, timeout: Duration) -> std::io::Result<String> {
+        let inode = namespace_inode(file).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{} is not a mount-namespace file", file.display()),
+            )
+        })?;
+        let cached = self.cached_pid.load(Ordering::Relaxed);
+        if cached != 0 && process_namespace_inode(cached) == Some(inode) {
+            let text = std::fs::read_to_string(format!("/proc/{cached}/mountinfo"));
+            // Re-check after reading: the pid may have been reused meanwhile.
+            if process_namespace_inode(cached) == Some(inode)
+                && let Ok(text) = text
+            {
+                return Ok(text);
+            }
+        }
+        if let Some(pid) = find_process_in_namespace(inode) {
+            self.cached_pid.store(pid, Ordering::Relaxed);
+            if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) {
+                return Ok(text);
+            }
+        }
+        read_in_namespace(file, timeout)
+    }
+
+    fn resolved_parent(&self, path: &Path, fresh: bool) -> PathBuf {
+        if !fresh && let Some(hit) = self.resolved.lock().expect("poisoned").get(path) {
+            return hit.clone();
+        }
+        let resolved = mountinfo::resolve_parent(path);
+        let mut cache = self.resolved.lock().expect("poisoned");
+        if cache.len() > 4096 {
+            cache.clear();
+        }
+        cache.insert(path.to_path_buf(), resolved.clone());
+        resolved
+    }
+
+    /// Whether `path` is a mount point in this view. Blocking.
+    pub fn visibility_blocking(
+        &self,
+        path: &Path,
+        timeout: Duration,
+    ) -> std::io::Result<Visibility> {
+        let Some(text) = self.mountinfo(timeout)? else {
+            return Ok(Visibility::Unchecked);
         };
-        Ok(table.is_mount_point(&super::resolve_parent(path)))
+        let check = |fresh| mountinfo::is_mount_point_in(&text, &self.resolved_parent(path, fresh));
+        Ok(if check(false) || check(true) {
+            Visibility::Mounted
+        } else {
+            Visibility::NotMounted
+        })
+    }
+}
+
+#[async_trait]
+impl MountCheck for MountView {
+    async fn visibility(
+        &self,
+        path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Visibility, std::io::Error> {
+        // This process's table and a cached process's table are plain reads of /proc:
+        // answered here, without a hop to a blocking thread (the hot Attach path).
+        // Anything that may fork or scan /proc goes to a blocking thread, bounded.
+        let fast = match self.resolve() {
+            Resolved::Own | Resolved::Unchecked => true,
+            Resolved::Namespace(_) => self.cached_pid.load(Ordering::Relaxed) != 0,
+        };
+        let timeout = deadline.remaining();
+        if fast {
+            return self.visibility_blocking(path, timeout);
+        }
+        let view = MountView {
+            setting: self.setting.clone(),
+            forked_by_cube: self.forked_by_cube,
+            cached_pid: AtomicU32::new(0),
+            resolved: Mutex::new(HashMap::new()),
+        };
+        let owned = path.to_path_buf();
+        let answer = tokio::task::spawn_blocking(move || {
+            let v = view.visibility_blocking(&owned, timeout);
+            (v, view.cached_pid.load(Ordering::Relaxed))
+        });
+        match tokio::time::timeout_at(deadline.instant().into(), answer).await {
+            Ok(Ok((visibility, pid))) => {
+                if pid != 0 {
+                    self.cached_pid.store(pid, Ordering::Relaxed);
+                }
+                visibility
+            }
+            Ok(Err(join)) => Err(std::io::Error::other(join.to_string())),
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "reading the mount table of {} took longer than the hook's budget",
+                    self.describe()
+                ),
+            )),
+        }
+    }
+
+    fn describe(&self) -> String {
+        MountView::describe(self)
     }
 }
 
@@ -135,22 +236,56 @@ fn find_process_in_namespace(inode: u64) -> Option<u32> {
 }
 
 /// Forks this executable as `<exe> __mountinfo-in-namespace <file>`; the child enters the
-/// namespace while it is still single-threaded and prints its mountinfo.
-fn read_in_namespace(file: &Path) -> std::io::Result<MountTable> {
+/// namespace while it is still single-threaded and prints its mountinfo. A child that
+/// does not answer within `timeout` is killed.
+fn read_in_namespace(file: &Path, timeout: Duration) -> std::io::Result<String> {
+    use std::io::Read;
     let exe = std::env::current_exe()?;
-    let out = std::process::Command::new(exe)
+    let mut child = std::process::Command::new(exe)
         .arg(MOUNTINFO_SUBCOMMAND)
         .arg(file)
         .stdin(std::process::Stdio::null())
-        .output()?;
-    if !out.status.success() {
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdout = child.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        stdout.read_to_string(&mut text).map(|_| text)
+    });
+    let until = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "reading mountinfo inside {} did not finish in {timeout:?}",
+                    file.display()
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let text = reader
+        .join()
+        .map_err(|_| std::io::Error::other("mountinfo reader panicked"))??;
+    if !status.success() {
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
         return Err(std::io::Error::other(format!(
             "reading mountinfo inside {} failed: {}",
             file.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
+            err.trim()
         )));
     }
-    Ok(MountTable::parse(&String::from_utf8_lossy(&out.stdout)))
+    Ok(text)
 }
 
 /// The child side of `read_in_namespace`: must run before any thread is started.
@@ -160,4 +295,52 @@ pub fn print_mountinfo_in_namespace(file: &Path) -> std::io::Result<()> {
     let text = std::fs::read_to_string("/proc/self/mountinfo")?;
     use std::io::Write;
     std::io::stdout().write_all(text.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn own_view_sees_root_and_unchecked_sees_nothing() {
+        let deadline = Deadline::after(Duration::from_secs(5));
+        let own = MountView::new(&MountViewSetting::Own, false);
+        assert_eq!(
+            own.visibility(Path::new("/"), &deadline).await.unwrap(),
+            Visibility::Mounted
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        assert_eq!(
+            own.visibility(&tmp.path().join("x"), &deadline)
+                .await
+                .unwrap(),
+            Visibility::NotMounted
+        );
+        let none = MountView::new(&MountViewSetting::Unchecked, false);
+        assert_eq!(
+            none.visibility(Path::new("/"), &deadline).await.unwrap(),
+            Visibility::Unchecked
+        );
+    }
+
+    #[tokio::test]
+    async fn auto_follows_the_cubelet_file_only_when_it_is_a_namespace() {
+        // On a host without Cubelet, auto is this process's view; forked hooks always are.
+        let auto = MountView::new(&MountViewSetting::Auto, false);
+        if namespace_inode(Path::new(CUBELET_MOUNT_NS)).is_none() {
+            assert_eq!(auto.describe(), "this process's mount namespace");
+        }
+        let forked = MountView::new(&MountViewSetting::Auto, true);
+        assert_eq!(forked.describe(), "this process's mount namespace");
+    }
+
+    #[tokio::test]
+    async fn a_file_that_is_not_a_namespace_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("not-ns");
+        std::fs::write(&file, "").unwrap();
+        let view = MountView::new(&MountViewSetting::Namespace(file), false);
+        let deadline = Deadline::after(Duration::from_secs(5));
+        assert!(view.visibility(Path::new("/"), &deadline).await.is_err());
+    }
 }

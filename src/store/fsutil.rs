@@ -4,6 +4,7 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use nix::fcntl::{Flock, FlockArg};
 
@@ -35,9 +36,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> 
         return Err(e);
     }
     if durable {
-        File::open(dir)?.sync_all()?;
+        sync_dir(dir)?;
     }
     Ok(())
+}
+
+/// Makes a directory's entries (creations, renames, removals) durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 /// Removes `path` durably; a missing file is success.
@@ -48,7 +54,7 @@ pub fn remove_durable(path: &Path) -> io::Result<()> {
         Err(e) => return Err(e),
     }
     if let Some(dir) = path.parent() {
-        File::open(dir)?.sync_all()?;
+        sync_dir(dir)?;
     }
     Ok(())
 }
@@ -66,6 +72,27 @@ pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
     Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| io::Error::from(errno))
 }
 
+/// Like `lock_exclusive`, but gives up with `ErrorKind::TimedOut` after `wait`, so that a
+/// holder that hangs cannot hang every caller behind it.
+pub fn lock_exclusive_within(path: &Path, wait: Duration) -> io::Result<Flock<File>> {
+    let until = Instant::now() + wait;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Some(lock) = try_lock_exclusive(path)? {
+            return Ok(lock);
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{} stayed locked for {wait:?}", path.display()),
+            ));
+        }
+        std::thread::sleep(pause.min(left));
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
 /// Like `lock_exclusive`, but returns `Ok(None)` at once when another holder has it.
 pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
     let file = std::fs::OpenOptions::new()
@@ -79,5 +106,21 @@ pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
         Ok(lock) => Ok(Some(lock)),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
         Err((_, errno)) => Err(io::Error::from(errno)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_lock_times_out_then_is_taken_once_free() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("l.lock");
+        let held = lock_exclusive(&path).unwrap();
+        let err = lock_exclusive_within(&path, Duration::from_millis(30)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        drop(held);
+        lock_exclusive_within(&path, Duration::from_millis(30)).unwrap();
     }
 }

@@ -1,20 +1,33 @@
-//! The node journal: one small JSON file per volume attached on this node.
+//! The node journal: what this node did for each attached volume.
 //!
-//! Like kubelet's vol_data.json, a record is written (durably) *before* each mutating CSI
-//! call, with that step marked `Uncertain`, so that after a crash the bridge knows what
-//! may exist and can tear it down or finish it. Completed steps are recorded without
-//! waiting for the disk: losing one only makes a step look uncertain, never absent.
+//! One small JSON record per volume, like kubelet's vol_data.json. It is written
+//! (durably) *before* each mutating CSI call, with that step marked `Uncertain`, so that
+//! after a crash the bridge knows what may exist and can finish or undo it. Completed
+//! steps are recorded without waiting for the disk: losing one only makes a step look
+//! uncertain, never absent.
+//!
+//! Who holds a volume changes on every sandbox's Attach and Detach, the hot path. Those
+//! changes are appended to a per-volume holder log (`<id>.holders`, one line each, no
+//! fsync) and folded into the record at its next rewrite. write(2) alone survives a crash
+//! of the process; only a power loss can drop the tail of the log, and a power loss is a
+//! reboot, after which no holder survives anyway (records carry the boot id).
+//!
+//! A volume whose attach or detach is under way has a marker in `pending/`. A marker whose
+//! volume lock is free belongs to an operation that died (a killed hook): whoever finds it
+//! finishes or undoes that operation.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io;
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::fsutil::{remove_durable, write_atomic};
+use super::fsutil::{remove_durable, sync_dir, write_atomic};
 
-/// The on-disk format of a record; bumped on incompatible change.
-pub const JOURNAL_FORMAT: u32 = 1;
+/// The on-disk format of a record; bumped on incompatible change. Format 1 (holders as a
+/// flat set of `namespace/sandbox`) is still read.
+pub const JOURNAL_FORMAT: u32 = 2;
 
 /// How far one mutating step has got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -33,6 +46,106 @@ impl Step {
     /// Whether teardown must call the inverse of this step.
     pub fn needs_undo(self) -> bool {
         self != Step::Absent
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Step::Absent => "absent",
+            Step::Uncertain => "uncertain",
+            Step::Done => "done",
+        }
+    }
+}
+
+/// Sandboxes holding a volume, by containerd namespace. Cubelet counts holders per
+/// (namespace, volume), so each namespace's count is Cube's truth for that namespace; the
+/// mount is shared by all of them.
+pub type Holders = BTreeMap<String, BTreeSet<String>>;
+
+/// One change to the holders, as Cube reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HolderChange {
+    /// Attach. `first` when Cube's ref_count was 0: the namespace held nothing before,
+    /// so sandboxes recorded for it earlier are stale (pruned without a Detach).
+    Attach {
+        namespace: String,
+        sandbox: String,
+        first: bool,
+    },
+    /// Detach. `last` when Cube's ref_count is 0: the namespace holds nothing more.
+    Detach {
+        namespace: String,
+        sandbox: String,
+        last: bool,
+    },
+}
+
+impl HolderChange {
+    /// Applies the change. Replaying a log suffix over its own result changes nothing:
+    /// every change sets, rather than toggles, what it touches.
+    pub fn apply(&self, holders: &mut Holders) {
+        match self {
+            HolderChange::Attach {
+                namespace,
+                sandbox,
+                first,
+            } => {
+                let set = holders.entry(namespace.clone()).or_default();
+                if *first {
+                    set.clear();
+                }
+                set.insert(sandbox.clone());
+            }
+            HolderChange::Detach {
+                namespace,
+                sandbox,
+                last,
+            } => {
+                if *last {
+                    holders.remove(namespace);
+                } else if let Some(set) = holders.get_mut(namespace) {
+                    set.remove(sandbox);
+                    // Cube says others of this namespace remain even if we never saw them
+                    // attach (a record rebuilt from metadata): keep the namespace.
+                }
+            }
+        }
+    }
+
+    /// One log line; fields are free of control characters (checked at the edge).
+    fn to_line(&self) -> String {
+        let (tag, namespace, sandbox) = match self {
+            HolderChange::Attach {
+                namespace,
+                sandbox,
+                first,
+            } => (if *first { '=' } else { '+' }, namespace, sandbox),
+            HolderChange::Detach {
+                namespace,
+                sandbox,
+                last,
+            } => (if *last { '0' } else { '-' }, namespace, sandbox),
+        };
+        format!("{tag}\t{namespace}\t{sandbox}\n")
+    }
+
+    fn from_line(line: &str) -> Option<Self> {
+        let mut parts = line.splitn(3, '\t');
+        let (tag, namespace, sandbox) = (parts.next()?, parts.next()?, parts.next()?);
+        let (namespace, sandbox) = (namespace.to_string(), sandbox.to_string());
+        Some(match tag {
+            "=" | "+" => HolderChange::Attach {
+                namespace,
+                sandbox,
+                first: tag == "=",
+            },
+            "0" | "-" => HolderChange::Detach {
+                namespace,
+                sandbox,
+                last: tag == "0",
+            },
+            _ => return None,
+        })
     }
 }
 
@@ -62,10 +175,15 @@ pub struct NodeRecord {
     pub stage: Step,
     #[serde(default)]
     pub publish: Step,
-    /// Sandboxes that attached, as `<namespace>/<sandbox_id>` (informational: Cube's
-    /// ref_count decides teardown).
     #[serde(default)]
-    pub holders: BTreeSet<String>,
+    pub holders: Holders,
+    /// The boot (`/proc/sys/kernel/random/boot_id`) the steps were taken in; empty when
+    /// unknown (a record from before boot ids were kept).
+    #[serde(default)]
+    pub boot_id: String,
+    /// When the volume was first attached in this record (seconds since the epoch).
+    #[serde(default)]
+    pub since: u64,
 }
 
 impl NodeRecord {
@@ -82,7 +200,9 @@ impl NodeRecord {
             controller_publish: Step::Absent,
             stage: Step::Absent,
             publish: Step::Absent,
-            holders: BTreeSet::new(),
+            holders: Holders::new(),
+            boot_id: String::new(),
+            since: 0,
         }
     }
 
@@ -90,20 +210,50 @@ impl NodeRecord {
     pub fn has_work_to_undo(&self) -> bool {
         self.controller_publish.needs_undo() || self.stage.needs_undo() || self.publish.needs_undo()
     }
+
+    /// Whether any namespace still holds the volume.
+    pub fn is_held(&self) -> bool {
+        !self.holders.is_empty()
+    }
+
+    /// A settled record is attached and held: nothing is left to finish or undo.
+    pub fn is_settled(&self) -> bool {
+        self.publish == Step::Done
+            && self.controller_publish != Step::Uncertain
+            && self.stage != Step::Uncertain
+            && self.is_held()
+    }
+}
+
+/// Why a record could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("node journal {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Unreadable content (a torn write after a power loss, or another build's format).
+    #[error("node journal record {path} is unusable: {message}")]
+    Corrupt { path: PathBuf, message: String },
 }
 
 /// The journal directory.
 #[derive(Debug, Clone)]
 pub struct NodeJournal {
     dir: PathBuf,
+    pending: PathBuf,
 }
 
 impl NodeJournal {
-    /// Opens the journal at `dir`, creating the directory (0700) if needed.
+    /// Opens the journal at `dir`, creating it (0700) if needed.
     pub fn open(dir: &Path) -> io::Result<Self> {
-        crate::mount::ops::ensure_dir(dir, 0o700)?;
+        let pending = dir.join("pending");
+        crate::mount::ops::ensure_dir(&pending, 0o700)?;
         Ok(Self {
             dir: dir.to_path_buf(),
+            pending,
         })
     }
 
@@ -115,70 +265,228 @@ impl NodeJournal {
         self.dir.join(format!("{volume_id}.json"))
     }
 
-    /// The record of `volume_id`, if the node holds one.
-    pub fn load(&self, volume_id: &str) -> io::Result<Option<NodeRecord>> {
+    fn holder_log(&self, volume_id: &str) -> PathBuf {
+        self.dir.join(format!("{volume_id}.holders"))
+    }
+
+    fn io(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
+        move |source| JournalError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    /// The record of `volume_id` with its holder log applied, if the node holds one.
+    pub fn load(&self, volume_id: &str) -> Result<Option<NodeRecord>, JournalError> {
         let path = self.path(volume_id);
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
+            Err(e) => return Err(Self::io(&path)(e)),
         };
-        Self::decode(&path, &bytes).map(Some)
+        let mut record = decode(&path, &bytes)?;
+        self.replay_holders(&mut record)?;
+        Ok(Some(record))
     }
 
-    fn decode(path: &Path, bytes: &[u8]) -> io::Result<NodeRecord> {
-        let record: NodeRecord = serde_json::from_slice(bytes).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("journal record {} is corrupt: {e}", path.display()),
-            )
-        })?;
-        if record.format != JOURNAL_FORMAT {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "journal record {} has format {}, this build reads {JOURNAL_FORMAT}",
-                    path.display(),
-                    record.format
-                ),
-            ));
+    fn replay_holders(&self, record: &mut NodeRecord) -> Result<(), JournalError> {
+        let log = self.holder_log(&record.volume_id);
+        let text = match std::fs::read(&log) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Self::io(&log)(e)),
+        };
+        let text = String::from_utf8_lossy(&text);
+        // Only complete lines count: a torn last line is a change that never finished.
+        let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+        for line in complete.lines() {
+            match HolderChange::from_line(line) {
+                Some(change) => change.apply(&mut record.holders),
+                None => {
+                    tracing::warn!(log = %log.display(), "skipping an unreadable holder-log line")
+                }
+            }
         }
-        Ok(record)
+        Ok(())
     }
 
-    /// Writes `record`; `durable` waits until it is on disk (use before a CSI call).
-    pub fn save(&self, record: &NodeRecord, durable: bool) -> io::Result<()> {
-        let bytes = serde_json::to_vec(record).map_err(io::Error::other)?;
-        write_atomic(&self.path(&record.volume_id), &bytes, durable)
+    /// Writes `record` (holders included) and empties its holder log; `durable` waits
+    /// until it is on disk (use before a CSI call).
+    pub fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
+        let path = self.path(&record.volume_id);
+        let bytes = serde_json::to_vec(record).map_err(|e| JournalError::Corrupt {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        write_atomic(&path, &bytes, durable).map_err(Self::io(&path))?;
+        // The record now holds every change the log had; replaying them again after a
+        // crash right here would change nothing (see HolderChange::apply).
+        let log = self.holder_log(&record.volume_id);
+        match std::fs::remove_file(&log) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Self::io(&log)(e)),
+        }
+    }
+
+    /// Records one holder change cheaply: one appended line, no fsync, no rewrite.
+    pub fn append_holder(
+        &self,
+        volume_id: &str,
+        change: &HolderChange,
+    ) -> Result<(), JournalError> {
+        let log = self.holder_log(volume_id);
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&log)
+            .map_err(Self::io(&log))?;
+        file.write_all(change.to_line().as_bytes())
+            .map_err(Self::io(&log))
     }
 
     /// Forgets `volume_id` (after a complete teardown).
-    pub fn remove(&self, volume_id: &str) -> io::Result<()> {
-        remove_durable(&self.path(volume_id))
+    pub fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
+        let path = self.path(volume_id);
+        remove_durable(&path).map_err(Self::io(&path))?;
+        let log = self.holder_log(volume_id);
+        match std::fs::remove_file(&log) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Self::io(&log)(e)),
+        }
     }
 
-    /// Every record, for start-up reconciliation and the node inventory. Corrupt files are
-    /// reported, not skipped silently.
-    pub fn list(&self) -> io::Result<Vec<Result<NodeRecord, io::Error>>> {
+    /// Every volume id with a record (or only a holder log), for reconciliation and the
+    /// inventory.
+    pub fn volume_ids(&self) -> Result<BTreeSet<String>, JournalError> {
+        let mut ids = BTreeSet::new();
+        for entry in std::fs::read_dir(&self.dir).map_err(Self::io(&self.dir))? {
+            let name = entry.map_err(Self::io(&self.dir))?.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if name.starts_with('.') {
+                continue;
+            }
+            if let Some(id) = name
+                .strip_suffix(".json")
+                .or_else(|| name.strip_suffix(".holders"))
+            {
+                ids.insert(id.to_string());
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Marks `volume_id` as having an operation under way (durable: it must outlive a
+    /// crash of the process that made it).
+    pub fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+        let path = self.pending.join(volume_id);
+        if path.exists() {
+            return Ok(());
+        }
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(Self::io(&path))?;
+        sync_dir(&self.pending).map_err(Self::io(&self.pending))
+    }
+
+    /// The operation on `volume_id` ended with the volume settled or gone.
+    pub fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+        let path = self.pending.join(volume_id);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Self::io(&path)(e)),
+        }
+    }
+
+    /// Volumes marked pending.
+    pub fn pending(&self) -> Result<Vec<String>, JournalError> {
         let mut out = Vec::new();
-        for entry in std::fs::read_dir(&self.dir)? {
-            let path = entry?.path();
-            let is_record = path.extension().is_some_and(|e| e == "json")
-                && !path
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with('.'));
-            if is_record {
-                out.push(std::fs::read(&path).and_then(|b| Self::decode(&path, &b)));
+        for entry in std::fs::read_dir(&self.pending).map_err(Self::io(&self.pending))? {
+            let name = entry.map_err(Self::io(&self.pending))?.file_name();
+            if let Some(name) = name.to_str() {
+                out.push(name.to_string());
             }
         }
         Ok(out)
     }
 }
 
+/// Reads a record of this format, or of format 1 (holders as `namespace/sandbox`).
+fn decode(path: &Path, bytes: &[u8]) -> Result<NodeRecord, JournalError> {
+    let corrupt = |message: String| JournalError::Corrupt {
+        path: path.to_path_buf(),
+        message,
+    };
+    if bytes.is_empty() {
+        return Err(corrupt(
+            "the file is empty (a write lost in a power failure?)".into(),
+        ));
+    }
+    let mut value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not JSON: {e}")))?;
+    match value.get("format").and_then(|f| f.as_u64()) {
+        Some(1) => {
+            let flat: Vec<String> = value
+                .get("holders")
+                .cloned()
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(|e| corrupt(format!("format 1 holders: {e}")))?
+                .unwrap_or_default();
+            let mut holders = Holders::new();
+            for holder in flat {
+                let (namespace, sandbox) = holder.split_once('/').unwrap_or(("", &holder));
+                holders
+                    .entry(namespace.to_string())
+                    .or_default()
+                    .insert(sandbox.to_string());
+            }
+            value["holders"] = serde_json::to_value(holders).expect("a map of strings");
+            value["format"] = JOURNAL_FORMAT.into();
+        }
+        Some(f) if f == u64::from(JOURNAL_FORMAT) => {}
+        other => {
+            return Err(corrupt(format!(
+                "format {other:?}; this build reads formats 1 and {JOURNAL_FORMAT}"
+            )));
+        }
+    }
+    serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))
+}
+
+/// This boot's id; empty if the kernel does not say.
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn attach(ns: &str, sb: &str, first: bool) -> HolderChange {
+        HolderChange::Attach {
+            namespace: ns.into(),
+            sandbox: sb.into(),
+            first,
+        }
+    }
+
+    fn detach(ns: &str, sb: &str, last: bool) -> HolderChange {
+        HolderChange::Detach {
+            namespace: ns.into(),
+            sandbox: sb.into(),
+            last,
+        }
+    }
 
     #[test]
     fn save_load_remove_round_trip() {
@@ -189,33 +497,124 @@ mod tests {
         rec.stage = Step::Uncertain;
         journal.save(&rec, true).unwrap();
         assert_eq!(journal.load("-v1").unwrap(), Some(rec.clone()));
-        assert_eq!(journal.list().unwrap().len(), 1);
+        assert_eq!(journal.volume_ids().unwrap().len(), 1);
         journal.remove("-v1").unwrap();
         journal.remove("-v1").unwrap();
         assert_eq!(journal.load("-v1").unwrap(), None);
     }
 
     #[test]
-    fn corrupt_or_future_records_are_errors() {
+    fn holder_changes_are_logged_folded_and_idempotent_on_replay() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let rec = NodeRecord::new("v", "h", "/t".into());
+        journal.save(&rec, false).unwrap();
+        let changes = [
+            attach("ns1", "a", true),
+            attach("ns1", "b", false),
+            attach("ns2", "c", true),
+            detach("ns1", "a", false),
+        ];
+        for c in &changes {
+            journal.append_holder("v", c).unwrap();
+        }
+        let loaded = journal.load("v").unwrap().unwrap();
+        let expected: Holders = BTreeMap::from([
+            ("ns1".into(), BTreeSet::from(["b".into()])),
+            ("ns2".into(), BTreeSet::from(["c".into()])),
+        ]);
+        assert_eq!(loaded.holders, expected);
+        // A crash between the record rewrite and the log removal replays the log over a
+        // record that already holds it: same holders.
+        let mut twice = loaded.holders.clone();
+        changes.iter().for_each(|c| c.apply(&mut twice));
+        assert_eq!(twice, expected);
+        // Saving folds the log in and empties it.
+        journal.save(&loaded, false).unwrap();
+        assert!(!journal.holder_log("v").exists());
+        assert_eq!(journal.load("v").unwrap().unwrap().holders, expected);
+    }
+
+    #[test]
+    fn a_namespace_reaching_zero_drops_its_stale_sandboxes() {
+        let mut holders = Holders::new();
+        attach("ns1", "s1", true).apply(&mut holders);
+        attach("ns1", "s2", false).apply(&mut holders);
+        attach("ns2", "s3", true).apply(&mut holders);
+        // ns1 pruned s2 without a Detach; its Detach of s1 says ns1 holds nothing more.
+        detach("ns1", "s1", true).apply(&mut holders);
+        assert_eq!(holders.keys().collect::<Vec<_>>(), ["ns2"]);
+        // A first Attach in a namespace forgets sandboxes recorded there before.
+        attach("ns2", "s4", true).apply(&mut holders);
+        assert_eq!(holders["ns2"], BTreeSet::from(["s4".to_string()]));
+        // Detach of an unknown namespace or sandbox changes nothing.
+        detach("ns9", "x", true).apply(&mut holders);
+        detach("ns2", "x", false).apply(&mut holders);
+        assert_eq!(holders["ns2"], BTreeSet::from(["s4".to_string()]));
+    }
+
+    #[test]
+    fn a_torn_last_log_line_is_ignored() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = NodeJournal::open(tmp.path()).unwrap();
+        journal
+            .save(&NodeRecord::new("v", "h", "/t".into()), false)
+            .unwrap();
+        journal
+            .append_holder("v", &attach("ns", "a", true))
+            .unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(journal.holder_log("v"))
+            .unwrap()
+            .write_all(b"+\tns\tb")
+            .unwrap();
+        let holders = journal.load("v").unwrap().unwrap().holders;
+        assert_eq!(holders["ns"], BTreeSet::from(["a".to_string()]));
+    }
+
+    #[test]
+    fn corrupt_empty_or_future_records_are_errors() {
         let tmp = tempfile::tempdir().unwrap();
         let journal = NodeJournal::open(tmp.path()).unwrap();
         std::fs::write(tmp.path().join("a.json"), b"{").unwrap();
-        assert!(
-            journal
-                .load("a")
-                .unwrap_err()
-                .to_string()
-                .contains("corrupt")
-        );
+        assert!(matches!(
+            journal.load("a"),
+            Err(JournalError::Corrupt { .. })
+        ));
+        std::fs::write(tmp.path().join("e.json"), b"").unwrap();
+        let err = journal.load("e").unwrap_err().to_string();
+        assert!(err.contains("empty"), "{err}");
         let mut rec = NodeRecord::new("b", "x", "/t".into());
         rec.format = 99;
         std::fs::write(tmp.path().join("b.json"), serde_json::to_vec(&rec).unwrap()).unwrap();
-        assert!(
-            journal
-                .load("b")
-                .unwrap_err()
-                .to_string()
-                .contains("format 99")
-        );
+        assert!(journal.load("b").unwrap_err().to_string().contains("99"));
+    }
+
+    #[test]
+    fn format_1_records_are_read_with_holders_by_namespace() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let v1 = r#"{"format":1,"volume_id":"v","csi_volume_id":"h","target_path":"/b/d-v",
+            "publish":"done","holders":["ns1/s1","ns1/s2","ns2/s3"]}"#;
+        std::fs::write(tmp.path().join("v.json"), v1).unwrap();
+        let rec = journal.load("v").unwrap().unwrap();
+        assert_eq!(rec.format, JOURNAL_FORMAT);
+        assert_eq!(rec.publish, Step::Done);
+        assert_eq!(rec.holders["ns1"].len(), 2);
+        assert_eq!(rec.holders["ns2"].len(), 1);
+    }
+
+    #[test]
+    fn pending_markers() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = NodeJournal::open(tmp.path()).unwrap();
+        journal.mark_pending("v").unwrap();
+        journal.mark_pending("v").unwrap();
+        assert_eq!(journal.pending().unwrap(), ["v"]);
+        assert!(journal.volume_ids().unwrap().is_empty());
+        journal.clear_pending("v").unwrap();
+        journal.clear_pending("v").unwrap();
+        assert!(journal.pending().unwrap().is_empty());
     }
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use cube_csi_bridge::config::Endpoint;
+use cube_csi_bridge::csi::Endpoint;
 use cube_csi_bridge::mount::{MountTable, ops};
 use cube_csi_bridge::proto::cube::v1 as pb;
 use fake_driver::{Caps, FakeDriver, Running};
@@ -81,6 +81,7 @@ lock_dir = "{dir}/locks"
 
 [node]
 default_volume_base_dir = "{dir}/volumes"
+allowed_base_dirs = ["{dir}/volumes", "{dir}/link"]
 mount_view = "self"
 
 {extra}

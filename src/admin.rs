@@ -5,10 +5,13 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::bridge::{Bridge, ProcessMode, Roles};
+use std::sync::Arc;
+
+use crate::bridge::Deadline;
+use crate::bridge::ports::ControllerDriver;
 use crate::config::Config;
-use crate::csi::{self, CsiClient, Deadline};
-use crate::mount::MountTable;
+use crate::csi::{CsiClient, GrpcDriver};
+use crate::mount::{MountTable, MountView};
 use crate::store::NodeJournal;
 
 /// Checks the config, the driver and the host; prints a line per finding. Returns
@@ -21,14 +24,14 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
     };
     report(true, format!("config {} is valid", config.source.display()));
     let deadline = Deadline::after(budget);
-    let node = CsiClient::new(&config.csi_endpoint());
-    let reachable = match csi::discovery::identity(&node, &deadline).await {
+    let node = GrpcDriver::new(CsiClient::new(&config.csi.endpoint));
+    let reachable = match node.identity(&deadline).await {
         Ok(id) => {
             let answer = format!(
                 "driver {} {} answers at {}",
                 id.name,
                 id.vendor_version,
-                node.endpoint()
+                ControllerDriver::endpoint(&node)
             );
             report(true, answer);
             true
@@ -38,27 +41,24 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
             false
         }
     };
-    let services = config.serve.services;
-    let roles = Roles {
-        controller: services.controller(),
-        node: services.node(),
-    };
+    let roles = config.serve.roles;
     let base = config.node.default_volume_base_dir.clone();
-    let bridge = Bridge::new(config, roles, ProcessMode::Daemon)?;
+    let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
+    let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts.clone())?;
     if reachable {
-        match bridge.check_driver(roles, &deadline).await {
+        match bridge.check_driver(&deadline).await {
             Ok(()) => report(
                 true,
-                format!("driver capabilities fit the served roles ({services:?})"),
+                format!(
+                    "driver capabilities fit the served roles ({})",
+                    roles.as_str()
+                ),
             ),
             Err(e) => report(false, e.to_string()),
         }
     }
     if roles.node {
-        report(
-            true,
-            format!("mount checks use {}", bridge.mount_view().describe()),
-        );
+        report(true, format!("mount checks use {}", mounts.describe()));
         match propagation_of(&base) {
             Some((mount_point, shared)) => report(
                 shared,
@@ -93,8 +93,7 @@ fn propagation_of(path: &Path) -> Option<(String, bool)> {
 /// The CubeMaster and Cubelet entries that register this instance, both ways.
 pub fn registration_snippets(config: &Config, binary: &Path) -> String {
     let name = &config.driver;
-    let socket = config.socket_path();
-    let socket = socket.display();
+    let socket = config.socket_path().display();
     let binary = binary.display();
     let mut out = String::new();
     let _ = writeln!(
@@ -136,25 +135,34 @@ pub fn registration_snippets(config: &Config, binary: &Path) -> String {
 
 /// A table of the node journal: one line per attached volume.
 pub fn list(config: &Config) -> anyhow::Result<String> {
-    let journal = NodeJournal::open(&config.journal_dir())?;
+    let journal = NodeJournal::open(&config.state.journal_dir())?;
     let mounts = MountTable::read(None)?;
     let mut out = String::from("VOLUME\tMOUNTED\tPUBLISH\tSTAGE\tHOST_PATH\tHOLDERS\n");
-    for record in journal.list()? {
-        match record {
-            Ok(r) => {
+    for volume_id in journal.volume_ids()? {
+        match journal.load(&volume_id) {
+            Ok(Some(r)) => {
+                let holders: Vec<String> = r
+                    .holders
+                    .iter()
+                    .flat_map(|(ns, sandboxes)| {
+                        let ns = ns.clone();
+                        sandboxes.iter().map(move |sb| format!("{ns}/{sb}"))
+                    })
+                    .collect();
                 let _ = writeln!(
                     out,
-                    "{}\t{}\t{:?}\t{:?}\t{}\t{}",
+                    "{}\t{}\t{}\t{}\t{}\t{}",
                     r.volume_id,
                     mounts.is_mount_point(&r.target_path),
-                    r.publish,
-                    r.stage,
+                    r.publish.as_str(),
+                    r.stage.as_str(),
                     r.target_path.display(),
-                    r.holders.iter().cloned().collect::<Vec<_>>().join(",")
+                    holders.join(",")
                 );
             }
+            Ok(None) => {}
             Err(e) => {
-                let _ = writeln!(out, "?\t?\t?\t?\t{e}\t");
+                let _ = writeln!(out, "{volume_id}\t?\t?\t?\t{e}\t");
             }
         }
     }

@@ -1,0 +1,362 @@
+//! The core's ports: what the translation needs from a CSI driver, a mount table and the
+//! source of volume settings, in the core's own types. `csi/`, `mount/` and `k8s/`
+//! implement them; tests implement them in memory.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::Deadline;
+use crate::config::AccessMode;
+use crate::store::DeletionPolicy;
+
+/// A map of CSI secrets (or anything else that must never be printed). Debug shows the
+/// keys only.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secrets(pub BTreeMap<String, String>);
+
+impl Secrets {
+    pub fn values(&self) -> impl Iterator<Item = &str> {
+        self.0.values().map(String::as_str)
+    }
+}
+
+impl fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Secrets{:?}", self.0.keys().collect::<Vec<_>>())
+    }
+}
+
+impl From<BTreeMap<String, String>> for Secrets {
+    fn from(map: BTreeMap<String, String>) -> Self {
+        Secrets(map)
+    }
+}
+
+/// The one VolumeCapability every call for a volume carries (always a mount volume).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Capability {
+    pub access_mode: AccessMode,
+    /// Empty lets the driver choose.
+    pub fs_type: String,
+    /// May hold credentials: never printed.
+    pub mount_flags: Vec<String>,
+}
+
+impl fmt::Debug for Capability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Capability")
+            .field("access_mode", &self.access_mode)
+            .field("fs_type", &self.fs_type)
+            .field(
+                "mount_flags",
+                &format_args!("<{} redacted>", self.mount_flags.len()),
+            )
+            .finish()
+    }
+}
+
+/// The driver's identity and plugin-level capabilities.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverIdentity {
+    /// The GetPluginInfo name.
+    pub name: String,
+    pub vendor_version: String,
+    /// The driver advertises the CONTROLLER_SERVICE plugin capability.
+    pub controller_service: bool,
+}
+
+/// Controller capabilities the bridge acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ControllerCaps {
+    pub create_delete_volume: bool,
+    pub publish_unpublish_volume: bool,
+}
+
+/// Node capabilities the bridge acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NodeCaps {
+    pub stage_unstage_volume: bool,
+    pub get_volume_stats: bool,
+}
+
+/// CreateVolume, as the core asks for it.
+#[derive(Debug, Clone)]
+pub struct NewVolume {
+    /// The idempotency key.
+    pub name: String,
+    /// 0 leaves the capacity range unset.
+    pub required_bytes: u64,
+    pub capability: Capability,
+    pub parameters: BTreeMap<String, String>,
+    pub secrets: Secrets,
+}
+
+/// What CreateVolume returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreatedVolume {
+    pub csi_volume_id: String,
+    pub volume_context: BTreeMap<String, String>,
+    /// 0 = unknown.
+    pub capacity_bytes: i64,
+}
+
+/// ControllerPublishVolume.
+#[derive(Debug, Clone)]
+pub struct ControllerPublish {
+    pub csi_volume_id: String,
+    pub node_id: String,
+    pub capability: Capability,
+    pub volume_context: BTreeMap<String, String>,
+    pub secrets: Secrets,
+}
+
+/// NodeStageVolume.
+#[derive(Debug, Clone)]
+pub struct Stage {
+    pub csi_volume_id: String,
+    pub staging_path: PathBuf,
+    pub publish_context: BTreeMap<String, String>,
+    pub volume_context: BTreeMap<String, String>,
+    pub capability: Capability,
+    pub secrets: Secrets,
+}
+
+/// NodePublishVolume.
+#[derive(Debug, Clone)]
+pub struct Publish {
+    pub csi_volume_id: String,
+    pub target_path: PathBuf,
+    /// Set when the volume was staged.
+    pub staging_path: Option<PathBuf>,
+    pub publish_context: BTreeMap<String, String>,
+    pub volume_context: BTreeMap<String, String>,
+    pub capability: Capability,
+    pub secrets: Secrets,
+}
+
+/// How an unpublish or unstage ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Undone {
+    /// The driver did it (or had nothing to do).
+    Done,
+    /// The driver no longer knows the volume (NOT_FOUND); the core decides from the mount
+    /// table whether that is success.
+    UnknownVolume,
+}
+
+/// Usage and health of one published volume (NodeGetVolumeStats).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VolumeStats {
+    pub total_bytes: Option<i64>,
+    pub used_bytes: Option<i64>,
+    pub available_bytes: Option<i64>,
+    /// The driver's VOLUME_CONDITION, when it reports one: `Some(message)` if abnormal.
+    pub abnormal: Option<String>,
+}
+
+/// Whether a failed driver call may still be in progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finality {
+    /// Nothing is in progress (CSI's final codes).
+    Final,
+    /// The driver may still be working on it (CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE,
+    /// RESOURCE_EXHAUSTED, ABORTED, or a transport failure): retried, and the step stays
+    /// uncertain.
+    Uncertain,
+    /// The endpoint does not serve this call at all.
+    Unimplemented,
+}
+
+/// A driver call that did not succeed, with everything an operator needs: which call, at
+/// which endpoint, the status the driver answered, its own message, and how hard we tried.
+#[derive(Debug, Clone)]
+pub struct DriverError {
+    /// The CSI RPC name, e.g. `NodePublishVolume`.
+    pub call: &'static str,
+    pub endpoint: String,
+    /// The gRPC status name and number the driver (or the transport) answered.
+    pub status: &'static str,
+    pub grpc_code: i32,
+    pub finality: Finality,
+    /// The driver's message (or the transport's, when the driver was not reached).
+    pub message: String,
+    pub attempts: u32,
+    /// Set when the hook's budget ran out while the call kept failing non-finally.
+    pub gave_up_after: Option<Duration>,
+}
+
+impl DriverError {
+    /// The driver may still be working on it.
+    pub fn is_uncertain(&self) -> bool {
+        self.finality == Finality::Uncertain
+    }
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CSI {} ", self.call)?;
+        match self.gave_up_after {
+            Some(elapsed) => write!(
+                f,
+                "did not succeed within its budget ({} attempts in {:.1}s); last error",
+                self.attempts,
+                elapsed.as_secs_f64()
+            )?,
+            None => write!(f, "failed")?,
+        }
+        write!(
+            f,
+            " from {}: {}: {}",
+            self.endpoint, self.status, self.message
+        )
+    }
+}
+
+impl std::error::Error for DriverError {}
+
+/// The controller side of a CSI driver (the endpoint in `csi.controller_endpoint`, else
+/// `csi.endpoint`). NOT_FOUND from deletes and unpublishes is success here.
+#[async_trait]
+pub trait ControllerDriver: Send + Sync {
+    /// Where the driver is, for messages.
+    fn endpoint(&self) -> &str;
+    /// Probe until ready, GetPluginInfo, GetPluginCapabilities.
+    async fn identity(&self, deadline: &Deadline) -> Result<DriverIdentity, DriverError>;
+    async fn capabilities(&self, deadline: &Deadline) -> Result<ControllerCaps, DriverError>;
+    async fn create_volume(
+        &self,
+        volume: &NewVolume,
+        deadline: &Deadline,
+    ) -> Result<CreatedVolume, DriverError>;
+    async fn delete_volume(
+        &self,
+        csi_volume_id: &str,
+        secrets: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<(), DriverError>;
+    /// Returns the publish_context.
+    async fn publish(
+        &self,
+        call: &ControllerPublish,
+        deadline: &Deadline,
+    ) -> Result<BTreeMap<String, String>, DriverError>;
+    async fn unpublish(
+        &self,
+        csi_volume_id: &str,
+        node_id: &str,
+        secrets: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<(), DriverError>;
+}
+
+/// The node side of a CSI driver (`csi.endpoint`).
+#[async_trait]
+pub trait NodeDriver: Send + Sync {
+    fn endpoint(&self) -> &str;
+    /// Probe until ready; the driver's answer to whether it is healthy.
+    async fn probe(&self, deadline: &Deadline) -> Result<(), DriverError>;
+    async fn capabilities(&self, deadline: &Deadline) -> Result<NodeCaps, DriverError>;
+    /// NodeGetInfo's node_id.
+    async fn node_id(&self, deadline: &Deadline) -> Result<String, DriverError>;
+    async fn stage(&self, call: &Stage, deadline: &Deadline) -> Result<(), DriverError>;
+    async fn unstage(
+        &self,
+        csi_volume_id: &str,
+        staging_path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Undone, DriverError>;
+    async fn publish(&self, call: &Publish, deadline: &Deadline) -> Result<(), DriverError>;
+    async fn unpublish(
+        &self,
+        csi_volume_id: &str,
+        target_path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Undone, DriverError>;
+    async fn volume_stats(
+        &self,
+        csi_volume_id: &str,
+        target_path: &Path,
+        deadline: &Deadline,
+    ) -> Result<VolumeStats, DriverError>;
+}
+
+/// What a mount-table query can say about a path, as Cubelet sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Visibility {
+    Mounted,
+    NotMounted,
+    /// Checks are disabled (`node.mount_view = "none"`): the journal and the driver's
+    /// answers are trusted.
+    Unchecked,
+}
+
+/// The mount table where Cubelet looks.
+#[async_trait]
+pub trait MountCheck: Send + Sync {
+    /// Whether `path` is a mount point (a symlinked parent is resolved first). Bounded
+    /// by `deadline`: a hung filesystem is an error, not a hang.
+    async fn visibility(
+        &self,
+        path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Visibility, std::io::Error>;
+    /// A short description for messages.
+    fn describe(&self) -> String;
+}
+
+/// Which CSI calls a set of secrets is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SecretUse {
+    /// CreateVolume and DeleteVolume.
+    Provisioner,
+    /// ControllerPublishVolume and ControllerUnpublishVolume.
+    ControllerPublish,
+    NodeStage,
+    NodePublish,
+    /// Volume expansion (not used by Cube; accepted and stripped from StorageClasses).
+    ControllerExpand,
+    NodeExpand,
+}
+
+/// What every volume of this bridge instance is made of, resolved for one call.
+#[derive(Debug, Clone)]
+pub struct VolumeSpec {
+    pub parameters: BTreeMap<String, String>,
+    pub capability: Capability,
+    /// How Destroy will delete the volume, recorded at Create (StorageClass only).
+    pub deletion: Option<DeletionPolicy>,
+}
+
+/// Reading the settings failed (a StorageClass or Secret could not be read or used).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct SettingsError {
+    pub message: String,
+    /// Retrying later could help (the API server was unreachable or overloaded).
+    pub transient: bool,
+    #[source]
+    pub source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+/// Where volume parameters, the capability and the secrets come from: the config file, or
+/// a StorageClass and the Secrets it references.
+#[async_trait]
+pub trait VolumeSettings: Send + Sync {
+    /// The settings for this instance's volumes. `driver_name` (GetPluginInfo) is checked
+    /// against a StorageClass's provisioner.
+    async fn spec(&self, driver_name: &str) -> Result<VolumeSpec, SettingsError>;
+    /// The secrets for one family of calls.
+    async fn secrets(&self, usage: SecretUse) -> Result<Secrets, SettingsError>;
+    /// DeleteVolume's secrets for a volume whose Create recorded `deletion`.
+    async fn deletion_secrets(
+        &self,
+        deletion: Option<&DeletionPolicy>,
+    ) -> Result<Secrets, SettingsError>;
+    /// Checks, before serving, that the settings can be read and fit the driver; returns
+    /// a line for the log.
+    async fn check(&self, driver_name: Option<&str>) -> Result<Option<String>, SettingsError>;
+}

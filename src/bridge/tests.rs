@@ -1,0 +1,1038 @@
+//! In-process tests of the core: every journal step, rollback path and holder case,
+//! through fake ports (a scripted driver, an in-memory mount table and controller store).
+//! No root, no gRPC, no mounts.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::handoff::{AttachMetadata, VolumeHandle};
+use super::ports::*;
+use super::*;
+use crate::config::Config;
+use crate::store::{ControllerStore, StoreError, VolumeRecord, VolumeState};
+
+// ---------------------------------------------------------------- fakes
+
+/// How one scripted call misbehaves.
+#[derive(Debug, Clone)]
+enum Fault {
+    /// A final error (INTERNAL).
+    Final,
+    /// A non-final error (UNAVAILABLE): the call may have taken effect.
+    Uncertain,
+    NotFound,
+    /// Answer after this long (the work is done when it answers).
+    Slow(Duration),
+    /// Succeed without doing anything (a driver that lies).
+    Noop,
+}
+
+#[derive(Debug, Default)]
+struct DriverState {
+    calls: Vec<String>,
+    script: HashMap<&'static str, VecDeque<Fault>>,
+    /// CreateVolume name → volume id.
+    volumes: BTreeMap<String, String>,
+    publish_contexts: Vec<BTreeMap<String, String>>,
+    node_ids: Vec<String>,
+}
+
+/// A driver and the mount table it changes.
+#[derive(Clone)]
+struct Fake {
+    state: Arc<Mutex<DriverState>>,
+    mounted: Arc<Mutex<BTreeSet<PathBuf>>>,
+    stage: bool,
+    controller_publish: bool,
+    unchecked: bool,
+}
+
+impl Fake {
+    fn new(stage: bool, controller_publish: bool) -> Self {
+        Self {
+            state: Default::default(),
+            mounted: Default::default(),
+            stage,
+            controller_publish,
+            unchecked: false,
+        }
+    }
+
+    fn script(&self, call: &'static str, fault: Fault) {
+        self.state
+            .lock()
+            .unwrap()
+            .script
+            .entry(call)
+            .or_default()
+            .push_back(fault);
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.state.lock().unwrap().calls.clone()
+    }
+
+    fn mutating_calls(&self) -> Vec<String> {
+        self.calls()
+            .into_iter()
+            .filter(|c| {
+                !matches!(
+                    c.as_str(),
+                    "Probe"
+                        | "GetPluginInfo"
+                        | "GetPluginCapabilities"
+                        | "ControllerGetCapabilities"
+                        | "NodeGetCapabilities"
+                        | "NodeGetInfo"
+                )
+            })
+            .collect()
+    }
+
+    fn clear_calls(&self) {
+        self.state.lock().unwrap().calls.clear();
+    }
+
+    fn is_mounted(&self, path: &Path) -> bool {
+        self.mounted.lock().unwrap().contains(path)
+    }
+
+    fn unmount_behind_our_back(&self, path: &Path) {
+        self.mounted.lock().unwrap().remove(path);
+    }
+
+    /// Records the call and plays its scripted fault, if any.
+    async fn enter(&self, call: &'static str) -> Result<bool, DriverError> {
+        let fault = {
+            let mut s = self.state.lock().unwrap();
+            s.calls.push(call.to_string());
+            s.script.get_mut(call).and_then(VecDeque::pop_front)
+        };
+        match fault {
+            None => Ok(true),
+            Some(Fault::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                Ok(true)
+            }
+            Some(Fault::Noop) => Ok(false),
+            Some(Fault::Final) => Err(error(call, "Internal", 13, Finality::Final)),
+            Some(Fault::Uncertain) => Err(error(call, "Unavailable", 14, Finality::Uncertain)),
+            Some(Fault::NotFound) => Err(error(call, "NotFound", 5, Finality::Final)),
+        }
+    }
+}
+
+fn error(call: &'static str, status: &'static str, code: i32, finality: Finality) -> DriverError {
+    DriverError {
+        call,
+        endpoint: "fake".into(),
+        status,
+        grpc_code: code,
+        finality,
+        message: format!("scripted {status}"),
+        attempts: 1,
+        gave_up_after: None,
+    }
+}
+
+#[async_trait]
+impl ControllerDriver for Fake {
+    fn endpoint(&self) -> &str {
+        "fake"
+    }
+    async fn identity(&self, _: &Deadline) -> Result<DriverIdentity, DriverError> {
+        self.enter("GetPluginInfo").await?;
+        Ok(DriverIdentity {
+            name: "fake.csi".into(),
+            vendor_version: "1".into(),
+            controller_service: true,
+        })
+    }
+    async fn capabilities(&self, _: &Deadline) -> Result<ControllerCaps, DriverError> {
+        self.enter("ControllerGetCapabilities").await?;
+        Ok(ControllerCaps {
+            create_delete_volume: true,
+            publish_unpublish_volume: self.controller_publish,
+        })
+    }
+    async fn create_volume(
+        &self,
+        volume: &NewVolume,
+        _: &Deadline,
+    ) -> Result<CreatedVolume, DriverError> {
+        self.enter("CreateVolume").await?;
+        let mut s = self.state.lock().unwrap();
+        let next = s.volumes.len();
+        let id = s
+            .volumes
+            .entry(volume.name.clone())
+            .or_insert_with(|| format!("handle-{next}"))
+            .clone();
+        Ok(CreatedVolume {
+            csi_volume_id: id,
+            volume_context: BTreeMap::from([("ctx".into(), "v".into())]),
+            capacity_bytes: 0,
+        })
+    }
+    async fn delete_volume(&self, id: &str, _: &Secrets, _: &Deadline) -> Result<(), DriverError> {
+        match self.enter("DeleteVolume").await {
+            Err(e) if e.grpc_code == 5 => return Ok(()),
+            other => other?,
+        };
+        self.state.lock().unwrap().volumes.retain(|_, v| v != id);
+        Ok(())
+    }
+    async fn publish(
+        &self,
+        call: &ControllerPublish,
+        _: &Deadline,
+    ) -> Result<BTreeMap<String, String>, DriverError> {
+        self.enter("ControllerPublishVolume").await?;
+        self.state
+            .lock()
+            .unwrap()
+            .node_ids
+            .push(call.node_id.clone());
+        Ok(BTreeMap::from([("device".into(), "/dev/fake".into())]))
+    }
+    async fn unpublish(
+        &self,
+        _: &str,
+        _: &str,
+        _: &Secrets,
+        _: &Deadline,
+    ) -> Result<(), DriverError> {
+        match self.enter("ControllerUnpublishVolume").await {
+            Err(e) if e.grpc_code == 5 => Ok(()),
+            other => other.map(|_| ()),
+        }
+    }
+}
+
+#[async_trait]
+impl NodeDriver for Fake {
+    fn endpoint(&self) -> &str {
+        "fake"
+    }
+    async fn probe(&self, _: &Deadline) -> Result<(), DriverError> {
+        self.enter("Probe").await.map(|_| ())
+    }
+    async fn capabilities(&self, _: &Deadline) -> Result<NodeCaps, DriverError> {
+        self.enter("NodeGetCapabilities").await?;
+        Ok(NodeCaps {
+            stage_unstage_volume: self.stage,
+            get_volume_stats: true,
+        })
+    }
+    async fn node_id(&self, _: &Deadline) -> Result<String, DriverError> {
+        self.enter("NodeGetInfo").await?;
+        Ok("node-1".into())
+    }
+    async fn stage(&self, call: &Stage, _: &Deadline) -> Result<(), DriverError> {
+        if self.enter("NodeStageVolume").await? {
+            self.state
+                .lock()
+                .unwrap()
+                .publish_contexts
+                .push(call.publish_context.clone());
+            self.mounted
+                .lock()
+                .unwrap()
+                .insert(call.staging_path.clone());
+        }
+        Ok(())
+    }
+    async fn unstage(&self, _: &str, path: &Path, _: &Deadline) -> Result<Undone, DriverError> {
+        match self.enter("NodeUnstageVolume").await {
+            Err(e) if e.grpc_code == 5 => return Ok(Undone::UnknownVolume),
+            Ok(false) => return Ok(Undone::Done),
+            other => other?,
+        };
+        self.mounted.lock().unwrap().remove(path);
+        Ok(Undone::Done)
+    }
+    async fn publish(&self, call: &Publish, _: &Deadline) -> Result<(), DriverError> {
+        let entered = self.enter("NodePublishVolume").await;
+        // An uncertain error may still have taken effect.
+        if matches!(
+            &entered,
+            Ok(true)
+                | Err(DriverError {
+                    finality: Finality::Uncertain,
+                    ..
+                })
+        ) {
+            self.mounted
+                .lock()
+                .unwrap()
+                .insert(call.target_path.clone());
+            std::fs::create_dir_all(&call.target_path).unwrap();
+        }
+        entered.map(|_| ())
+    }
+    async fn unpublish(&self, _: &str, path: &Path, _: &Deadline) -> Result<Undone, DriverError> {
+        match self.enter("NodeUnpublishVolume").await {
+            Err(e) if e.grpc_code == 5 => return Ok(Undone::UnknownVolume),
+            Ok(false) => return Ok(Undone::Done),
+            other => other?,
+        };
+        self.mounted.lock().unwrap().remove(path);
+        let _ = std::fs::remove_dir(path);
+        Ok(Undone::Done)
+    }
+    async fn volume_stats(
+        &self,
+        _: &str,
+        _: &Path,
+        _: &Deadline,
+    ) -> Result<VolumeStats, DriverError> {
+        self.enter("NodeGetVolumeStats").await?;
+        Ok(VolumeStats::default())
+    }
+}
+
+#[async_trait]
+impl MountCheck for Fake {
+    async fn visibility(&self, path: &Path, _: &Deadline) -> Result<Visibility, std::io::Error> {
+        Ok(if self.unchecked {
+            Visibility::Unchecked
+        } else if self.is_mounted(path) {
+            Visibility::Mounted
+        } else {
+            Visibility::NotMounted
+        })
+    }
+    fn describe(&self) -> String {
+        "the fake mount table".into()
+    }
+}
+
+/// A controller store in memory, with revisions like the real ones.
+#[derive(Debug, Default)]
+struct MemoryStore {
+    records: Mutex<BTreeMap<String, VolumeRecord>>,
+    next: Mutex<u64>,
+}
+
+#[async_trait]
+impl ControllerStore for MemoryStore {
+    async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        Ok(self.records.lock().unwrap().get(volume_id).cloned())
+    }
+    async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        let mut records = self.records.lock().unwrap();
+        let stored = records
+            .get(&record.volume_id)
+            .and_then(|r| r.revision.clone());
+        if stored != record.revision {
+            return Err(StoreError::Conflict {
+                volume_id: record.volume_id.clone(),
+            });
+        }
+        let mut next = self.next.lock().unwrap();
+        *next += 1;
+        record.revision = Some(next.to_string());
+        records.insert(record.volume_id.clone(), record.clone());
+        Ok(())
+    }
+    async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        let mut records = self.records.lock().unwrap();
+        match records.get(&record.volume_id) {
+            None => Ok(()),
+            Some(stored) if record.revision.is_some() && stored.revision != record.revision => {
+                Err(StoreError::Conflict {
+                    volume_id: record.volume_id.clone(),
+                })
+            }
+            Some(_) => {
+                records.remove(&record.volume_id);
+                Ok(())
+            }
+        }
+    }
+    async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        Ok(self.records.lock().unwrap().values().cloned().collect())
+    }
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+}
+
+/// One test's world: a bridge over the fakes, with its state in a temp dir.
+struct World {
+    dir: tempfile::TempDir,
+    fake: Fake,
+    store: Arc<MemoryStore>,
+    bridge: Bridge,
+}
+
+impl World {
+    fn new(fake: Fake) -> Self {
+        Self::with_config(fake, "")
+    }
+
+    /// `node` is added to the `[node]` table.
+    fn with_config(fake: Fake, node: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let text = format!(
+            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[timeouts]\nattach_secs = 10\ndetach_secs = 10\nrollback_secs = 10\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n{node}",
+            d = dir.path().display()
+        );
+        let config = Arc::new(Config::parse(&text, Path::new("test.toml")).unwrap());
+        let store = Arc::new(MemoryStore::default());
+        let bridge = Bridge::new(
+            config.clone(),
+            crate::config::Roles::BOTH,
+            Ports {
+                controller: Arc::new(fake.clone()),
+                node: Arc::new(fake.clone()),
+                store: Some(store.clone()),
+                settings: Arc::new(super::profile::ConfigSettings::new(
+                    &config.volume,
+                    &config.secrets,
+                )),
+                mounts: Arc::new(fake.clone()),
+            },
+        )
+        .unwrap();
+        World {
+            dir,
+            fake,
+            store,
+            bridge,
+        }
+    }
+
+    fn base(&self) -> PathBuf {
+        self.dir.path().join("vol")
+    }
+
+    fn target(&self, volume: &str) -> PathBuf {
+        self.base().join(format!("fk-{volume}"))
+    }
+
+    fn staging(&self, volume: &str) -> PathBuf {
+        self.base().join(".staging").join(format!("fk-{volume}"))
+    }
+
+    fn handle(&self) -> VolumeHandle {
+        VolumeHandle {
+            csi_volume_id: "h1".into(),
+            volume_context: BTreeMap::new(),
+            controller_publish: self.fake.controller_publish,
+        }
+    }
+
+    fn attach_req(&self, volume: &str, ns: &str, sandbox: &str, ref_count: i64) -> AttachVolume {
+        AttachVolume {
+            sandbox_id: sandbox.into(),
+            namespace: ns.into(),
+            volume_id: volume.into(),
+            ref_count,
+            base_dir: self.base(),
+            handle: self.handle(),
+        }
+    }
+
+    async fn attach(
+        &self,
+        volume: &str,
+        ns: &str,
+        sandbox: &str,
+        ref_count: i64,
+    ) -> Result<Attached, HookError> {
+        self.bridge
+            .attach(
+                self.attach_req(volume, ns, sandbox, ref_count),
+                &Caller::waiting(),
+            )
+            .await
+    }
+
+    async fn detach(
+        &self,
+        volume: &str,
+        ns: &str,
+        sandbox: &str,
+        ref_count: i64,
+    ) -> Result<(), HookError> {
+        let meta = AttachMetadata {
+            paths: super::naming::VolumePaths::new(&self.base(), "fk", volume),
+            csi_volume_id: "h1".into(),
+            staged: self.fake.stage,
+        };
+        self.bridge
+            .detach(DetachVolume {
+                sandbox_id: sandbox.into(),
+                namespace: ns.into(),
+                volume_id: volume.into(),
+                ref_count,
+                recorded: Some(meta),
+            })
+            .await
+    }
+
+    fn record(&self, volume: &str) -> Option<crate::store::NodeRecord> {
+        self.bridge.node_journal().load(volume).unwrap()
+    }
+
+    fn pending(&self) -> Vec<String> {
+        self.bridge.node_journal().pending().unwrap()
+    }
+
+    /// Nothing left for `volume`: no mount, no staging, no record, no marker.
+    fn assert_clean(&self, volume: &str) {
+        assert!(
+            !self.fake.is_mounted(&self.target(volume)),
+            "target still mounted"
+        );
+        assert!(!self.fake.is_mounted(&self.staging(volume)), "still staged");
+        assert!(self.record(volume).is_none(), "journal record left");
+        assert!(
+            !self.pending().contains(&volume.to_string()),
+            "pending marker left"
+        );
+        assert!(!self.target(volume).exists(), "target dir left");
+        assert!(!self.staging(volume).exists(), "staging dir left");
+    }
+}
+
+// ---------------------------------------------------------------- attach / detach
+
+#[tokio::test]
+async fn first_attach_stages_publishes_and_records_a_settled_holder() {
+    let w = World::new(Fake::new(true, false));
+    let attached = w.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(attached.host_path, w.target("v"));
+    assert_eq!(
+        attached.metadata["mount_dir"],
+        w.target("v").display().to_string()
+    );
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+    let record = w.record("v").unwrap();
+    assert!(record.is_settled(), "{record:?}");
+    assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
+    assert_eq!(record.boot_id, crate::store::journal::boot_id());
+    assert!(w.pending().is_empty());
+}
+
+#[tokio::test]
+async fn hot_attach_and_detach_make_no_call_and_no_record_rewrite() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let json = w.dir.path().join("state/node/v.json");
+    let written = std::fs::read(&json).unwrap();
+    w.fake.clear_calls();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    w.attach("v", "ns1", "s2", 2).await.unwrap();
+    w.detach("v", "ns1", "s2", 1).await.unwrap();
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(
+        std::fs::read(&json).unwrap(),
+        written,
+        "the record was rewritten"
+    );
+    let holders = &w.record("v").unwrap().holders;
+    assert_eq!(holders["ns1"], BTreeSet::from(["s1".to_string()]));
+}
+
+#[tokio::test]
+async fn last_detach_undoes_everything_in_reverse() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
+    w.assert_clean("v");
+    // Detach of what is gone is success and calls nothing.
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert!(w.fake.mutating_calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_namespace_reaching_zero_does_not_unmount_what_another_namespace_holds() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // Cubelet counts per namespace: ns2's first holder also sends ref_count 0.
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert!(w.fake.mutating_calls().is_empty(), "tore down under ns2");
+    assert!(w.fake.is_mounted(&w.target("v")));
+    w.detach("v", "ns2", "s2", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn stale_sandboxes_of_a_namespace_do_not_pin_the_volume() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    // Cubelet pruned s2 without a Detach; s1's Detach says ns1 holds nothing more.
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn detach_of_an_unknown_namespace_or_sandbox_is_a_harmless_success() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.clear_calls();
+    w.detach("v", "nsX", "sX", 0).await.unwrap();
+    w.detach("v", "ns1", "sX", 1).await.unwrap();
+    w.detach("other", "ns1", "s1", 0).await.unwrap();
+    assert!(w.fake.mutating_calls().is_empty());
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
+#[tokio::test]
+async fn a_failed_first_attach_undoes_its_stage_and_leaves_nothing() {
+    let w = World::new(Fake::new(true, false));
+    w.fake.script("NodePublishVolume", Fault::Final);
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(err.to_string().contains("NodePublishVolume"), "{err}");
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeStageVolume", "NodePublishVolume", "NodeUnstageVolume"]
+    );
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn an_uncertain_publish_is_unpublished_on_rollback() {
+    let w = World::new(Fake::new(false, false));
+    // Fails non-finally (retries are the CSI client's; the port reports the last
+    // answer): the bridge cannot know whether it mounted.
+    w.fake.script("NodePublishVolume", Fault::Uncertain);
+    w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(
+        w.fake
+            .mutating_calls()
+            .contains(&"NodeUnpublishVolume".to_string())
+    );
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn a_failed_repair_under_other_holders_undoes_only_its_own_publish() {
+    let w = World::new(Fake::new(true, true));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // The mount is lost; a second sandbox attaches and its NodePublish fails.
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    w.fake.clear_calls();
+    w.fake.script("NodePublishVolume", Fault::Final);
+    w.attach("v", "ns1", "s2", 1).await.unwrap_err();
+    let calls = w.fake.mutating_calls();
+    assert!(
+        !calls.contains(&"NodeUnstageVolume".to_string())
+            && !calls.contains(&"ControllerUnpublishVolume".to_string()),
+        "undid work of earlier sandboxes: {calls:?}"
+    );
+    let record = w.record("v").unwrap();
+    assert_eq!(record.stage, crate::store::Step::Done);
+    assert_eq!(record.controller_publish, crate::store::Step::Done);
+    assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
+    assert!(w.pending().is_empty());
+    // The next Attach repairs it.
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
+#[tokio::test]
+async fn an_attach_whose_caller_left_undoes_its_work() {
+    let w = World::new(Fake::new(true, false));
+    w.fake
+        .script("NodePublishVolume", Fault::Slow(Duration::from_millis(300)));
+    let caller = Caller::waiting();
+    let leave = {
+        let caller = caller.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            caller.leave();
+        }
+    };
+    let (result, ()) = tokio::join!(
+        w.bridge.attach(w.attach_req("v", "ns1", "s1", 0), &caller),
+        leave
+    );
+    assert!(matches!(result.unwrap_err().error, BridgeError::CallerGone));
+    w.assert_clean("v");
+    // A new Attach works.
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_hot_attach_whose_caller_left_records_no_holder() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let caller = Caller::waiting();
+    caller.leave();
+    w.bridge
+        .attach(w.attach_req("v", "ns2", "s2", 0), &caller)
+        .await
+        .unwrap_err();
+    assert!(!w.record("v").unwrap().holders.contains_key("ns2"));
+}
+
+#[tokio::test]
+async fn controller_publish_feeds_node_id_and_publish_context_and_is_undone_last() {
+    let w = World::new(Fake::new(true, true));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "ControllerPublishVolume",
+            "NodeStageVolume",
+            "NodePublishVolume"
+        ]
+    );
+    {
+        let state = w.fake.state.lock().unwrap();
+        assert_eq!(state.node_ids, ["node-1"]);
+        assert_eq!(state.publish_contexts[0]["device"], "/dev/fake");
+    }
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]
+    );
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn not_found_from_unpublish_is_success_only_when_nothing_is_mounted() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // The driver forgot the volume but the mount is still there: an error.
+    w.fake.script("NodeUnpublishVolume", Fault::NotFound);
+    let err = w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(err.to_string().contains("still mounted"), "{err}");
+    assert!(w.record("v").is_some(), "record dropped while mounted");
+    // Gone from the mount table too: NOT_FOUND is success.
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    w.fake.script("NodeUnpublishVolume", Fault::NotFound);
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn an_unpublish_that_lies_is_caught_by_the_mount_table() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.script("NodeUnpublishVolume", Fault::Noop);
+    let err = w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(
+        matches!(err.error, BridgeError::StillMounted { .. }),
+        "{err}"
+    );
+    assert!(
+        w.pending().contains(&"v".to_string()),
+        "a failed teardown stays pending"
+    );
+}
+
+#[tokio::test]
+async fn a_publish_that_does_not_propagate_is_refused_and_rolled_back() {
+    let w = World::new(Fake::new(false, false));
+    w.fake.script("NodePublishVolume", Fault::Noop);
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(matches!(err.error, BridgeError::NotVisible { .. }), "{err}");
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn an_empty_or_corrupt_journal_record_is_rebuilt_not_fatal() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // A power loss left the record empty: the volume must stay attachable and detachable.
+    std::fs::write(w.dir.path().join("state/node/v.json"), b"").unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    std::fs::write(w.dir.path().join("state/node/v.json"), b"{\"format\":").unwrap();
+    w.detach("v", "ns1", "s2", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn with_mount_checks_off_the_last_detach_still_succeeds() {
+    let mut fake = Fake::new(true, false);
+    fake.unchecked = true;
+    let w = World::with_config(fake, "mount_view = \"none\"\n");
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert!(w.record("v").is_none());
+}
+
+// ---------------------------------------------------------------- reconcile
+
+#[tokio::test]
+async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_the_held() {
+    let w = World::new(Fake::new(true, false));
+    // Held and healthy.
+    w.attach("healthy", "ns", "s", 0).await.unwrap();
+    // Held, mount lost.
+    w.attach("lost", "ns", "s", 0).await.unwrap();
+    w.fake.unmount_behind_our_back(&w.target("lost"));
+    // An attach that died after NodeStage (nobody holds it).
+    w.attach("dead", "ns", "s", 0).await.unwrap();
+    let journal = w.bridge.node_journal();
+    let mut dead = journal.load("dead").unwrap().unwrap();
+    dead.holders.clear();
+    dead.publish = crate::store::Step::Uncertain;
+    journal.save(&dead, true).unwrap();
+    // From an earlier boot, no mount left.
+    w.attach("old", "ns", "s", 0).await.unwrap();
+    let mut old = journal.load("old").unwrap().unwrap();
+    old.boot_id = "an-earlier-boot".into();
+    journal.save(&old, true).unwrap();
+    w.fake.unmount_behind_our_back(&w.target("old"));
+
+    let report = w
+        .bridge
+        .reconcile_node(reconcile::Scope::All)
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            report.healthy,
+            report.repaired,
+            report.rolled_back,
+            report.earlier_boot,
+            report.failed
+        ),
+        (1, 1, 1, 1, 0),
+        "{report:?}"
+    );
+    assert!(w.fake.is_mounted(&w.target("lost")));
+    w.assert_clean("dead");
+    w.assert_clean("old");
+}
+
+#[tokio::test]
+async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns", "s", 0).await.unwrap();
+    let journal = w.bridge.node_journal();
+    let mut rec = journal.load("v").unwrap().unwrap();
+    rec.holders.clear();
+    journal.save(&rec, true).unwrap();
+    journal.mark_pending("v").unwrap();
+    let held = w
+        .bridge
+        .locks
+        .try_acquire(locks::LockScope::Node, "v")
+        .unwrap()
+        .unwrap();
+    let report = w
+        .bridge
+        .reconcile_node(reconcile::Scope::Abandoned)
+        .await
+        .unwrap();
+    assert_eq!(report.skipped, 1);
+    assert!(w.fake.is_mounted(&w.target("v")));
+    drop(held);
+    let report = w
+        .bridge
+        .reconcile_node(reconcile::Scope::Abandoned)
+        .await
+        .unwrap();
+    assert_eq!(report.rolled_back, 1, "{report:?}");
+    w.assert_clean("v");
+}
+
+// ---------------------------------------------------------------- create / destroy
+
+impl World {
+    async fn create(&self, volume: &str) -> Result<Created, HookError> {
+        self.bridge
+            .create(
+                CreateVolume {
+                    volume_id: volume.into(),
+                    name: volume.into(),
+                },
+                &Caller::waiting(),
+            )
+            .await
+    }
+
+    async fn destroy(&self, volume: &str) -> Result<(), HookError> {
+        self.bridge
+            .destroy(DestroyVolume {
+                volume_id: volume.into(),
+            })
+            .await
+    }
+
+    fn stored(&self, volume: &str) -> Option<VolumeRecord> {
+        self.store.records.lock().unwrap().get(volume).cloned()
+    }
+
+    fn backend_volumes(&self) -> BTreeMap<String, String> {
+        self.fake.state.lock().unwrap().volumes.clone()
+    }
+}
+
+#[tokio::test]
+async fn create_records_the_handle_and_destroy_deletes_it_once() {
+    let w = World::new(Fake::new(false, false));
+    let created = w.create("v").await.unwrap();
+    let handle = VolumeHandle::decode(&created.private_data).unwrap();
+    let record = w.stored("v").unwrap();
+    assert_eq!(record.state, VolumeState::Created);
+    assert_eq!(record.csi_name, "cube-v");
+    assert_eq!(
+        record.csi_volume_id.as_deref(),
+        Some(handle.csi_volume_id.as_str())
+    );
+    // A retried Create finds the same volume.
+    assert_eq!(w.create("v").await.unwrap(), created);
+    assert_eq!(w.backend_volumes().len(), 1);
+    w.destroy("v").await.unwrap();
+    assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
+    w.fake.clear_calls();
+    w.destroy("v").await.unwrap();
+    assert!(w.fake.mutating_calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_final_create_error_forgets_the_intent_an_uncertain_one_keeps_it() {
+    let w = World::new(Fake::new(false, false));
+    w.fake.script("CreateVolume", Fault::Final);
+    w.create("v").await.unwrap_err();
+    assert!(w.stored("v").is_none());
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.create("v").await.unwrap_err();
+    assert_eq!(w.stored("v").unwrap().state, VolumeState::Creating);
+    // Destroy resolves the unfinished create by name, then deletes it.
+    w.fake.clear_calls();
+    w.destroy("v").await.unwrap();
+    assert_eq!(w.fake.mutating_calls(), ["CreateVolume", "DeleteVolume"]);
+    assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
+}
+
+#[tokio::test]
+async fn a_create_whose_caller_left_deletes_what_it_made() {
+    let w = World::new(Fake::new(false, false));
+    let caller = Caller::waiting();
+    caller.leave();
+    let result = w
+        .bridge
+        .create(
+            CreateVolume {
+                volume_id: "v".into(),
+                name: "v".into(),
+            },
+            &caller,
+        )
+        .await;
+    assert!(result.is_err());
+    assert!(w.stored("v").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+}
+
+#[tokio::test]
+async fn the_sweep_reclaims_abandoned_creates_only() {
+    let w = World::new(Fake::new(false, false));
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.create("abandoned").await.unwrap_err();
+    // The driver did create it, although the answer was lost.
+    w.fake
+        .state
+        .lock()
+        .unwrap()
+        .volumes
+        .insert("cube-abandoned".into(), "lost-handle".into());
+    w.create("fresh-creating").await.unwrap();
+    w.create("created").await.unwrap();
+    // Age the first record; make the second one Creating but recent.
+    {
+        let mut records = w.store.records.lock().unwrap();
+        records.get_mut("abandoned").unwrap().updated_at -= 3600;
+        let fresh = records.get_mut("fresh-creating").unwrap();
+        fresh.state = VolumeState::Creating;
+        records.get_mut("created").unwrap().updated_at -= 3600;
+    }
+    let report = w
+        .bridge
+        .sweep_abandoned_creates(Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.stored("abandoned").is_none());
+    assert!(!w.backend_volumes().contains_key("cube-abandoned"));
+    assert_eq!(
+        w.stored("fresh-creating").unwrap().state,
+        VolumeState::Creating
+    );
+    assert_eq!(w.stored("created").unwrap().state, VolumeState::Created);
+}
+
+#[tokio::test]
+async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one() {
+    let w = World::new(Fake::new(false, false));
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.create("v").await.unwrap_err();
+    let stale = w.stored("v").unwrap();
+    // A replica retrying the Create refreshes the record after the sweep read it.
+    w.create("v").await.unwrap();
+    assert!(
+        !w.bridge.reclaim(stale).await.unwrap(),
+        "claimed a record in use"
+    );
+    assert_eq!(w.stored("v").unwrap().state, VolumeState::Created);
+    // A record claimed for deletion is not adopted by a Create.
+    w.store.records.lock().unwrap().get_mut("v").unwrap().state = VolumeState::Deleting;
+    let err = w.create("v").await.unwrap_err();
+    assert!(err.to_string().contains("being cleaned up"), "{err}");
+}
+
+#[tokio::test]
+async fn private_data_too_large_deletes_the_volume_and_the_record() {
+    let w = World::new(Fake::new(false, false));
+    // A driver whose volume_context cannot fit in Cube's 1024 bytes.
+    w.fake
+        .state
+        .lock()
+        .unwrap()
+        .volumes
+        .insert("cube-v".into(), "x".repeat(1100));
+    let err = w.create("v").await.unwrap_err();
+    assert!(err.to_string().contains("1024"), "{err}");
+    assert!(w.stored("v").is_none());
+    assert!(w.backend_volumes().is_empty());
+}
+
+#[tokio::test]
+async fn destroy_refuses_to_hand_a_handle_to_another_driver() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.store
+        .records
+        .lock()
+        .unwrap()
+        .get_mut("v")
+        .unwrap()
+        .csi_driver = Some("other.csi".into());
+    let err = w.destroy("v").await.unwrap_err();
+    assert!(err.to_string().contains("other.csi"), "{err}");
+    assert_eq!(w.backend_volumes().len(), 1);
+}

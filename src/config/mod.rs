@@ -1,0 +1,1118 @@
+//! The bridge's config: the typed settings every other module reads.
+//!
+//! One file configures one bridge instance, which serves one Cube driver name backed by
+//! one CSI driver. The file (file.rs) is parsed into typed values here, every field
+//! checked with its name in the error, before anything is bound, mounted or written:
+//! endpoints are parsed endpoints, the mount view and the roles are enums, and every
+//! default is resolved, so nothing later can find an invalid value. Where the file is
+//! found is in locate.rs.
+
+mod file;
+pub mod locate;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::csi::Endpoint;
+use crate::k8s::names::{is_dns_label, is_dns_subdomain, is_label_value};
+pub use locate::{CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, EXECUTABLE_PREFIX, locate};
+
+/// Where Cube's node agent keeps plugin volumes when the request does not say.
+pub const DEFAULT_VOLUME_BASE_DIR: &str = "/data/cube-shared/volume";
+/// The mount-namespace file of a standard Cubelet install.
+pub const CUBELET_MOUNT_NS: &str = "/usr/local/services/cubetoolbox/cubeletmnt/mnt";
+
+/// A config problem, always with the file and the field at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TOML does not parse or does not fit the schema. The message never quotes the
+    /// file's text or values: the file may hold secrets.
+    #[error("config file {path} is not valid: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config file {path}: {field}: {message}")]
+    Invalid {
+        path: PathBuf,
+        field: &'static str,
+        message: String,
+    },
+}
+
+/// The whole, validated config.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The Cube driver name this instance serves (the `name` registered in CubeMaster and
+    /// Cubelet). It prefixes every host_path: `<volume_base_dir>/<driver>-<volume_id>`.
+    pub driver: String,
+    pub csi: CsiSettings,
+    pub serve: ServeSettings,
+    pub volume: VolumeConfig,
+    pub secrets: SecretsConfig,
+    pub state: StateSettings,
+    pub node: NodeSettings,
+    pub timeouts: TimeoutsConfig,
+    pub kubernetes: KubernetesConfig,
+    pub controller: ControllerSettings,
+    /// The file this config was read from (for messages).
+    pub source: PathBuf,
+}
+
+/// How to reach the CSI driver.
+#[derive(Debug, Clone)]
+pub struct CsiSettings {
+    /// The driver's node (and, by default, controller) endpoint: a Unix socket.
+    pub endpoint: Endpoint,
+    /// Where controller calls go when the driver's controller is elsewhere: a Unix
+    /// socket or `http://host:port`.
+    pub controller_endpoint: Option<Endpoint>,
+    /// Use this node id for ControllerPublish instead of asking NodeGetInfo.
+    pub node_id: Option<String>,
+}
+
+impl CsiSettings {
+    /// Where controller calls go.
+    pub fn controller(&self) -> &Endpoint {
+        self.controller_endpoint.as_ref().unwrap_or(&self.endpoint)
+    }
+}
+
+/// Which Cube services an instance (or one forked hook) answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roles {
+    /// VolumeControllerService (CubeMaster's Create/Destroy).
+    pub controller: bool,
+    /// VolumePluginService (Cubelet's Attach/Detach).
+    pub node: bool,
+}
+
+impl Roles {
+    pub const BOTH: Roles = Roles {
+        controller: true,
+        node: true,
+    };
+    pub const CONTROLLER: Roles = Roles {
+        controller: true,
+        node: false,
+    };
+    pub const NODE: Roles = Roles {
+        controller: false,
+        node: true,
+    };
+
+    /// The config spelling: `controller`, `node` or `both`.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "controller" => Ok(Roles::CONTROLLER),
+            "node" => Ok(Roles::NODE),
+            "both" => Ok(Roles::BOTH),
+            other => Err(format!("{other:?} must be controller, node or both")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match (self.controller, self.node) {
+            (true, true) => "both",
+            (true, false) => "controller",
+            (false, true) => "node",
+            (false, false) => "none",
+        }
+    }
+}
+
+/// The daemon's listeners.
+#[derive(Debug, Clone)]
+pub struct ServeSettings {
+    /// The Unix socket Cube dials.
+    pub socket: PathBuf,
+    pub roles: Roles,
+    /// Optional TCP listener (loopback unless `allow_remote_tcp`).
+    pub tcp: Option<SocketAddr>,
+    /// How long in-flight hooks may run after SIGTERM before the daemon exits anyway.
+    pub shutdown_grace: Duration,
+    /// Group owning the socket, as a numeric gid (resolved from a name at load).
+    pub socket_gid: Option<u32>,
+    /// Peer uids allowed to call over the socket or TCP; `None` allows anyone who can
+    /// reach the listener.
+    pub allowed_uids: Option<Vec<u32>>,
+}
+
+/// The access mode requested for every volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AccessMode {
+    SingleNodeWriter,
+    SingleNodeReaderOnly,
+    MultiNodeReaderOnly,
+    MultiNodeSingleWriter,
+    #[default]
+    MultiNodeMultiWriter,
+    SingleNodeSingleWriter,
+    SingleNodeMultiWriter,
+}
+
+/// What every CreateVolume, NodeStage and NodePublish asks for.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeConfig {
+    /// Prefix of the CSI volume name; the rest is the Cube volume_id.
+    #[serde(default = "default_name_prefix")]
+    pub name_prefix: String,
+    /// CreateVolume capacity_range.required_bytes; 0 leaves it unset.
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    #[serde(default)]
+    pub access_mode: AccessMode,
+    /// VolumeCapability.mount.fs_type; empty lets the driver choose.
+    #[serde(default)]
+    pub fs_type: String,
+    /// VolumeCapability.mount.mount_flags. May hold credentials: never logged.
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+    /// CreateVolume parameters (a StorageClass's `parameters`).
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+impl Default for VolumeConfig {
+    fn default() -> Self {
+        Self {
+            name_prefix: default_name_prefix(),
+            capacity_bytes: 0,
+            access_mode: AccessMode::default(),
+            fs_type: String::new(),
+            mount_flags: Vec::new(),
+            parameters: BTreeMap::new(),
+        }
+    }
+}
+
+impl fmt::Debug for VolumeConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VolumeConfig")
+            .field("name_prefix", &self.name_prefix)
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("access_mode", &self.access_mode)
+            .field("fs_type", &self.fs_type)
+            .field(
+                "mount_flags",
+                &format_args!("<{} redacted>", self.mount_flags.len()),
+            )
+            .field("parameters", &self.parameters)
+            .finish()
+    }
+}
+
+/// CSI secrets per call family, as a StorageClass's secret references would give them.
+#[derive(Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SecretsConfig {
+    /// CreateVolume and DeleteVolume.
+    #[serde(default)]
+    pub provisioner: BTreeMap<String, String>,
+    /// ControllerPublishVolume and ControllerUnpublishVolume.
+    #[serde(default)]
+    pub controller_publish: BTreeMap<String, String>,
+    /// NodeStageVolume.
+    #[serde(default)]
+    pub node_stage: BTreeMap<String, String>,
+    /// NodePublishVolume.
+    #[serde(default)]
+    pub node_publish: BTreeMap<String, String>,
+}
+
+impl SecretsConfig {
+    /// Every secret value, for tests and log scrubbing checks.
+    pub fn values(&self) -> impl Iterator<Item = &str> {
+        [
+            &self.provisioner,
+            &self.controller_publish,
+            &self.node_stage,
+            &self.node_publish,
+        ]
+        .into_iter()
+        .flat_map(|m| m.values().map(String::as_str))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values().next().is_none()
+    }
+}
+
+impl fmt::Debug for SecretsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let keys = |m: &BTreeMap<String, String>| m.keys().cloned().collect::<Vec<_>>();
+        f.debug_struct("SecretsConfig")
+            .field("provisioner_keys", &keys(&self.provisioner))
+            .field("controller_publish_keys", &keys(&self.controller_publish))
+            .field("node_stage_keys", &keys(&self.node_stage))
+            .field("node_publish_keys", &keys(&self.node_publish))
+            .finish()
+    }
+}
+
+/// Where state lives on this host.
+#[derive(Debug, Clone)]
+pub struct StateSettings {
+    /// Controller store and node journal. Default: `/var/lib/cube-csi-bridge/<driver>`.
+    pub dir: PathBuf,
+    /// Per-volume lock files. Default: `/run/cube-csi-bridge/<driver>/locks`.
+    pub lock_dir: PathBuf,
+    /// Where Create records the CSI handle that Destroy needs.
+    pub controller_store: ControllerStoreKind,
+}
+
+impl StateSettings {
+    /// The embedded controller store file.
+    pub fn store_path(&self) -> PathBuf {
+        self.dir.join("controller.redb")
+    }
+
+    /// The node journal directory.
+    pub fn journal_dir(&self) -> PathBuf {
+        self.dir.join("node")
+    }
+}
+
+/// The controller store's backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControllerStoreKind {
+    /// One file under `state.dir`: one controller host.
+    Embedded,
+    /// CubeVolume custom resources: any number of controller replicas.
+    Kubernetes,
+}
+
+/// The Kubernetes API: where it is, and what the bridge reads from it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// A kubeconfig file. Unset: the pod's service account, else `$KUBECONFIG` or
+    /// `~/.kube/config`.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the CubeVolume objects. Unset: the service account's namespace (or
+    /// the kubeconfig context's), else `default`.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Take CreateVolume parameters, mount options, fstype and secrets from this
+    /// StorageClass instead of `[volume]` and `[secrets]`.
+    #[serde(default)]
+    pub storage_class: Option<String>,
+    /// How long a StorageClass and its Secrets are reused before being read again.
+    #[serde(default = "default_kube_cache_secs")]
+    pub cache_secs: u64,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            namespace: None,
+            storage_class: None,
+            cache_secs: default_kube_cache_secs(),
+        }
+    }
+}
+
+/// Whose view of the mount table decides that a host_path is really mounted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountViewSetting {
+    /// Cubelet's namespace file when it exists (looked up at every check, so a daemon
+    /// started before Cubelet follows it once it appears), else this process's; a forked
+    /// hook already runs in Cubelet's namespace and uses its own.
+    Auto,
+    /// This process's mount namespace.
+    Own,
+    /// No check: the driver's answers and the journal are trusted.
+    Unchecked,
+    /// The mount namespace bound at this file.
+    Namespace(PathBuf),
+}
+
+impl MountViewSetting {
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "auto" => Ok(Self::Auto),
+            "self" => Ok(Self::Own),
+            "none" => Ok(Self::Unchecked),
+            path if path.starts_with('/') => Ok(Self::Namespace(PathBuf::from(path))),
+            other => Err(format!(
+                "{other:?} must be auto, self, none or an absolute namespace file path"
+            )),
+        }
+    }
+}
+
+/// Node-side behaviour.
+#[derive(Debug, Clone)]
+pub struct NodeSettings {
+    /// Used when an Attach carries no volume_base_dir.
+    pub default_volume_base_dir: PathBuf,
+    /// The only base dirs an Attach may name (the bridge creates directories and the
+    /// driver mounts there, as root). Default: the default base dir.
+    pub allowed_base_dirs: Vec<PathBuf>,
+    pub mount_view: MountViewSetting,
+}
+
+impl NodeSettings {
+    /// Whether Attach may use `dir` (compared as written: Cube checks host_paths
+    /// lexically too).
+    pub fn base_dir_allowed(&self, dir: &Path) -> bool {
+        self.allowed_base_dirs.iter().any(|a| a == dir)
+    }
+}
+
+/// Controller-side housekeeping.
+#[derive(Debug, Clone)]
+pub struct ControllerSettings {
+    /// How often the daemon looks for abandoned Creates; `None` turns the sweep off.
+    pub sweep_interval: Option<Duration>,
+    /// A `Creating` record untouched for this long is an abandoned Create.
+    pub abandoned_create_after: Duration,
+}
+
+/// Per-hook budgets: all CSI calls and retries of one hook fit in its budget.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    #[serde(default = "default_create_secs")]
+    pub create_secs: u64,
+    #[serde(default = "default_destroy_secs")]
+    pub destroy_secs: u64,
+    /// Cube's Attach shares the sandbox create deadline (300 s by default).
+    #[serde(default = "default_attach_secs")]
+    pub attach_secs: u64,
+    /// Cube gives Detach about 30 s on sandbox destroy and 10 s on create failover.
+    #[serde(default = "default_detach_secs")]
+    pub detach_secs: u64,
+    /// Extra time a failed Attach or Create may spend undoing its own work.
+    #[serde(default = "default_rollback_secs")]
+    pub rollback_secs: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        Self {
+            create_secs: default_create_secs(),
+            destroy_secs: default_destroy_secs(),
+            attach_secs: default_attach_secs(),
+            detach_secs: default_detach_secs(),
+            rollback_secs: default_rollback_secs(),
+        }
+    }
+}
+
+impl TimeoutsConfig {
+    pub fn create(&self) -> Duration {
+        Duration::from_secs(self.create_secs)
+    }
+    pub fn destroy(&self) -> Duration {
+        Duration::from_secs(self.destroy_secs)
+    }
+    pub fn attach(&self) -> Duration {
+        Duration::from_secs(self.attach_secs)
+    }
+    pub fn detach(&self) -> Duration {
+        Duration::from_secs(self.detach_secs)
+    }
+    pub fn rollback(&self) -> Duration {
+        Duration::from_secs(self.rollback_secs)
+    }
+}
+
+fn default_name_prefix() -> String {
+    "cube-".into()
+}
+fn default_create_secs() -> u64 {
+    300
+}
+fn default_destroy_secs() -> u64 {
+    300
+}
+fn default_attach_secs() -> u64 {
+    120
+}
+fn default_detach_secs() -> u64 {
+    25
+}
+fn default_rollback_secs() -> u64 {
+    20
+}
+fn default_kube_cache_secs() -> u64 {
+    30
+}
+const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
+const DEFAULT_SWEEP_INTERVAL_SECS: u64 = 300;
+/// An abandoned Create is judged only well after any Create could still be running.
+const MIN_ABANDONED_CREATE_SECS: u64 = 600;
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let config = Self::parse(&text, path)?;
+        if !config.secrets.is_empty() || !config.volume.mount_flags.is_empty() {
+            locate::warn_if_readable_by_others(path);
+        }
+        Ok(config)
+    }
+
+    /// Parses and validates config text; `path` only names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let raw: file::ConfigFile = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: describe_toml_error(text, &e),
+        })?;
+        Checker { path }.config(raw)
+    }
+
+    /// Whether anything in this config needs the Kubernetes API.
+    pub fn uses_kubernetes(&self) -> bool {
+        self.kubernetes.storage_class.is_some()
+            || self.state.controller_store == ControllerStoreKind::Kubernetes
+    }
+
+    /// The socket Cube dials.
+    pub fn socket_path(&self) -> &Path {
+        &self.serve.socket
+    }
+}
+
+/// Turns the file into typed settings, naming the field of the first problem.
+struct Checker<'a> {
+    path: &'a Path,
+}
+
+impl Checker<'_> {
+    fn invalid(&self, field: &'static str, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            path: self.path.to_path_buf(),
+            field,
+            message: message.into(),
+        }
+    }
+
+    fn config(&self, raw: file::ConfigFile) -> Result<Config, ConfigError> {
+        let driver = raw.driver;
+        let driver_ok = !driver.is_empty()
+            && driver.len() <= 63
+            && !driver.starts_with('.')
+            && driver
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !driver_ok {
+            return Err(self.invalid(
+                "driver",
+                format!(
+                    "{driver:?} must be 1-63 characters of [A-Za-z0-9._-], not starting with '.'"
+                ),
+            ));
+        }
+        let csi = self.csi(raw.csi)?;
+        let serve = self.serve(raw.serve, &driver)?;
+        self.volume(&raw.volume)?;
+        let state = self.state(raw.state, &driver)?;
+        let node = self.node(raw.node)?;
+        self.timeouts(&raw.timeouts)?;
+        let controller = self.controller(raw.controller, &raw.timeouts)?;
+        let config = Config {
+            driver,
+            csi,
+            serve,
+            volume: raw.volume,
+            secrets: raw.secrets,
+            state,
+            node,
+            timeouts: raw.timeouts,
+            kubernetes: raw.kubernetes,
+            controller,
+            source: self.path.to_path_buf(),
+        };
+        self.kubernetes(&config)?;
+        Ok(config)
+    }
+
+    fn csi(&self, raw: file::CsiFile) -> Result<CsiSettings, ConfigError> {
+        let endpoint =
+            Endpoint::parse_unix(&raw.endpoint).map_err(|m| self.invalid("csi.endpoint", m))?;
+        let controller_endpoint = raw
+            .controller_endpoint
+            .map(|ep| Endpoint::parse(&ep))
+            .transpose()
+            .map_err(|m| self.invalid("csi.controller_endpoint", m))?;
+        if let Some(id) = &raw.node_id
+            && (id.is_empty() || id.len() > 256)
+        {
+            return Err(self.invalid("csi.node_id", "must be 1-256 bytes"));
+        }
+        Ok(CsiSettings {
+            endpoint,
+            controller_endpoint,
+            node_id: raw.node_id,
+        })
+    }
+
+    fn serve(&self, raw: file::ServeFile, driver: &str) -> Result<ServeSettings, ConfigError> {
+        let socket = raw
+            .socket
+            .unwrap_or_else(|| format!("/run/cube-csi-bridge/{driver}.sock"));
+        let socket = match Endpoint::parse_unix(&socket) {
+            Ok(Endpoint::Unix(path)) => path,
+            Ok(Endpoint::Tcp(_)) => unreachable!("parse_unix gives unix endpoints"),
+            Err(m) => return Err(self.invalid("serve.socket", m)),
+        };
+        let roles = Roles::parse(raw.services.as_deref().unwrap_or("both"))
+            .map_err(|m| self.invalid("serve.services", m))?;
+        let tcp = match raw.tcp {
+            None => None,
+            Some(tcp) => {
+                let addr: SocketAddr = tcp
+                    .parse()
+                    .map_err(|_| self.invalid("serve.tcp", format!("{tcp:?} is not ip:port")))?;
+                if !addr.ip().is_loopback() && !raw.allow_remote_tcp {
+                    return Err(self.invalid(
+                        "serve.tcp",
+                        format!(
+                            "{addr} is not a loopback address; Cube's rpc transport has no TLS \
+                             and no authentication, so set serve.allow_remote_tcp = true only \
+                             on a trusted network"
+                        ),
+                    ));
+                }
+                Some(addr)
+            }
+        };
+        let grace = raw
+            .shutdown_grace_secs
+            .unwrap_or(DEFAULT_SHUTDOWN_GRACE_SECS);
+        if grace > 600 {
+            return Err(self.invalid("serve.shutdown_grace_secs", "must be at most 600"));
+        }
+        let socket_gid = raw
+            .socket_group
+            .map(|group| resolve_group(&group))
+            .transpose()
+            .map_err(|m| self.invalid("serve.socket_group", m))?;
+        if raw.allowed_uids.as_ref().is_some_and(Vec::is_empty) {
+            return Err(self.invalid(
+                "serve.allowed_uids",
+                "is empty, which would refuse every caller; remove it to allow any caller",
+            ));
+        }
+        Ok(ServeSettings {
+            socket,
+            roles,
+            tcp,
+            shutdown_grace: Duration::from_secs(grace),
+            socket_gid,
+            allowed_uids: raw.allowed_uids,
+        })
+    }
+
+    fn volume(&self, volume: &VolumeConfig) -> Result<(), ConfigError> {
+        let prefix = &volume.name_prefix;
+        if prefix.len() > 64 || prefix.chars().any(char::is_control) {
+            return Err(self.invalid(
+                "volume.name_prefix",
+                "must be at most 64 bytes with no control characters",
+            ));
+        }
+        Ok(())
+    }
+
+    fn state(&self, raw: file::StateFile, driver: &str) -> Result<StateSettings, ConfigError> {
+        for (dir, field) in [(&raw.dir, "state.dir"), (&raw.lock_dir, "state.lock_dir")] {
+            if let Some(dir) = dir
+                && !dir.is_absolute()
+            {
+                return Err(self.invalid(field, format!("{} must be absolute", dir.display())));
+            }
+        }
+        let controller_store = match raw.controller_store.as_deref().unwrap_or("embedded") {
+            "embedded" => ControllerStoreKind::Embedded,
+            "kubernetes" => ControllerStoreKind::Kubernetes,
+            other => {
+                return Err(self.invalid(
+                    "state.controller_store",
+                    format!("{other:?} must be embedded or kubernetes"),
+                ));
+            }
+        };
+        Ok(StateSettings {
+            dir: raw
+                .dir
+                .unwrap_or_else(|| PathBuf::from("/var/lib/cube-csi-bridge").join(driver)),
+            lock_dir: raw.lock_dir.unwrap_or_else(|| {
+                PathBuf::from("/run/cube-csi-bridge")
+                    .join(driver)
+                    .join("locks")
+            }),
+            controller_store,
+        })
+    }
+
+    fn node(&self, raw: file::NodeFile) -> Result<NodeSettings, ConfigError> {
+        let base = raw
+            .default_volume_base_dir
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_VOLUME_BASE_DIR));
+        let base_ok = |dir: &Path| {
+            crate::bridge::naming::validate_base_dir(&dir.to_string_lossy()).is_ok_and(|d| d == dir)
+        };
+        if !base_ok(&base) {
+            return Err(self.invalid(
+                "node.default_volume_base_dir",
+                format!(
+                    "{} must be an absolute, normalised path other than /",
+                    base.display()
+                ),
+            ));
+        }
+        let allowed = raw.allowed_base_dirs.unwrap_or_else(|| vec![base.clone()]);
+        if let Some(bad) = allowed.iter().find(|d| !base_ok(d)) {
+            return Err(self.invalid(
+                "node.allowed_base_dirs",
+                format!(
+                    "{} must be an absolute, normalised path other than /",
+                    bad.display()
+                ),
+            ));
+        }
+        if !allowed.contains(&base) {
+            return Err(self.invalid(
+                "node.allowed_base_dirs",
+                format!(
+                    "must include node.default_volume_base_dir {}",
+                    base.display()
+                ),
+            ));
+        }
+        let mount_view = MountViewSetting::parse(raw.mount_view.as_deref().unwrap_or("auto"))
+            .map_err(|m| self.invalid("node.mount_view", m))?;
+        Ok(NodeSettings {
+            default_volume_base_dir: base,
+            allowed_base_dirs: allowed,
+            mount_view,
+        })
+    }
+
+    fn timeouts(&self, t: &TimeoutsConfig) -> Result<(), ConfigError> {
+        for (value, field) in [
+            (t.create_secs, "timeouts.create_secs"),
+            (t.destroy_secs, "timeouts.destroy_secs"),
+            (t.attach_secs, "timeouts.attach_secs"),
+            (t.detach_secs, "timeouts.detach_secs"),
+            (t.rollback_secs, "timeouts.rollback_secs"),
+        ] {
+            if value == 0 || value > 3600 {
+                return Err(self.invalid(field, "must be between 1 and 3600 seconds"));
+            }
+        }
+        Ok(())
+    }
+
+    fn controller(
+        &self,
+        raw: file::ControllerFile,
+        timeouts: &TimeoutsConfig,
+    ) -> Result<ControllerSettings, ConfigError> {
+        let interval = raw
+            .sweep_interval_secs
+            .unwrap_or(DEFAULT_SWEEP_INTERVAL_SECS);
+        if interval > 86_400 {
+            return Err(self.invalid(
+                "controller.sweep_interval_secs",
+                "must be at most 86400 (0 turns the sweep off)",
+            ));
+        }
+        let floor = MIN_ABANDONED_CREATE_SECS.max(2 * timeouts.create_secs);
+        let abandoned = raw.abandoned_create_secs.unwrap_or(floor);
+        if abandoned < 2 * timeouts.create_secs {
+            return Err(self.invalid(
+                "controller.abandoned_create_secs",
+                format!(
+                    "{abandoned} is less than twice timeouts.create_secs ({}): a Create still \
+                     running could be taken for abandoned",
+                    timeouts.create_secs
+                ),
+            ));
+        }
+        Ok(ControllerSettings {
+            sweep_interval: (interval > 0).then(|| Duration::from_secs(interval)),
+            abandoned_create_after: Duration::from_secs(abandoned),
+        })
+    }
+
+    fn kubernetes(&self, config: &Config) -> Result<(), ConfigError> {
+        let k = &config.kubernetes;
+        if let Some(path) = &k.kubeconfig
+            && !path.is_absolute()
+        {
+            return Err(self.invalid(
+                "kubernetes.kubeconfig",
+                format!("{} must be absolute", path.display()),
+            ));
+        }
+        if let Some(ns) = &k.namespace
+            && !is_dns_label(ns)
+        {
+            return Err(self.invalid(
+                "kubernetes.namespace",
+                format!("{ns:?} is not a Kubernetes namespace name (a DNS-1123 label)"),
+            ));
+        }
+        if k.cache_secs > 3600 {
+            return Err(self.invalid("kubernetes.cache_secs", "must be at most 3600"));
+        }
+        if let Some(class) = &k.storage_class {
+            if !is_dns_subdomain(class) {
+                return Err(self.invalid(
+                    "kubernetes.storage_class",
+                    format!("{class:?} is not a StorageClass name (a DNS-1123 subdomain)"),
+                ));
+            }
+            let v = &config.volume;
+            for (taken, field) in [
+                (!v.parameters.is_empty(), "volume.parameters"),
+                (!v.mount_flags.is_empty(), "volume.mount_flags"),
+                (!v.fs_type.is_empty(), "volume.fs_type"),
+                (!config.secrets.is_empty(), "secrets"),
+            ] {
+                if taken {
+                    return Err(self.invalid(
+                        field,
+                        format!(
+                            "comes from StorageClass {class:?} (kubernetes.storage_class); \
+                             remove it here or drop kubernetes.storage_class"
+                        ),
+                    ));
+                }
+            }
+        }
+        if config.state.controller_store == ControllerStoreKind::Kubernetes
+            && !is_label_value(&config.driver)
+        {
+            return Err(self.invalid(
+                "driver",
+                format!(
+                    "{:?} must begin and end with a letter or digit to label CubeVolume \
+                     objects (state.controller_store = \"kubernetes\")",
+                    config.driver
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A group name or number as a gid.
+fn resolve_group(group: &str) -> Result<u32, String> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    match nix::unistd::Group::from_name(group) {
+        Ok(Some(g)) => Ok(g.gid.as_raw()),
+        Ok(None) => Err(format!("group {group:?} does not exist on this host")),
+        Err(e) => Err(format!("looking up group {group:?}: {e}")),
+    }
+}
+
+/// Where and why the TOML is wrong, without quoting the file: toml's own message shows
+/// the offending line, and serde's messages quote the offending value, either of which
+/// may be a secret. Field and table names (in backticks) are kept.
+fn describe_toml_error(text: &str, error: &toml::de::Error) -> String {
+    let position = error.span().map(|span| {
+        let before = &text[..span.start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("line {line}, column {column}: ")
+    });
+    let message = error.message().lines().next().unwrap_or("").trim();
+    format!(
+        "{}{}",
+        position.unwrap_or_default(),
+        redact_literals(message)
+    )
+}
+
+/// Replaces the literal values serde quotes in its messages (`string "…"`, `integer
+/// \`…\``, …) with `<redacted>`.
+fn redact_literals(message: &str) -> String {
+    const KINDS: [&str; 8] = [
+        "string ",
+        "integer ",
+        "floating point ",
+        "boolean ",
+        "character ",
+        "byte array ",
+        "unsigned integer ",
+        "value ",
+    ];
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while !rest.is_empty() {
+        let next = KINDS
+            .iter()
+            .filter_map(|k| rest.find(k).map(|i| (i, k.len())))
+            .min_by_key(|(i, _)| *i);
+        let Some((at, len)) = next else {
+            out.push_str(rest);
+            break;
+        };
+        let after = &rest[at + len..];
+        let quote = after.chars().next();
+        let close = match quote {
+            Some(q @ ('"' | '`')) => after[1..].find(q).map(|end| end + 2),
+            _ => None,
+        };
+        out.push_str(&rest[..at + len]);
+        match close {
+            Some(end) => {
+                out.push_str("<redacted>");
+                rest = &after[end..];
+            }
+            None => rest = after,
+        }
+    }
+    // A bare quoted string anywhere else (toml's syntax errors) goes too.
+    let mut cleaned = String::with_capacity(out.len());
+    let mut in_quote = false;
+    for c in out.chars() {
+        match (c, in_quote) {
+            ('"', false) => {
+                in_quote = true;
+                cleaned.push_str("<redacted>");
+            }
+            ('"', true) => in_quote = false,
+            (_, true) => {}
+            (c, false) => cleaned.push(c),
+        }
+    }
+    cleaned
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+driver = "nfs"
+[csi]
+endpoint = "unix:///run/csi/nfs.sock"
+"#;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("/etc/test.toml"))
+    }
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.socket_path(), Path::new("/run/cube-csi-bridge/nfs.sock"));
+        assert_eq!(c.serve.roles, Roles::BOTH);
+        assert_eq!(c.volume.access_mode, AccessMode::MultiNodeMultiWriter);
+        assert_eq!(
+            c.state.store_path(),
+            Path::new("/var/lib/cube-csi-bridge/nfs/controller.redb")
+        );
+        assert_eq!(
+            c.state.lock_dir,
+            Path::new("/run/cube-csi-bridge/nfs/locks")
+        );
+        assert_eq!(
+            c.node.default_volume_base_dir,
+            Path::new(DEFAULT_VOLUME_BASE_DIR)
+        );
+        assert_eq!(
+            c.node.allowed_base_dirs,
+            [PathBuf::from(DEFAULT_VOLUME_BASE_DIR)]
+        );
+        assert_eq!(c.node.mount_view, MountViewSetting::Auto);
+        assert_eq!(c.timeouts.detach_secs, 25);
+        assert_eq!(
+            c.csi.controller(),
+            &Endpoint::Unix("/run/csi/nfs.sock".into())
+        );
+        assert_eq!(
+            c.controller.abandoned_create_after,
+            Duration::from_secs(600)
+        );
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "driver = \"a/b\"\n[csi]\nendpoint = \"/x.sock\"\n",
+                "driver",
+            ),
+            ("driver = \"nfs\"\n", "csi"),
+            (
+                &format!("{MINIMAL}[serve]\ntcp = \"0.0.0.0:9100\"\n"),
+                "serve.tcp",
+            ),
+            (
+                &MINIMAL.replace("unix:///run/csi/nfs.sock", "localhost:1"),
+                "csi.endpoint",
+            ),
+            (
+                &format!("{MINIMAL}[timeouts]\ndetach_secs = 0\n"),
+                "timeouts.detach_secs",
+            ),
+            (
+                &format!("{MINIMAL}[node]\nmount_view = \"cubelet\"\n"),
+                "node.mount_view",
+            ),
+            (
+                &format!("{MINIMAL}[serve]\nservices = \"all\"\n"),
+                "serve.services",
+            ),
+            (
+                &format!("{MINIMAL}[state]\ncontroller_store = \"etcd\"\n"),
+                "state.controller_store",
+            ),
+            (
+                &format!("{MINIMAL}[node]\nallowed_base_dirs = [\"/other\"]\n"),
+                "node.allowed_base_dirs",
+            ),
+            (
+                &format!("{MINIMAL}[node]\ndefault_volume_base_dir = \"/data/../etc\"\n"),
+                "node.default_volume_base_dir",
+            ),
+            (
+                &format!("{MINIMAL}[controller]\nabandoned_create_secs = 10\n"),
+                "controller.abandoned_create_secs",
+            ),
+            (
+                &format!("{MINIMAL}[serve]\nallowed_uids = []\n"),
+                "serve.allowed_uids",
+            ),
+            (&format!("{MINIMAL}bogus = 1\n"), "bogus"),
+        ];
+        for (text, field) in cases {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(
+                err.contains(field) && err.contains("/etc/test.toml"),
+                "{field}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_tcp_controller_endpoint_is_a_config_error_not_a_panic() {
+        let err = parse(&format!(
+            "{}controller_endpoint = \"http://a:1:2\"\n",
+            MINIMAL
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("csi.controller_endpoint"), "{err}");
+        let ok = parse(&format!(
+            "{MINIMAL}controller_endpoint = \"http://ctrl:9000\"\n"
+        ))
+        .unwrap();
+        assert_eq!(ok.csi.controller(), &Endpoint::Tcp("ctrl:9000".into()));
+    }
+
+    #[test]
+    fn kubernetes_settings_are_checked() {
+        let c = parse(&format!(
+            "{MINIMAL}[state]\ncontroller_store = \"kubernetes\"\n[kubernetes]\nnamespace = \"cube-system\"\nstorage_class = \"nfs-csi\"\n"
+        ))
+        .unwrap();
+        assert!(c.uses_kubernetes());
+        assert_eq!(c.kubernetes.cache_secs, 30);
+        assert!(!parse(MINIMAL).unwrap().uses_kubernetes());
+        let err = parse(&format!(
+            "{MINIMAL}[kubernetes]\nstorage_class = \"nfs-csi\"\n[volume]\nmount_flags = [\"nfsvers=4.1\"]\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("volume.mount_flags") && err.contains("nfs-csi"),
+            "{err}"
+        );
+        let err = parse(&format!("{MINIMAL}[kubernetes]\nnamespace = \"Cube\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kubernetes.namespace"), "{err}");
+        let err = parse(&format!(
+            "{}[state]\ncontroller_store = \"kubernetes\"\n",
+            MINIMAL.replace("\"nfs\"", "\"nfs-\"")
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("driver") && err.contains("CubeVolume"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug() {
+        let c = parse(&format!(
+            "{MINIMAL}[secrets.node_publish]\npassword = \"hunter2\"\n[volume]\nmount_flags = [\"password=hunter3\"]\n"
+        ))
+        .unwrap();
+        let dump = format!("{c:?}");
+        assert!(
+            !dump.contains("hunter2") && !dump.contains("hunter3"),
+            "{dump}"
+        );
+        assert!(dump.contains("password"), "keys stay visible: {dump}");
+    }
+
+    #[test]
+    fn parse_errors_never_quote_the_file() {
+        let secret = "hunter2-SECRET";
+        for text in [
+            format!("{MINIMAL}[secrets]\nnode_publish = {{ password = {secret} }}\n"),
+            format!("{MINIMAL}[secrets]\nnode_publish = \"{secret}\"\n"),
+            format!("{MINIMAL}[secrets.node_publish]\npassword = 1234{secret}\n"),
+            format!("{MINIMAL}[secrets.node_publish]\npassword = 12345678\n"),
+            format!("{MINIMAL}[volume]\nmount_flags = \"pass={secret}\"\n"),
+            format!("{MINIMAL}[volume]\nmount_flags = [\"pass={secret}\"\n"),
+            format!("{MINIMAL}[secrets.node_publish]\n\"{secret}\" = [1]\n"),
+        ] {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                !err.contains("hunter2") && !err.contains("12345678"),
+                "leaked: {err}"
+            );
+            assert!(err.contains("line "), "no position: {err}");
+        }
+        // Field names stay, so the operator can find the problem.
+        let err = parse(&format!("{MINIMAL}bogus = 1\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn literals_are_redacted_in_serde_messages() {
+        assert_eq!(
+            redact_literals("invalid type: string \"pw\", expected a map"),
+            "invalid type: string <redacted>, expected a map"
+        );
+        assert_eq!(
+            redact_literals("invalid type: integer `5`, expected a string"),
+            "invalid type: integer <redacted>, expected a string"
+        );
+        assert_eq!(
+            redact_literals("unknown field `bogus`, expected one of `a`"),
+            "unknown field `bogus`, expected one of `a`"
+        );
+    }
+}

@@ -1,0 +1,417 @@
+//! The core's driver ports over gRPC: builds the CSI requests, asks for capabilities the
+//! way a CO does, and turns the driver's NOT_FOUND answers into the core's outcomes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tonic::Code;
+
+use super::CsiClient;
+use super::client::code_name;
+use super::retry::finality;
+use crate::bridge::Deadline;
+use crate::bridge::ports::{
+    Capability, ControllerCaps, ControllerDriver, ControllerPublish, CreatedVolume, DriverError,
+    DriverIdentity, NewVolume, NodeCaps, NodeDriver, Publish, Secrets, Stage, Undone, VolumeStats,
+};
+use crate::config::AccessMode;
+use crate::proto::csi::v1 as csi;
+use csi::controller_service_capability::rpc::Type as CtrlRpc;
+use csi::node_service_capability::rpc::Type as NodeRpc;
+use csi::plugin_capability::service::Type as PluginService;
+
+/// How long Probe may keep saying "not ready" between asks (inside the caller's deadline).
+const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+
+/// One CSI endpoint, serving as the node or the controller side (or both).
+#[derive(Debug, Clone)]
+pub struct GrpcDriver {
+    client: CsiClient,
+}
+
+impl GrpcDriver {
+    pub fn new(client: CsiClient) -> Self {
+        Self { client }
+    }
+
+    /// An error the bridge itself finds in an answer (not a gRPC status).
+    fn bad_answer(&self, call: &'static str, message: &str) -> DriverError {
+        DriverError {
+            call,
+            endpoint: self.client.endpoint().to_string(),
+            status: code_name(Code::Internal),
+            grpc_code: Code::Internal as i32,
+            finality: finality(Code::Internal),
+            message: message.to_string(),
+            attempts: 1,
+            gave_up_after: None,
+        }
+    }
+
+    /// Probes until the driver says it is ready (an absent `ready` means ready).
+    async fn probe_until_ready(&self, deadline: &Deadline) -> Result<(), DriverError> {
+        loop {
+            let probe = self.client.probe(csi::ProbeRequest {}, deadline).await?;
+            if probe.ready.is_none_or(|r| r) {
+                return Ok(());
+            }
+            if deadline.remaining() <= PROBE_INTERVAL {
+                return Err(DriverError {
+                    status: code_name(Code::Unavailable),
+                    grpc_code: Code::Unavailable as i32,
+                    finality: finality(Code::Unavailable),
+                    gave_up_after: Some(deadline.elapsed()),
+                    ..self.bad_answer("Probe", "the driver kept answering ready=false")
+                });
+            }
+            tokio::time::sleep(PROBE_INTERVAL).await;
+        }
+    }
+}
+
+/// NOT_FOUND from an inverse call: the driver does not know the volume (any more).
+fn not_found(error: &DriverError) -> bool {
+    error.grpc_code == Code::NotFound as i32
+}
+
+fn capability(c: &Capability) -> csi::VolumeCapability {
+    use csi::volume_capability::access_mode::Mode;
+    let mode = match c.access_mode {
+        AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
+        AccessMode::SingleNodeReaderOnly => Mode::SingleNodeReaderOnly,
+        AccessMode::MultiNodeReaderOnly => Mode::MultiNodeReaderOnly,
+        AccessMode::MultiNodeSingleWriter => Mode::MultiNodeSingleWriter,
+        AccessMode::MultiNodeMultiWriter => Mode::MultiNodeMultiWriter,
+        AccessMode::SingleNodeSingleWriter => Mode::SingleNodeSingleWriter,
+        AccessMode::SingleNodeMultiWriter => Mode::SingleNodeMultiWriter,
+    };
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(csi::volume_capability::AccessType::Mount(
+            csi::volume_capability::MountVolume {
+                fs_type: c.fs_type.clone(),
+                mount_flags: c.mount_flags.clone(),
+                volume_mount_group: String::new(),
+            },
+        )),
+    }
+}
+
+fn map<I: IntoIterator<Item = (String, String)>, M: FromIterator<(String, String)>>(m: I) -> M {
+    m.into_iter().collect()
+}
+
+fn secrets(s: &Secrets) -> std::collections::HashMap<String, String> {
+    map(s.0.clone())
+}
+
+fn path_string(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+#[async_trait]
+impl ControllerDriver for GrpcDriver {
+    fn endpoint(&self) -> &str {
+        self.client.endpoint()
+    }
+
+    async fn identity(&self, deadline: &Deadline) -> Result<DriverIdentity, DriverError> {
+        self.probe_until_ready(deadline).await?;
+        let info = self
+            .client
+            .get_plugin_info(csi::GetPluginInfoRequest {}, deadline)
+            .await?;
+        if info.name.is_empty() {
+            return Err(self.bad_answer("GetPluginInfo", "the driver returned an empty name"));
+        }
+        let caps = self
+            .client
+            .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {}, deadline)
+            .await?;
+        let controller_service = caps.capabilities.iter().any(|c| {
+            matches!(
+                &c.r#type,
+                Some(csi::plugin_capability::Type::Service(s))
+                    if s.r#type == PluginService::ControllerService as i32
+            )
+        });
+        Ok(DriverIdentity {
+            name: info.name,
+            vendor_version: info.vendor_version,
+            controller_service,
+        })
+    }
+
+    async fn capabilities(&self, deadline: &Deadline) -> Result<ControllerCaps, DriverError> {
+        let resp = self
+            .client
+            .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {}, deadline)
+            .await?;
+        // Unknown entries (newer spec versions, UNKNOWN) are ignored.
+        let has = |wanted: CtrlRpc| {
+            resp.capabilities.iter().any(|c| {
+                matches!(&c.r#type,
+                    Some(csi::controller_service_capability::Type::Rpc(r)) if r.r#type == wanted as i32)
+            })
+        };
+        Ok(ControllerCaps {
+            create_delete_volume: has(CtrlRpc::CreateDeleteVolume),
+            publish_unpublish_volume: has(CtrlRpc::PublishUnpublishVolume),
+        })
+    }
+
+    async fn create_volume(
+        &self,
+        volume: &NewVolume,
+        deadline: &Deadline,
+    ) -> Result<CreatedVolume, DriverError> {
+        let request = csi::CreateVolumeRequest {
+            name: volume.name.clone(),
+            capacity_range: (volume.required_bytes > 0).then_some(csi::CapacityRange {
+                required_bytes: volume.required_bytes as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![capability(&volume.capability)],
+            parameters: map(volume.parameters.clone()),
+            secrets: secrets(&volume.secrets),
+            ..Default::default()
+        };
+        let reply = self.client.create_volume(request, deadline).await?;
+        let created = reply
+            .volume
+            .filter(|v| !v.volume_id.is_empty())
+            .ok_or_else(|| {
+                self.bad_answer(
+                    "CreateVolume",
+                    "CreateVolume succeeded but returned no volume id",
+                )
+            })?;
+        Ok(CreatedVolume {
+            csi_volume_id: created.volume_id,
+            volume_context: map(created.volume_context),
+            capacity_bytes: created.capacity_bytes,
+        })
+    }
+
+    async fn delete_volume(
+        &self,
+        csi_volume_id: &str,
+        secrets_: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<(), DriverError> {
+        let request = csi::DeleteVolumeRequest {
+            volume_id: csi_volume_id.to_string(),
+            secrets: secrets(secrets_),
+        };
+        match self.client.delete_volume(request, deadline).await {
+            Ok(_) => Ok(()),
+            // DeleteVolume of an unknown volume must succeed (CSI spec); some drivers
+            // answer NOT_FOUND anyway.
+            Err(e) if not_found(&e) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn publish(
+        &self,
+        call: &ControllerPublish,
+        deadline: &Deadline,
+    ) -> Result<BTreeMap<String, String>, DriverError> {
+        let request = csi::ControllerPublishVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            node_id: call.node_id.clone(),
+            volume_capability: Some(capability(&call.capability)),
+            readonly: false,
+            secrets: secrets(&call.secrets),
+            volume_context: map(call.volume_context.clone()),
+        };
+        let reply = self
+            .client
+            .controller_publish_volume(request, deadline)
+            .await?;
+        Ok(map(reply.publish_context))
+    }
+
+    async fn unpublish(
+        &self,
+        csi_volume_id: &str,
+        node_id: &str,
+        secrets_: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<(), DriverError> {
+        let request = csi::ControllerUnpublishVolumeRequest {
+            volume_id: csi_volume_id.to_string(),
+            node_id: node_id.to_string(),
+            secrets: secrets(secrets_),
+        };
+        match self
+            .client
+            .controller_unpublish_volume(request, deadline)
+            .await
+        {
+            Ok(_) => Ok(()),
+            // Not attached, or the volume is gone: nothing to undo (CSI spec).
+            Err(e) if not_found(&e) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[async_trait]
+impl NodeDriver for GrpcDriver {
+    fn endpoint(&self) -> &str {
+        self.client.endpoint()
+    }
+
+    async fn probe(&self, deadline: &Deadline) -> Result<(), DriverError> {
+        self.probe_until_ready(deadline).await
+    }
+
+    async fn capabilities(&self, deadline: &Deadline) -> Result<NodeCaps, DriverError> {
+        let resp = self
+            .client
+            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {}, deadline)
+            .await?;
+        let has = |wanted: NodeRpc| {
+            resp.capabilities.iter().any(|c| {
+                matches!(&c.r#type,
+                    Some(csi::node_service_capability::Type::Rpc(r)) if r.r#type == wanted as i32)
+            })
+        };
+        Ok(NodeCaps {
+            stage_unstage_volume: has(NodeRpc::StageUnstageVolume),
+            get_volume_stats: has(NodeRpc::GetVolumeStats) || has(NodeRpc::VolumeCondition),
+        })
+    }
+
+    async fn node_id(&self, deadline: &Deadline) -> Result<String, DriverError> {
+        let info = self
+            .client
+            .node_get_info(csi::NodeGetInfoRequest {}, deadline)
+            .await?;
+        if info.node_id.is_empty() {
+            return Err(self.bad_answer("NodeGetInfo", "the driver returned an empty node_id"));
+        }
+        Ok(info.node_id)
+    }
+
+    async fn stage(&self, call: &Stage, deadline: &Deadline) -> Result<(), DriverError> {
+        let request = csi::NodeStageVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            publish_context: map(call.publish_context.clone()),
+            staging_target_path: path_string(&call.staging_path),
+            volume_capability: Some(capability(&call.capability)),
+            secrets: secrets(&call.secrets),
+            volume_context: map(call.volume_context.clone()),
+        };
+        self.client.node_stage_volume(request, deadline).await?;
+        Ok(())
+    }
+
+    async fn unstage(
+        &self,
+        csi_volume_id: &str,
+        staging_path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Undone, DriverError> {
+        let request = csi::NodeUnstageVolumeRequest {
+            volume_id: csi_volume_id.to_string(),
+            staging_target_path: path_string(staging_path),
+        };
+        match self.client.node_unstage_volume(request, deadline).await {
+            Ok(_) => Ok(Undone::Done),
+            // csi-driver-host-path answers NOT_FOUND for volumes it no longer knows.
+            Err(e) if not_found(&e) => Ok(Undone::UnknownVolume),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn publish(&self, call: &Publish, deadline: &Deadline) -> Result<(), DriverError> {
+        let request = csi::NodePublishVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            publish_context: map(call.publish_context.clone()),
+            staging_target_path: call
+                .staging_path
+                .as_deref()
+                .map(path_string)
+                .unwrap_or_default(),
+            target_path: path_string(&call.target_path),
+            volume_capability: Some(capability(&call.capability)),
+            readonly: false,
+            secrets: secrets(&call.secrets),
+            volume_context: map(call.volume_context.clone()),
+        };
+        self.client.node_publish_volume(request, deadline).await?;
+        Ok(())
+    }
+
+    async fn unpublish(
+        &self,
+        csi_volume_id: &str,
+        target_path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Undone, DriverError> {
+        let request = csi::NodeUnpublishVolumeRequest {
+            volume_id: csi_volume_id.to_string(),
+            target_path: path_string(target_path),
+        };
+        match self.client.node_unpublish_volume(request, deadline).await {
+            Ok(_) => Ok(Undone::Done),
+            Err(e) if not_found(&e) => Ok(Undone::UnknownVolume),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn volume_stats(
+        &self,
+        csi_volume_id: &str,
+        target_path: &Path,
+        deadline: &Deadline,
+    ) -> Result<VolumeStats, DriverError> {
+        use csi::volume_usage::Unit;
+        let request = csi::NodeGetVolumeStatsRequest {
+            volume_id: csi_volume_id.to_string(),
+            volume_path: path_string(target_path),
+            staging_target_path: String::new(),
+        };
+        let reply = self.client.node_get_volume_stats(request, deadline).await?;
+        let mut stats = VolumeStats::default();
+        for usage in reply.usage.iter().filter(|u| u.unit == Unit::Bytes as i32) {
+            stats.total_bytes = Some(usage.total);
+            stats.used_bytes = Some(usage.used);
+            stats.available_bytes = Some(usage.available);
+        }
+        stats.abnormal = reply
+            .volume_condition
+            .filter(|c| c.abnormal)
+            .map(|c| c.message);
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_is_a_mount_volume_with_the_mode_asked_for() {
+        let c = capability(&Capability {
+            access_mode: AccessMode::SingleNodeWriter,
+            fs_type: "ext4".into(),
+            mount_flags: vec!["ro".into()],
+        });
+        assert_eq!(
+            c.access_mode.unwrap().mode,
+            csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32
+        );
+        let Some(csi::volume_capability::AccessType::Mount(m)) = c.access_type else {
+            panic!("not a mount volume")
+        };
+        assert_eq!(
+            (m.fs_type.as_str(), m.mount_flags),
+            ("ext4", vec!["ro".into()])
+        );
+    }
+}

@@ -1,0 +1,214 @@
+//! The binary hook's worker: the hook runs in a child of the process Cube forked, so that
+//! a SIGKILL at Cube's deadline does not strand its work.
+//!
+//! Cube kills the process it started (and only that one) when its deadline passes, and
+//! never Detaches after a failed Attach. The process Cube started ("the front") forks a
+//! worker before any thread exists, relays the worker's stderr and answer, and exits with
+//! the answer's code. The worker holds none of Cube's pipes, so Cube is never kept
+//! waiting by it. It watches a pipe only the front holds open: end of file there means
+//! the front is gone, and the worker treats its caller as gone — it undoes its own work,
+//! exactly as an rpc hook does when its caller's deadline fires. After answering, the
+//! worker also finishes node operations that earlier, killed workers abandoned.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pipe};
+
+use super::binary::{self, HookOutput, HookRequest};
+use crate::bridge::Caller;
+use crate::config::Config;
+
+/// Runs `request` in a worker process and returns its output. Must be called while the
+/// process is still single-threaded (before any runtime starts).
+pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
+    let pipes = (|| Ok::<_, nix::Error>((pipe()?, pipe()?, pipe()?)))();
+    let Ok(((answer_r, answer_w), (log_r, log_w), (alive_r, alive_w))) = pipes else {
+        // No pipes, no worker: run here (a SIGKILL is then left to reconciliation).
+        return run_here(config, request);
+    };
+    // SAFETY: the process is single-threaded here (the caller's contract), so the child
+    // may run arbitrary code after fork.
+    match unsafe { fork() } {
+        Err(_) => run_here(config, request),
+        Ok(ForkResult::Child) => {
+            drop((answer_r, log_r, alive_w));
+            worker(config, request, answer_w, log_w, alive_r)
+        }
+        Ok(ForkResult::Parent { .. }) => {
+            drop((answer_w, log_w, alive_r));
+            let output = front(answer_r, log_r);
+            // Keep `alive_w` open until the answer is in: dropping it now (or being
+            // killed) tells the worker its caller is gone.
+            drop(alive_w);
+            output
+        }
+    }
+}
+
+fn run_here(config: Config, request: HookRequest) -> HookOutput {
+    let mut output = None;
+    runtime().block_on(binary::run(config, request, &Caller::waiting(), |o| {
+        output = Some(o)
+    }));
+    output.expect("every hook answers")
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("starting the async runtime")
+}
+
+/// The front: relay the worker's log lines to our stderr, collect its answer.
+fn front(answer: OwnedFd, log: OwnedFd) -> HookOutput {
+    let mut answer_file = std::fs::File::from(answer);
+    let mut log_file = std::fs::File::from(log);
+    let mut answer_bytes = Vec::new();
+    let mut open = (true, true);
+    let mut buf = [0u8; 8192];
+    while open.0 || open.1 {
+        let mut fds = Vec::new();
+        if open.0 {
+            fds.push(PollFd::new(answer_file.as_fd(), PollFlags::POLLIN));
+        }
+        if open.1 {
+            fds.push(PollFd::new(log_file.as_fd(), PollFlags::POLLIN));
+        }
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => break,
+        }
+        let ready: Vec<bool> = fds
+            .iter()
+            .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+            .collect();
+        drop(fds);
+        let mut i = 0;
+        if open.0 {
+            if ready[i] {
+                match answer_file.read(&mut buf) {
+                    Ok(0) | Err(_) => open.0 = false,
+                    Ok(n) => answer_bytes.extend_from_slice(&buf[..n]),
+                }
+            }
+            i += 1;
+        }
+        if open.1 && ready[i] {
+            match log_file.read(&mut buf) {
+                Ok(0) | Err(_) => open.1 = false,
+                Ok(n) => {
+                    let _ = std::io::stderr().write_all(&buf[..n]);
+                }
+            }
+        }
+    }
+    decode_answer(&answer_bytes).unwrap_or_else(|| {
+        HookOutput::failure(
+            "the hook's worker process ended without answering (killed?); whatever it \
+             started is undone by the next hook or the daemon's reconciliation",
+        )
+    })
+}
+
+/// `1` or `0` (success), then the JSON line.
+fn encode_answer(output: &HookOutput) -> Vec<u8> {
+    let mut bytes = vec![if output.success { b'1' } else { b'0' }];
+    bytes.extend_from_slice(output.stdout.as_bytes());
+    bytes
+}
+
+fn decode_answer(bytes: &[u8]) -> Option<HookOutput> {
+    let (flag, json) = bytes.split_first()?;
+    Some(HookOutput {
+        success: *flag == b'1',
+        stdout: String::from_utf8(json.to_vec()).ok()?,
+    })
+}
+
+/// The worker: run the hook, answer through `answer`, then finish abandoned work.
+fn worker(
+    config: Config,
+    request: HookRequest,
+    answer: OwnedFd,
+    log: OwnedFd,
+    alive: OwnedFd,
+) -> ! {
+    // Cube's stdin/stdout are not ours to hold; stderr goes to the front until we answer.
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        let _ = dup2_stdin(&null);
+        let _ = dup2_stdout(&null);
+    }
+    let _ = dup2_stderr(&log);
+    drop(log);
+    let mut answer = Some(std::fs::File::from(answer));
+    let caller = Caller::waiting();
+    let runtime = runtime();
+    runtime.block_on(async {
+        let watcher = {
+            let caller = caller.clone();
+            tokio::spawn(async move {
+                front_gone(alive).await;
+                tracing::warn!("the process Cube started is gone; undoing this hook's work");
+                caller.leave();
+            })
+        };
+        binary::run(config, request, &caller, |output| {
+            if let Some(mut file) = answer.take() {
+                let _ = file.write_all(&encode_answer(&output));
+            }
+            // The front is done with us: detach stderr so it sees end of file.
+            if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+                let _ = dup2_stderr(&null);
+            }
+        })
+        .await;
+        watcher.abort();
+    });
+    std::process::exit(0)
+}
+
+/// Resolves when the front's end of `alive` closes (it exited or was killed).
+async fn front_gone(alive: OwnedFd) {
+    let Ok(pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(alive) else {
+        // Cannot watch: behave as if the front never leaves.
+        return std::future::pending().await;
+    };
+    let mut byte = [0u8; 1];
+    loop {
+        if pipe.readable().await.is_err() {
+            return;
+        }
+        match pipe.try_read(&mut byte) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            // Nobody writes to it: end of file (or any error) means the front is gone.
+            _ => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_round_trip() {
+        for output in [
+            HookOutput {
+                stdout: "{\"host_path\":\"/x\"}".into(),
+                success: true,
+            },
+            HookOutput::failure("boom"),
+        ] {
+            assert_eq!(decode_answer(&encode_answer(&output)), Some(output));
+        }
+        assert_eq!(decode_answer(b""), None);
+    }
+}

@@ -1,0 +1,356 @@
+//! The embedded controller store: one redb file on the controller host.
+//!
+//! redb allows one open handle per file, and the binary hook forks a process per call, so
+//! every operation takes an exclusive flock on a side lock file (waiting at most
+//! `LOCK_WAIT`), opens the database, does one transaction and closes it again.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+
+use super::controller::{ControllerStore, StoreError, VolumeRecord};
+use super::fsutil::lock_exclusive_within;
+
+/// Version of the records and tables in the file; recorded in the `meta` table.
+pub const STORE_FORMAT: u64 = 1;
+
+const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const FORMAT_KEY: &str = "format";
+
+/// How long an operation waits for another process's transaction on the file.
+const LOCK_WAIT: Duration = Duration::from_secs(10);
+
+/// One redb file, shared safely by any number of processes.
+#[derive(Debug)]
+pub struct EmbeddedStore {
+    path: PathBuf,
+    lock_path: PathBuf,
+}
+
+impl EmbeddedStore {
+    /// Opens (creating if needed) the store at `path` and checks its format.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let store = Self {
+            path: path.to_path_buf(),
+            lock_path: path.with_extension("lock"),
+        };
+        if let Some(dir) = path.parent() {
+            crate::mount::ops::ensure_dir(dir, 0o700).map_err(|e| store.err(e))?;
+        }
+        store.with_db(|_| Ok(()))?;
+        Ok(store)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> StoreError {
+        StoreError::Backend {
+            store: self.path.display().to_string(),
+            action: "redb".into(),
+            transient: false,
+            source: e.to_string().into(),
+        }
+    }
+
+    /// Runs `f` with the database open and exclusively locked against other processes.
+    fn with_db<T>(
+        &self,
+        f: impl FnOnce(&redb::Database) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let _lock =
+            lock_exclusive_within(&self.lock_path, LOCK_WAIT).map_err(|e| StoreError::Backend {
+                store: self.path.display().to_string(),
+                action: format!("locking {}", self.lock_path.display()),
+                transient: e.kind() == std::io::ErrorKind::TimedOut,
+                source: e.into(),
+            })?;
+        let db = redb::Database::create(&self.path).map_err(|e| self.err(e))?;
+        self.check_format(&db)?;
+        f(&db)
+    }
+
+    fn check_format(&self, db: &redb::Database) -> Result<(), StoreError> {
+        let txn = db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+            let found = meta
+                .get(FORMAT_KEY)
+                .map_err(|e| self.err(e))?
+                .map(|v| v.value());
+            match found {
+                Some(STORE_FORMAT) => return Ok(()),
+                Some(found) => {
+                    return Err(StoreError::Corrupt {
+                        store: self.path.display().to_string(),
+                        what: "format".into(),
+                        message: format!(
+                            "the file has format {found}; this build reads format {STORE_FORMAT}"
+                        ),
+                    });
+                }
+                None => {
+                    meta.insert(FORMAT_KEY, STORE_FORMAT)
+                        .map_err(|e| self.err(e))?;
+                    txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+                }
+            }
+        }
+        txn.commit().map_err(|e| self.err(e))
+    }
+
+    /// Reads a stored record; records written before revisions existed are at "0".
+    fn decode(&self, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
+        let mut record: VolumeRecord =
+            serde_json::from_slice(bytes).map_err(|e| self.err(format!("corrupt record: {e}")))?;
+        record.revision.get_or_insert_with(|| "0".into());
+        Ok(record)
+    }
+
+    fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+            match table.get(volume_id).map_err(|e| self.err(e))? {
+                Some(v) => self.decode(v.value()).map(Some),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// The stored revision of `volume_id` inside a write transaction.
+    fn stored_revision(
+        &self,
+        table: &redb::Table<&str, &[u8]>,
+        volume_id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let stored = table.get(volume_id).map_err(|e| self.err(e))?;
+        stored
+            .map(|v| {
+                self.decode(v.value())
+                    .map(|r| r.revision.unwrap_or_default())
+            })
+            .transpose()
+    }
+
+    /// Writes `record` if the stored revision is `record.revision`; returns the new one.
+    fn put(&self, record: &VolumeRecord) -> Result<String, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            let revision = {
+                let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+                let stored = self.stored_revision(&table, &record.volume_id)?;
+                if stored != record.revision {
+                    return Err(StoreError::Conflict {
+                        volume_id: record.volume_id.clone(),
+                    });
+                }
+                let next = stored.map_or(0, |r| r.parse::<u64>().unwrap_or(0)) + 1;
+                let mut copy = record.clone();
+                copy.revision = Some(next.to_string());
+                let bytes = serde_json::to_vec(&copy).map_err(|e| self.err(e))?;
+                table
+                    .insert(record.volume_id.as_str(), bytes.as_slice())
+                    .map_err(|e| self.err(e))?;
+                next.to_string()
+            };
+            txn.commit().map_err(|e| self.err(e))?;
+            Ok(revision)
+        })
+    }
+
+    /// Deletes the record if it is still at `record.revision` (any revision when None).
+    fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            {
+                let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+                let stored = self.stored_revision(&table, &record.volume_id)?;
+                match (&stored, &record.revision) {
+                    (None, _) => return Ok(()),
+                    (Some(s), Some(r)) if s != r => {
+                        return Err(StoreError::Conflict {
+                            volume_id: record.volume_id.clone(),
+                        });
+                    }
+                    _ => {}
+                }
+                table
+                    .remove(record.volume_id.as_str())
+                    .map_err(|e| self.err(e))?;
+            }
+            txn.commit().map_err(|e| self.err(e))
+        })
+    }
+
+    fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+            let mut out = Vec::new();
+            for entry in table.iter().map_err(|e| self.err(e))? {
+                let (_, v) = entry.map_err(|e| self.err(e))?;
+                out.push(self.decode(v.value())?);
+            }
+            Ok(out)
+        })
+    }
+}
+
+/// The async face of the store: each operation on a blocking thread.
+#[async_trait]
+impl ControllerStore for Arc<EmbeddedStore> {
+    async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        let (s, id) = (self.clone(), volume_id.to_string());
+        blocking(move || EmbeddedStore::get(&s, &id)).await
+    }
+
+    async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        let (s, copy) = (self.clone(), record.clone());
+        record.revision = Some(blocking(move || EmbeddedStore::put(&s, &copy)).await?);
+        Ok(())
+    }
+
+    async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        let (s, copy) = (self.clone(), record.clone());
+        blocking(move || EmbeddedStore::delete(&s, &copy)).await
+    }
+
+    async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        let s = self.clone();
+        blocking(move || EmbeddedStore::list(&s)).await
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::controller::{VolumeState, now_secs};
+    use std::collections::BTreeMap;
+
+    fn record(id: &str) -> VolumeRecord {
+        VolumeRecord {
+            volume_id: id.into(),
+            csi_name: format!("cube-{id}"),
+            state: VolumeState::Created,
+            csi_volume_id: Some(format!("h-{id}")),
+            volume_context: BTreeMap::from([("k".into(), "v".into())]),
+            capacity_bytes: 0,
+            updated_at: now_secs(),
+            csi_driver: None,
+            deletion: None,
+            revision: None,
+        }
+    }
+
+    #[test]
+    fn crud_round_trip_and_reopen() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("s/controller.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        assert_eq!(store.get("a").unwrap(), None);
+        assert_eq!(store.put(&record("a")).unwrap(), "1");
+        store.put(&record("b")).unwrap();
+        let got = store.get("a").unwrap().unwrap();
+        assert_eq!(got.csi_volume_id.as_deref(), Some("h-a"));
+        assert_eq!(got.state, VolumeState::Created);
+        assert_eq!(got.revision.as_deref(), Some("1"));
+        drop(store);
+        let store = EmbeddedStore::open(&path).unwrap();
+        assert_eq!(store.list().unwrap().len(), 2);
+        store.delete(&got).unwrap();
+        store.delete(&got).unwrap();
+        assert_eq!(store.get("a").unwrap(), None);
+    }
+
+    #[test]
+    fn stale_writes_and_deletes_conflict() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        store.put(&record("a")).unwrap();
+        // A second creator that did not see the first record.
+        let conflict = store.put(&record("a")).unwrap_err();
+        assert!(
+            matches!(conflict, StoreError::Conflict { .. }),
+            "{conflict}"
+        );
+        let mut first = store.get("a").unwrap().unwrap();
+        let stale = first.clone();
+        first.revision = Some(store.put(&first).unwrap());
+        assert_eq!(first.revision.as_deref(), Some("2"));
+        assert!(matches!(
+            store.put(&stale),
+            Err(StoreError::Conflict { .. })
+        ));
+        assert!(matches!(
+            store.delete(&stale),
+            Err(StoreError::Conflict { .. })
+        ));
+        store.delete(&first).unwrap();
+        assert_eq!(store.get("a").unwrap(), None);
+    }
+
+    #[test]
+    fn records_from_before_revisions_can_be_updated() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        let legacy = serde_json::to_vec(&record("old")).unwrap();
+        store
+            .with_db(|db| {
+                let txn = db.begin_write().unwrap();
+                txn.open_table(VOLUMES)
+                    .unwrap()
+                    .insert("old", legacy.as_slice())
+                    .unwrap();
+                txn.commit().unwrap();
+                Ok(())
+            })
+            .unwrap();
+        let mut got = store.get("old").unwrap().unwrap();
+        assert_eq!(got.revision.as_deref(), Some("0"));
+        got.revision = Some(store.put(&got).unwrap());
+        store.delete(&got).unwrap();
+        assert_eq!(store.get("old").unwrap(), None);
+    }
+
+    #[test]
+    fn many_threads_share_one_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("controller.redb");
+        EmbeddedStore::open(&path).unwrap();
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    // A separate handle per thread behaves like a separate process.
+                    let store = EmbeddedStore::open(&path).unwrap();
+                    for i in 0..10 {
+                        store.put(&record(&format!("t{t}-{i}"))).unwrap();
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().for_each(|h| h.join().unwrap());
+        assert_eq!(
+            EmbeddedStore::open(&path).unwrap().list().unwrap().len(),
+            80
+        );
+    }
+}
