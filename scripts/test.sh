@@ -24,6 +24,13 @@ export CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN
 CUBE_CSI_BRIDGE_K8S_BIN="$(bash scripts/install-k8s-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_K8S_BIN
 
+# systemd-analyze (tests/systemd_units.rs) from Debian, and cargo-deny (the dependency check
+# below) built from crates.io once and cached.
+CUBE_CSI_BRIDGE_OPS_BIN="$(bash scripts/install-ops-tools.sh | tail -n 1)"
+export CUBE_CSI_BRIDGE_OPS_BIN
+
 cargo fmt --check
 cargo clippy --locked --all-targets -- -D warnings
+# Licences, bans and sources of Cargo.lock (deny.toml; advisories: see there).
+bash scripts/check-deps.sh "$CUBE_CSI_BRIDGE_OPS_BIN"
 cargo test --locked

@@ -32,7 +32,7 @@ const EXIT_CONFIG: u8 = 78;
         either over gRPC (`serve`, registered as type rpc) or by forking this executable \
         (registered as type binary; Cube passes `--op …` directly). The bridge turns each hook \
         into CSI calls on an unmodified CSI driver.",
-    after_help = "The config file of `serve`, `check`, `list` and `register` is --config, else \
+    after_help = "The config file of `serve`, `check`, `list`, `register` and `probe` is --config, else \
         $CUBE_CSI_BRIDGE_CONFIG, else /etc/cube-csi-bridge/<name>.toml when the executable is \
         invoked as cube-csi-bridge-<name>, else /etc/cube-csi-bridge/config.toml."
 )]
@@ -67,6 +67,9 @@ pub enum Command {
     /// List the volumes this node has attached (node journal joined with the mount
     /// table), or with --controller the controller store's records (state, age, handle).
     List(ListArgs),
+    /// Ask the running daemon over its socket whether it is alive (or, with --ready, ready:
+    /// its CSI driver answers Probe); exit 0 if so, 1 if not, 78 for a bad config.
+    Probe(crate::probe::ProbeArgs),
 }
 
 #[derive(Debug, Args)]
@@ -281,6 +284,21 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 .unwrap_or_else(|| PathBuf::from("/usr/local/bin/cube-csi-bridge"));
             print!("{}", crate::admin::registration_snippets(&config, &binary));
             ExitCode::SUCCESS
+        }
+        Command::Probe(args) => {
+            telemetry::init(cli.log_format, "off");
+            let config = match load_config(args.config.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("starting the async runtime");
+            let timeout = Duration::from_secs(args.timeout);
+            let verdict = runtime.block_on(crate::probe::probe(&config, args.ready, timeout));
+            println!("{}", verdict.line);
+            ExitCode::from(if verdict.healthy { 0 } else { EXIT_FAILURE })
         }
         Command::List(args) => {
             telemetry::init(cli.log_format, "warn");

@@ -15,6 +15,7 @@ pub mod demo;
 pub mod k8s;
 pub mod metrics;
 pub mod mount;
+pub mod probe;
 pub mod proto;
 pub mod store;
 pub mod telemetry;

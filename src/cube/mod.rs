@@ -4,6 +4,7 @@
 
 pub mod binary;
 pub mod errors;
+pub mod health;
 pub mod hooks;
 pub mod listener;
 pub mod server;

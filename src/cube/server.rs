@@ -143,6 +143,7 @@ impl Daemon {
             .filter(|_| roles.node)
             .map(|interval| tokio::spawn(poll_volume_stats(bridge.clone(), interval)));
 
+        let health = super::health::DaemonHealth::start(bridge.config(), roles);
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {
@@ -158,6 +159,7 @@ impl Daemon {
                 .then(|| VolumeControllerServiceServer::new(service.clone()));
             let node = roles.node.then(|| VolumePluginServiceServer::new(service));
             Server::builder()
+                .add_service(health.service())
                 .add_optional_service(controller)
                 .add_optional_service(node)
         };
