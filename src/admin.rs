@@ -15,14 +15,17 @@ use crate::csi::{CsiClient, GrpcDriver};
 use crate::mount::{MountTable, MountView};
 use crate::store::NodeJournal;
 
-/// Checks the config, the driver and the host; prints a line per finding. Returns
-/// whether everything needed is in place.
-pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
-    let mut ok = true;
-    let mut report = |good: bool, what: String| {
-        println!("{} {what}", if good { "ok  " } else { "FAIL" });
-        ok &= good;
-    };
+/// One finding of `check`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Finding {
+    pub ok: bool,
+    pub what: String,
+}
+
+/// Checks the config, the driver and the host: every finding, good or bad.
+pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Finding>> {
+    let mut findings = Vec::new();
+    let mut report = |ok: bool, what: String| findings.push(Finding { ok, what });
     report(true, format!("config {} is valid", config.source.display()));
     let deadline = Deadline::after(budget);
     let node = GrpcDriver::new(CsiClient::new(&config.csi.endpoint));
@@ -79,8 +82,90 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
                 format!("volume base dir {} does not exist yet", base.display()),
             ),
         }
+        let (ok, what) = prove_visibility(&base, mounts.as_ref(), &deadline).await;
+        report(ok, what);
     }
-    Ok(ok)
+    Ok(findings)
+}
+
+/// Prints findings as text (`ok  `/`FAIL` lines) or one JSON document.
+pub fn render_findings(findings: &[Finding], output: Output) -> String {
+    match output {
+        Output::Json => {
+            let ok = findings.iter().all(|f| f.ok);
+            serde_json::json!({ "ok": ok, "findings": findings }).to_string() + "\n"
+        }
+        Output::Text => findings
+            .iter()
+            .map(|f| format!("{} {}\n", if f.ok { "ok  " } else { "FAIL" }, f.what))
+            .collect(),
+    }
+}
+
+/// Makes a bind mount under the base dir, as a CSI driver would, and asks the mount view
+/// (Cubelet's namespace, when it exists) whether it sees it; then removes it. This is
+/// what every Attach depends on, proven before the first sandbox needs it.
+async fn prove_visibility(
+    base: &Path,
+    mounts: &dyn crate::bridge::ports::MountCheck,
+    deadline: &Deadline,
+) -> (bool, String) {
+    use crate::bridge::ports::Visibility;
+    use crate::mount::ops;
+    if !nix::unistd::Uid::effective().is_root() {
+        return (
+            false,
+            "propagation not proven: making a test mount needs root".into(),
+        );
+    }
+    let probe = base.join(format!(".cube-csi-bridge-check-{}", std::process::id()));
+    let source = probe.with_extension("src");
+    let made = (|| {
+        ops::ensure_dir(&probe, 0o700)?;
+        ops::ensure_dir(&source, 0o700)?;
+        ops::bind_mount(&source, &probe, true)
+    })();
+    let verdict = match made {
+        Err(e) => (
+            false,
+            format!(
+                "propagation not proven: cannot make a test mount under {}: {e}",
+                base.display()
+            ),
+        ),
+        Ok(()) => match mounts.visibility(&probe, deadline).await {
+            Ok(Visibility::Mounted) => (
+                true,
+                format!(
+                    "a test mount under {} is visible in {}",
+                    base.display(),
+                    mounts.describe()
+                ),
+            ),
+            Ok(Visibility::Unchecked) => (
+                true,
+                "propagation not checked (node.mount_view = \"none\")".into(),
+            ),
+            Ok(Visibility::NotMounted) => (
+                false,
+                format!(
+                    "a test mount under {} does NOT show in {}: volumes would be invisible \
+                     to sandboxes; make the base dir a shared mount (mount --make-rshared) \
+                     or run the bridge as Cubelet's binary plugin",
+                    base.display(),
+                    mounts.describe()
+                ),
+            ),
+            Err(e) => (
+                false,
+                format!("propagation not proven: reading {}: {e}", mounts.describe()),
+            ),
+        },
+    };
+    let _ = ops::unmount(&probe);
+    let _ = ops::remove_dir_if_empty(&probe);
+    let _ = ops::remove_dir_if_empty(&source);
+    verdict
 }
 
 /// The mount point `path` lies on and whether it propagates (is shared).

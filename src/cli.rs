@@ -60,8 +60,9 @@ pub enum Command {
     /// Run a whole Cube volume lifecycle against a built-in local-directory CSI driver,
     /// with no config and no external service (needs root for mounts).
     Demo(DemoArgs),
-    /// Check the config, the CSI driver and the host before registering the bridge.
-    Check(ConfigArg),
+    /// Check the config, the CSI driver and the host before registering the bridge
+    /// (including that a test mount under the base dir is visible to Cubelet).
+    Check(CheckArgs),
     /// Print the CubeMaster conf.yaml and Cubelet config.toml entries for this instance.
     Register(RegisterArgs),
     /// List the volumes this node has attached (node journal joined with the mount
@@ -70,6 +71,15 @@ pub enum Command {
     /// Ask the running daemon over its socket whether it is alive (or, with --ready, ready:
     /// its CSI driver answers Probe); exit 0 if so, 1 if not, 78 for a bad config.
     Probe(crate::probe::ProbeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
 }
 
 #[derive(Debug, Args)]
@@ -255,17 +265,23 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 }
             }
         }
-        Command::Check(arg) => {
+        Command::Check(args) => {
             // Findings are printed; retry warnings would only repeat them.
             telemetry::init(cli.log_format, "error");
-            let config = match load_config(arg.config, argv0.as_deref()) {
+            let config = match load_config(args.config.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
             match runtime.block_on(crate::admin::check(config, Duration::from_secs(10))) {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::from(EXIT_FAILURE),
+                Ok(findings) => {
+                    print!("{}", crate::admin::render_findings(&findings, args.output));
+                    if findings.iter().all(|f| f.ok) {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(EXIT_FAILURE)
+                    }
+                }
                 Err(e) => {
                     eprintln!("check failed: {e:#}");
                     ExitCode::from(EXIT_FAILURE)
