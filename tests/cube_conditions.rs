@@ -366,7 +366,10 @@ async fn a_failed_repair_undoes_only_its_own_publish_not_the_stage_others_rely_o
     for mode in MODES {
         let w = World::start(mode, caps, "").await;
         let created = w.create("own").await.unwrap();
-        let a = w.attach("s1", "own", 0, &created.private_data).await.unwrap();
+        let a = w
+            .attach("s1", "own", 0, &created.private_data)
+            .await
+            .unwrap();
         // The target mount is lost; the next sandbox's NodePublish fails.
         cube_csi_bridge::mount::ops::unmount(Path::new(&a.host_path)).unwrap();
         w.driver.clear_calls();
@@ -384,7 +387,10 @@ async fn a_failed_repair_undoes_only_its_own_publish_not_the_stage_others_rely_o
         );
         assert!(staging_dir(&w, "own").exists(), "{mode:?}");
         // The next Attach repairs it, and the last Detach removes everything.
-        let b = w.attach("s2", "own", 1, &created.private_data).await.unwrap();
+        let b = w
+            .attach("s2", "own", 1, &created.private_data)
+            .await
+            .unwrap();
         assert!(is_mounted(Path::new(&b.host_path)), "{mode:?}");
         w.detach("s2", "own", 0, &b.metadata).await.unwrap();
         assert!(nothing_left(&w, "own"), "{mode:?}: {:?}", w.mounts());

@@ -134,22 +134,6 @@ impl Bridge {
         self.roles
     }
 
-    pub fn mounts(&self) -> &dyn MountCheck {
-        self.mounts.as_ref()
-    }
-
-    pub fn node_driver(&self) -> &dyn NodeDriver {
-        self.node.as_ref()
-    }
-
-    pub fn store(&self) -> Option<&dyn ControllerStore> {
-        self.store.as_deref()
-    }
-
-    pub fn journal(&self) -> Option<&NodeJournal> {
-        self.journal.as_ref()
-    }
-
     /// The one place every hook starts and ends: a span, timing, and the outcome log.
     async fn hook<T>(
         &self,

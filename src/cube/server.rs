@@ -118,10 +118,6 @@ impl Daemon {
         })
     }
 
-    pub fn bridge(&self) -> &Arc<Bridge> {
-        &self.bridge
-    }
-
     /// Serves until `shutdown` resolves, then drains within the grace period.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
         let Daemon {
