@@ -8,6 +8,7 @@ use crate::bridge::profile::ConfigSettings;
 use crate::bridge::{Bridge, BridgeError, Ports};
 use crate::config::{Config, ControllerStoreKind, Roles};
 use crate::csi::{CsiClient, GrpcDriver};
+use crate::k8s::record_key::SecretKeySource;
 use crate::k8s::{CubeVolumeStore, Kube, StorageClassSource};
 use crate::store::{ControllerStore, EmbeddedStore};
 
@@ -42,8 +43,8 @@ pub fn open_bridge(
         )),
         _ => Arc::new(ConfigSettings::new(&config.volume, &config.secrets)),
     };
-    Bridge::new(
-        config,
+    let bridge = Bridge::new(
+        config.clone(),
         roles,
         Ports {
             controller,
@@ -51,6 +52,18 @@ pub fn open_bridge(
             store,
             settings,
             mounts,
+        },
+    )?;
+    // Replicas on other hosts verify each other's CubeVolumes: the key is a Secret.
+    Ok(
+        match (roles.controller, config.state.controller_store, &kube) {
+            (true, ControllerStoreKind::Kubernetes, Some(kube)) => {
+                bridge.with_record_key_source(Arc::new(SecretKeySource::new(
+                    kube.clone(),
+                    &config.kubernetes.record_key_secret,
+                )))
+            }
+            _ => bridge,
         },
     )
 }

@@ -516,6 +516,7 @@ async fn cubevolume_store_refuses_stale_writes() {
         updated_at: 1,
         deletion: None,
         revision: None,
+        integrity: None,
     };
     one.put(&mut record).await.expect("create");
     let created_at = record.revision.clone().expect("a resourceVersion");

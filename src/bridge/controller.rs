@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use super::faults::{self, When};
 use super::handoff::VolumeHandle;
+use super::integrity::{RecordKey, Verdict};
 use super::locks::LockScope;
 use super::naming::csi_volume_name;
 use super::ports::{
@@ -72,11 +73,121 @@ impl Bridge {
             .expect("controller hooks are only routed to a bridge with the controller role")
     }
 
-    async fn store_put(&self, hook: HookKind, record: &mut VolumeRecord) -> Result<(), StoreError> {
+    /// Signs `record` and stores it.
+    async fn store_put(
+        &self,
+        hook: HookKind,
+        record: &mut VolumeRecord,
+    ) -> Result<(), BridgeError> {
+        let key = self.record_key().await?;
+        record.integrity = Some(key.sign(&self.config.driver, record));
         faults::point(hook, When::Before, "store");
         let written = self.controller_store().put(record).await;
         faults::point(hook, When::After, "store");
-        written
+        Ok(written?)
+    }
+
+    /// The key controller records are signed with, loaded (or made) on first use. When
+    /// this process makes it, records written before records were signed are signed now
+    /// (trust on first use); `controller.sign_unsigned_records` asks for that again.
+    pub(crate) async fn record_key(&self) -> Result<&RecordKey, BridgeError> {
+        self.record_key
+            .get_or_try_init(|| async {
+                let source = self.record_key_source.as_ref().ok_or_else(|| {
+                    BridgeError::Precondition(
+                        "no record key source for the controller store (a wiring bug)".into(),
+                    )
+                })?;
+                let loaded = source.load().await?;
+                if loaded.created {
+                    tracing::info!(key = %source.describe(), "made the key controller records are signed with");
+                }
+                if loaded.created || self.config.controller.sign_unsigned_records {
+                    self.sign_unsigned_records(&loaded.key)
+                        .await
+                        .map_err(|e| {
+                            BridgeError::Precondition(format!(
+                                "signing the controller records written before records were \
+                                 signed failed ({e}); set controller.sign_unsigned_records = \
+                                 true for one restart to finish it"
+                            ))
+                        })?;
+                }
+                Ok(loaded.key)
+            })
+            .await
+    }
+
+    /// Signs every record that carries no MAC, logging each one.
+    async fn sign_unsigned_records(&self, key: &RecordKey) -> Result<usize, BridgeError> {
+        let store = self.controller_store();
+        let mut signed = 0;
+        for mut record in store.list().await? {
+            for _ in 0..STORE_RACE_RETRIES {
+                if record.integrity.is_some() {
+                    break;
+                }
+                record.integrity = Some(key.sign(&self.config.driver, &record));
+                match store.put(&mut record).await {
+                    Ok(()) => {
+                        tracing::warn!(
+                            record = %store.locate(&record.volume_id),
+                            csi_volume_id = record.csi_volume_id.as_deref().unwrap_or("-"),
+                            "signed a controller record that carried no MAC (written before \
+                             records were signed); check it if it was not written by this bridge"
+                        );
+                        signed += 1;
+                        break;
+                    }
+                    Err(StoreError::Conflict { .. }) => match store.get(&record.volume_id).await? {
+                        Some(current) => record = current,
+                        None => break,
+                    },
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(signed)
+    }
+
+    /// Refuses a record whose MAC does not verify: it may have been pointed at someone
+    /// else's volume.
+    async fn check_integrity(&self, record: &VolumeRecord) -> Result<(), BridgeError> {
+        let key = self.record_key().await?;
+        let fields = || {
+            format!(
+                "It names CSI volume {:?} (CSI name {:?}, CSI driver {:?}, state {})",
+                record.csi_volume_id.as_deref().unwrap_or(""),
+                record.csi_name,
+                record.csi_driver.as_deref().unwrap_or(""),
+                record.state.as_str()
+            )
+        };
+        let place = self.controller_store().locate(&record.volume_id);
+        match key.verify(&self.config.driver, record) {
+            Verdict::Valid => Ok(()),
+            Verdict::Mismatch => Err(BridgeError::Precondition(format!(
+                "refusing to delete anything for this volume: {place} fails its integrity \
+                 check. {}, but those fields are not what the bridge recorded: the record \
+                 was edited after the bridge wrote it (or signed with another record key \
+                 than the {} one). Compare it with the storage backend and restore the \
+                 original values, or delete the CSI volume and the record by hand",
+                fields(),
+                self.record_key_source
+                    .as_ref()
+                    .map(|s| s.describe())
+                    .unwrap_or_default()
+            ))),
+            Verdict::Unsigned => Err(BridgeError::Precondition(format!(
+                "refusing to delete anything for this volume: {place} carries no integrity \
+                 MAC. {}. Records written before records were signed are signed once, when \
+                 the record key is made; this one was not (restored from an old backup, or \
+                 its MAC removed?). If it is right, set controller.sign_unsigned_records = \
+                 true for one restart to sign it; otherwise delete the CSI volume and the \
+                 record by hand",
+                fields()
+            ))),
+        }
     }
 
     async fn store_delete(&self, hook: HookKind, record: &VolumeRecord) -> Result<(), StoreError> {
@@ -165,12 +276,13 @@ impl Bridge {
                     updated_at: now_secs(),
                     deletion: deletion.cloned(),
                     revision: None,
+                    integrity: None,
                 },
             };
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(record),
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => return Err(e.into()),
+                Err(BridgeError::Store(StoreError::Conflict { .. })) => continue,
+                Err(e) => return Err(e),
             }
         }
         Err(StoreError::Conflict {
@@ -196,8 +308,8 @@ impl Bridge {
             record.updated_at = now_secs();
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
-                Err(StoreError::Conflict { .. }) => {}
-                Err(e) => return Err(e.into()),
+                Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
+                Err(e) => return Err(e),
             }
             match self.controller_store().get(&record.volume_id).await? {
                 Some(current)
@@ -286,7 +398,7 @@ impl Bridge {
             } else if caller.is_gone() && record.state == VolumeState::Creating {
                 Err("the caller stopped waiting for Create".to_string())
             } else {
-                handle.encode()
+                handle.encode_for(&self.config.driver)
             };
             let private_data = match encoded {
                 Ok(private_data) => private_data,
@@ -346,6 +458,8 @@ impl Bridge {
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
                 .await?;
+            // Loaded first: making the key signs records from before keys existed.
+            self.record_key().await?;
             let Some(record) = self.controller_store().get(&req.volume_id).await? else {
                 tracing::info!("no record of this volume; nothing to delete");
                 return Ok(());
@@ -364,6 +478,7 @@ impl Bridge {
         record: VolumeRecord,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
+        self.check_integrity(&record).await?;
         let (identity, _) = self.controller_view(deadline).await?;
         check_same_driver(&record, &identity.name)?;
         // A finished create recorded how to delete it; only an unfinished one (or a
@@ -430,6 +545,7 @@ impl Bridge {
         &self,
         grace: Duration,
     ) -> Result<SweepReport, BridgeError> {
+        self.record_key().await?;
         let mut report = SweepReport::default();
         let now = now_secs();
         for record in self.controller_store().list().await? {
@@ -476,13 +592,15 @@ impl Bridge {
         else {
             return Ok(false);
         };
+        // Checked before the claim re-signs it.
+        self.check_integrity(&record).await?;
         record.state = VolumeState::Deleting;
         record.updated_at = now_secs();
         match self.store_put(HookKind::Destroy, &mut record).await {
             Ok(()) => {}
             // A replica refreshed (a Create still retrying) or claimed it first.
-            Err(StoreError::Conflict { .. }) => return Ok(false),
-            Err(e) => return Err(e.into()),
+            Err(BridgeError::Store(StoreError::Conflict { .. })) => return Ok(false),
+            Err(e) => return Err(e),
         }
         let deadline = Deadline::after(self.config.timeouts.destroy());
         self.delete_recorded(HookKind::Destroy, record, &deadline)

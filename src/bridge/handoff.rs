@@ -32,7 +32,8 @@ pub struct VolumeHandle {
     pub controller_publish: bool,
 }
 
-/// Compact JSON: `{"v":1,"id":"…","ctx":{…},"cp":true}`.
+/// Compact JSON: `{"v":1,"id":"…","ctx":{…},"cp":true,"d":"nfs"}`. `d`, the Cube driver
+/// the handle belongs to, came later within version 1: handles without it are accepted.
 #[derive(Serialize, Deserialize)]
 struct WireHandle {
     v: u32,
@@ -41,16 +42,29 @@ struct WireHandle {
     ctx: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     cp: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    d: Option<String>,
 }
 
 impl VolumeHandle {
     /// Encodes the handle as private_data, refusing anything Cube could not store.
     pub fn encode(&self) -> Result<String, String> {
+        self.encode_as(None)
+    }
+
+    /// Encodes the handle as private_data of Cube driver `driver`, so that another bridge
+    /// instance refuses it (`decode_for`).
+    pub fn encode_for(&self, driver: &str) -> Result<String, String> {
+        self.encode_as(Some(driver))
+    }
+
+    fn encode_as(&self, driver: Option<&str>) -> Result<String, String> {
         let text = serde_json::to_string(&WireHandle {
             v: HANDLE_VERSION,
             id: self.csi_volume_id.clone(),
             ctx: self.volume_context.clone(),
             cp: self.controller_publish,
+            d: driver.map(str::to_string),
         })
         .map_err(|e| e.to_string())?;
         if text.len() > MAX_PRIVATE_DATA_LEN {
@@ -63,8 +77,25 @@ impl VolumeHandle {
         Ok(text)
     }
 
-    /// Decodes Attach's private_data.
+    /// Decodes Attach's private_data for the bridge of Cube driver `driver`: a handle
+    /// that names another driver is refused (a volume of another plugin, or a forgery).
+    pub fn decode_for(private_data: &str, driver: &str) -> Result<Self, String> {
+        let (handle, owner) = Self::decode_with_owner(private_data)?;
+        match owner {
+            Some(owner) if owner != driver => Err(format!(
+                "private_data belongs to Cube driver {owner:?}, not {driver:?}: this volume \
+                 was created through another volume plugin"
+            )),
+            _ => Ok(handle),
+        }
+    }
+
+    /// Decodes Attach's private_data, whichever driver it names.
     pub fn decode(private_data: &str) -> Result<Self, String> {
+        Self::decode_with_owner(private_data).map(|(handle, _)| handle)
+    }
+
+    fn decode_with_owner(private_data: &str) -> Result<(Self, Option<String>), String> {
         if private_data.is_empty() {
             return Err(
                 "private_data is empty: this volume was not created through this \
@@ -89,11 +120,14 @@ impl VolumeHandle {
         if wire.id.is_empty() {
             return Err("private_data has an empty CSI volume id".into());
         }
-        Ok(Self {
-            csi_volume_id: wire.id,
-            volume_context: wire.ctx,
-            controller_publish: wire.cp,
-        })
+        Ok((
+            Self {
+                csi_volume_id: wire.id,
+                volume_context: wire.ctx,
+                controller_publish: wire.cp,
+            },
+            wire.d,
+        ))
     }
 }
 
@@ -187,6 +221,18 @@ mod tests {
             r#"{"v":1,"id":"10.0.0.5#exports#cube-v1##","ctx":{"server":"10.0.0.5"}}"#
         );
         assert_eq!(VolumeHandle::decode(&text).unwrap(), handle());
+    }
+
+    #[test]
+    fn a_handle_names_its_driver_and_another_bridge_refuses_it() {
+        let text = handle().encode_for("nfs").unwrap();
+        assert!(text.ends_with(r#","d":"nfs"}"#), "{text}");
+        assert_eq!(VolumeHandle::decode_for(&text, "nfs").unwrap(), handle());
+        let err = VolumeHandle::decode_for(&text, "cephfs").unwrap_err();
+        assert!(err.contains("\"nfs\"") && err.contains("cephfs"), "{err}");
+        // Handles from before `d` existed still attach.
+        let old = handle().encode().unwrap();
+        assert_eq!(VolumeHandle::decode_for(&old, "cephfs").unwrap(), handle());
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod deadline;
 pub mod error;
 pub mod faults;
 pub mod handoff;
+pub mod integrity;
 pub mod inventory;
 pub mod locks;
 pub mod naming;
@@ -77,6 +78,10 @@ pub struct Bridge {
     discovered: tokio::sync::Mutex<Discovered>,
     /// This boot, recorded in node journal records.
     boot_id: String,
+    /// Where the key controller records are signed with is kept (controller role).
+    record_key_source: Option<Arc<dyn integrity::RecordKeySource>>,
+    /// That key, once loaded.
+    record_key: tokio::sync::OnceCell<integrity::RecordKey>,
 }
 
 impl std::fmt::Debug for Bridge {
@@ -111,6 +116,15 @@ impl Bridge {
         let lock_dir = &config.state.lock_dir;
         let locks = VolumeLocks::new(lock_dir)
             .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?;
+        // The embedded store's key sits beside it; a shared store's key comes from where
+        // every replica can read it (`with_record_key_source`).
+        let record_key_source = (roles.controller
+            && config.state.controller_store == ControllerStoreKind::Embedded)
+            .then(|| {
+                Arc::new(integrity::FileKeySource::new(
+                    &config.state.dir.join("record.key"),
+                )) as Arc<dyn integrity::RecordKeySource>
+            });
         Ok(Self {
             roles,
             controller: ports.controller,
@@ -122,8 +136,17 @@ impl Bridge {
             locks,
             discovered: Default::default(),
             boot_id: crate::store::journal::boot_id(),
+            record_key_source,
+            record_key: tokio::sync::OnceCell::new(),
             config,
         })
+    }
+
+    /// Signs controller records with the key `source` keeps (instead of the embedded
+    /// store's key file).
+    pub fn with_record_key_source(mut self, source: Arc<dyn integrity::RecordKeySource>) -> Self {
+        self.record_key_source = Some(source);
+        self
     }
 
     pub fn config(&self) -> &Config {
@@ -307,6 +330,10 @@ impl Bridge {
             {
                 let count = store.list().await?.len();
                 tracing::info!(volumes = count, store = %store.describe(), "controller store reachable");
+            }
+            if self.roles.controller {
+                // Made (and records from before keys existed signed) before the first hook.
+                self.record_key().await?;
             }
             Ok::<_, BridgeError>(())
         }

@@ -1036,3 +1036,147 @@ async fn destroy_refuses_to_hand_a_handle_to_another_driver() {
     assert!(err.to_string().contains("other.csi"), "{err}");
     assert_eq!(w.backend_volumes().len(), 1);
 }
+
+// ---------------------------------------------------------------- record integrity
+
+impl World {
+    fn edit_record(&self, volume: &str, edit: impl FnOnce(&mut VolumeRecord)) {
+        edit(self.store.records.lock().unwrap().get_mut(volume).unwrap());
+    }
+}
+
+#[tokio::test]
+async fn a_record_pointed_at_another_volumes_handle_deletes_nothing() {
+    let w = World::new(Fake::new(false, false));
+    w.create("mine").await.unwrap();
+    w.create("theirs").await.unwrap();
+    let theirs = w.stored("theirs").unwrap().csi_volume_id.unwrap();
+    assert!(w.stored("mine").unwrap().integrity.is_some(), "signed");
+    w.edit_record("mine", |r| r.csi_volume_id = Some(theirs.clone()));
+    w.fake.clear_calls();
+    let err = w.destroy("mine").await.unwrap_err().to_string();
+    assert!(
+        err.contains("integrity") && err.contains(&theirs) && err.contains("\"mine\""),
+        "{err}"
+    );
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(w.backend_volumes().len(), 2);
+    assert!(
+        w.stored("mine").is_some(),
+        "the record is kept for the operator"
+    );
+    // Restoring the original value makes Destroy work again.
+    let original = w.stored("theirs").unwrap();
+    w.edit_record("mine", |r| {
+        r.csi_volume_id = Some(w.fake.state.lock().unwrap().volumes["cube-mine"].clone())
+    });
+    w.destroy("mine").await.unwrap();
+    assert_eq!(w.backend_volumes().len(), 1);
+    assert_eq!(w.stored("theirs"), Some(original));
+}
+
+#[tokio::test]
+async fn the_sweep_refuses_a_tampered_abandoned_record() {
+    let w = World::new(Fake::new(false, false));
+    w.create("victim").await.unwrap();
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.create("abandoned").await.unwrap_err();
+    // Aged (not covered by the MAC) and pointed at the victim's CSI name (covered).
+    w.edit_record("abandoned", |r| {
+        r.updated_at -= 3600;
+        r.csi_name = "cube-victim".into();
+    });
+    w.fake.clear_calls();
+    let report = w
+        .bridge
+        .sweep_abandoned_creates(Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (0, 1), "{report:?}");
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert!(w.backend_volumes().contains_key("cube-victim"));
+    assert_eq!(w.stored("abandoned").unwrap().state, VolumeState::Creating);
+}
+
+#[tokio::test]
+async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
+    let w = World::new(Fake::new(false, false));
+    // Records an earlier version wrote: no MAC, and no key on disk yet.
+    let legacy = |volume: &str, handle: &str| VolumeRecord {
+        volume_id: volume.into(),
+        csi_name: format!("cube-{volume}"),
+        csi_driver: Some("fake.csi".into()),
+        state: VolumeState::Created,
+        csi_volume_id: Some(handle.into()),
+        volume_context: Default::default(),
+        capacity_bytes: 0,
+        updated_at: 1,
+        deletion: None,
+        revision: Some("0".into()),
+        integrity: None,
+    };
+    {
+        let mut backend = w.fake.state.lock().unwrap();
+        backend
+            .volumes
+            .insert("cube-old".into(), "old-handle".into());
+        backend
+            .volumes
+            .insert("cube-late".into(), "late-handle".into());
+    }
+    w.store
+        .records
+        .lock()
+        .unwrap()
+        .insert("old".into(), legacy("old", "old-handle"));
+    let key_file = w.dir.path().join("state/record.key");
+    assert!(!key_file.exists());
+    // The first controller hook makes the key and signs what was there.
+    w.destroy("old").await.unwrap();
+    assert!(key_file.exists());
+    assert!(!w.backend_volumes().contains_key("cube-old"));
+    // An unsigned record that appears later is refused: a MAC may have been stripped.
+    w.store
+        .records
+        .lock()
+        .unwrap()
+        .insert("late".into(), legacy("late", "late-handle"));
+    let err = w.destroy("late").await.unwrap_err().to_string();
+    assert!(
+        err.contains("no integrity MAC") && err.contains("sign_unsigned_records"),
+        "{err}"
+    );
+    assert!(w.backend_volumes().contains_key("cube-late"));
+    // An operator who checked it asks for a re-sign (one restart with the setting on).
+    let restarted = Bridge::new(
+        Arc::new(
+            Config::parse(
+                &format!(
+                    "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[controller]\nsign_unsigned_records = true\n",
+                    d = w.dir.path().display()
+                ),
+                Path::new("test.toml"),
+            )
+            .unwrap(),
+        ),
+        crate::config::Roles::CONTROLLER,
+        Ports {
+            controller: Arc::new(w.fake.clone()),
+            node: Arc::new(w.fake.clone()),
+            store: Some(w.store.clone()),
+            settings: Arc::new(super::profile::ConfigSettings::new(
+                &Default::default(),
+                &Default::default(),
+            )),
+            mounts: Arc::new(w.fake.clone()),
+        },
+    )
+    .unwrap();
+    restarted
+        .destroy(DestroyVolume {
+            volume_id: "late".into(),
+        })
+        .await
+        .unwrap();
+    assert!(!w.backend_volumes().contains_key("cube-late"));
+}

@@ -92,6 +92,9 @@ pub(super) struct ControllerFile {
     pub sweep_interval_secs: Option<u64>,
     #[serde(default)]
     pub abandoned_create_secs: Option<u64>,
+    /// Sign controller records that carry no MAC (written before records were signed).
+    #[serde(default)]
+    pub sign_unsigned_records: bool,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -1,4 +1,5 @@
-//! Where a config file is found, and the check that one holding secrets is private.
+//! Where a config file is found, and the check that nobody else can change it or read
+//! its secrets.
 
 use std::path::{Path, PathBuf};
 
@@ -34,18 +35,49 @@ pub fn locate(env_value: Option<&str>, argv0: Option<&str>) -> PathBuf {
     PathBuf::from(DEFAULT_CONFIG_PATH)
 }
 
-/// Warns when a config that holds secrets can be read by group or others.
-pub(super) fn warn_if_readable_by_others(path: &Path) {
+/// Refuses a config file that any user could change (the bridge runs as root and does
+/// what it says), or that holds `[secrets]` any user could read; warns when only its group
+/// could, or when it holds mount flags others can read. "Any user" means the file's
+/// permission bits for others and every directory above it searchable by others: a
+/// world-readable file in a 0700 directory is private.
+pub(super) fn check_access(
+    path: &Path,
+    holds_secrets: bool,
+    mount_flags: &[String],
+) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(path)
-        && meta.permissions().mode() & 0o077 != 0
-    {
+    let Ok(real) = std::fs::canonicalize(path) else {
+        return Ok(());
+    };
+    let Ok(meta) = std::fs::metadata(&real) else {
+        return Ok(());
+    };
+    let mode = meta.permissions().mode() & 0o777;
+    let others_reach = real
+        .ancestors()
+        .skip(1)
+        .all(|dir| std::fs::metadata(dir).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
+    if others_reach && mode & 0o002 != 0 {
+        return Err(format!(
+            "any user can write it (mode {mode:o}) and the bridge runs as root doing what \
+             it says; chmod 600 it (or 644 if it holds no secrets)"
+        ));
+    }
+    if holds_secrets && others_reach && mode & 0o004 != 0 {
+        return Err(format!(
+            "it holds CSI secrets ([secrets]) and any user can read it (mode {mode:o}); \
+             chmod 600 it"
+        ));
+    }
+    if (holds_secrets || !mount_flags.is_empty()) && mode & 0o044 != 0 {
         tracing::warn!(
             path = %path.display(),
-            mode = format_args!("{:o}", meta.permissions().mode() & 0o777),
-            "config file holds CSI secrets but is readable by group or others; chmod 600 it"
+            mode = format_args!("{mode:o}"),
+            "config file holds CSI secrets or mount flags but is readable by group or others; \
+             chmod 600 it"
         );
     }
+    Ok(())
 }
 
 #[cfg(test)]

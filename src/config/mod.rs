@@ -40,6 +40,9 @@ pub enum ConfigError {
     /// file's text or values: the file may hold secrets.
     #[error("config file {path} is not valid: {message}")]
     Parse { path: PathBuf, message: String },
+    /// The file's permissions let other users read its secrets or change it.
+    #[error("config file {path}: {message}")]
+    Insecure { path: PathBuf, message: String },
     #[error("config file {path}: {field}: {message}")]
     Invalid {
         path: PathBuf,
@@ -312,6 +315,10 @@ pub struct KubernetesConfig {
     /// How long a StorageClass and its Secrets are reused before being read again.
     #[serde(default = "default_kube_cache_secs")]
     pub cache_secs: u64,
+    /// The Secret (in the CubeVolume namespace) holding the key controller records are
+    /// signed with; the bridge makes it on first use. Only the controller side reads it.
+    #[serde(default = "default_record_key_secret")]
+    pub record_key_secret: String,
 }
 
 impl Default for KubernetesConfig {
@@ -321,6 +328,7 @@ impl Default for KubernetesConfig {
             namespace: None,
             storage_class: None,
             cache_secs: default_kube_cache_secs(),
+            record_key_secret: default_record_key_secret(),
         }
     }
 }
@@ -380,6 +388,10 @@ pub struct ControllerSettings {
     pub sweep_interval: Option<Duration>,
     /// A `Creating` record untouched for this long is an abandoned Create.
     pub abandoned_create_after: Duration,
+    /// Sign, once per process, every controller record that carries no MAC. Records are
+    /// signed automatically only when the record key is first made; set this for one
+    /// restart after restoring records from before they were signed.
+    pub sign_unsigned_records: bool,
 }
 
 /// The Prometheus endpoint.
@@ -462,6 +474,9 @@ fn default_rollback_secs() -> u64 {
 fn default_kube_cache_secs() -> u64 {
     30
 }
+fn default_record_key_secret() -> String {
+    "cube-csi-bridge-record-key".into()
+}
 const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 const DEFAULT_SWEEP_INTERVAL_SECS: u64 = 300;
 /// An abandoned Create is judged only well after any Create could still be running.
@@ -475,9 +490,11 @@ impl Config {
             source,
         })?;
         let config = Self::parse(&text, path)?;
-        if !config.secrets.is_empty() || !config.volume.mount_flags.is_empty() {
-            locate::warn_if_readable_by_others(path);
-        }
+        locate::check_access(path, !config.secrets.is_empty(), &config.volume.mount_flags)
+            .map_err(|message| ConfigError::Insecure {
+                path: path.to_path_buf(),
+                message,
+            })?;
         Ok(config)
     }
 
@@ -765,6 +782,7 @@ impl Checker<'_> {
         Ok(ControllerSettings {
             sweep_interval: (interval > 0).then(|| Duration::from_secs(interval)),
             abandoned_create_after: Duration::from_secs(abandoned),
+            sign_unsigned_records: raw.sign_unsigned_records,
         })
     }
 
@@ -810,6 +828,15 @@ impl Checker<'_> {
         }
         if k.cache_secs > 3600 {
             return Err(self.invalid("kubernetes.cache_secs", "must be at most 3600"));
+        }
+        if !is_dns_subdomain(&k.record_key_secret) {
+            return Err(self.invalid(
+                "kubernetes.record_key_secret",
+                format!(
+                    "{:?} is not a Secret name (a DNS-1123 subdomain)",
+                    k.record_key_secret
+                ),
+            ));
         }
         if let Some(class) = &k.storage_class {
             if !is_dns_subdomain(class) {

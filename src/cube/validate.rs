@@ -60,7 +60,7 @@ pub fn attach(req: pb::AttachRequest, config: &Config) -> Result<AttachVolume, S
         validate_base_dir(&req.volume_base_dir)?
     };
     check_base_dir_allowed(&base_dir, config)?;
-    let handle = VolumeHandle::decode(&req.private_data)?;
+    let handle = VolumeHandle::decode_for(&req.private_data, &config.driver)?;
     Ok(AttachVolume {
         sandbox_id: req.sandbox_id,
         namespace: req.namespace,
@@ -76,6 +76,7 @@ pub fn detach(req: pb::DetachRequest, config: &Config) -> Result<DetachVolume, S
     label("sandbox_id", &req.sandbox_id, false)?;
     label("namespace", &req.namespace, false)?;
     ref_count(req.ref_count)?;
+    metadata_size(&req.metadata)?;
     let recorded = AttachMetadata::from_map(&req.metadata, &config.driver, &req.volume_id)
         .map_err(|e| format!("metadata: {e}"))?;
     if let Some(meta) = &recorded
@@ -92,11 +93,40 @@ pub fn detach(req: pb::DetachRequest, config: &Config) -> Result<DetachVolume, S
     })
 }
 
+/// Longest Detach metadata accepted, all keys and values together: what Attach returns is
+/// a few paths and the CSI handle, well under this.
+pub const MAX_METADATA_BYTES: usize = 16 * 1024;
+/// Most metadata entries accepted (Attach returns at most four).
+const MAX_METADATA_ENTRIES: usize = 32;
+
+fn metadata_size(metadata: &HashMap<String, String>) -> Result<(), String> {
+    let bytes: usize = metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if metadata.len() > MAX_METADATA_ENTRIES || bytes > MAX_METADATA_BYTES {
+        return Err(format!(
+            "metadata has {} entries and {bytes} bytes; what Attach returns has at most \
+             {MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes",
+            metadata.len()
+        ));
+    }
+    Ok(())
+}
+
 /// The bridge creates directories and the driver mounts under the base dir, as root: only
-/// the configured ones are allowed.
+/// the configured ones are allowed. The name is compared as written (Cube checks
+/// host_paths lexically too), and where it leads must be allowed as well: a symlink at an
+/// allowed name (to /, say) is refused unless its destination is also in the list.
 fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
     if config.node.base_dir_allowed(dir) {
-        return Ok(());
+        return match resolved(dir) {
+            Some(real) if real != dir && !config.node.base_dir_allowed(&real) => Err(format!(
+                "volume_base_dir {} leads through a symlink to {}, which is not one of \
+                 node.allowed_base_dirs; add {} there if volumes really belong there",
+                dir.display(),
+                real.display(),
+                real.display()
+            )),
+            _ => Ok(()),
+        };
     }
     Err(format!(
         "volume_base_dir {} is not one of node.allowed_base_dirs ({}); add it there if \
@@ -111,6 +141,22 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
             .join(", "),
         dir.display()
     ))
+}
+
+/// Where `dir` really is: symlinks resolved in the part that exists, the rest appended.
+/// None when nothing of it can be resolved.
+fn resolved(dir: &Path) -> Option<std::path::PathBuf> {
+    let mut existing = dir;
+    let mut rest = Vec::new();
+    loop {
+        match std::fs::canonicalize(existing) {
+            Ok(real) => return Some(rest.iter().rev().fold(real, |p, c| p.join(c))),
+            Err(_) => {
+                rest.push(existing.file_name()?);
+                existing = existing.parent()?;
+            }
+        }
+    }
 }
 
 /// Parses the binary hook's `--metadata` argument: a JSON object of strings.

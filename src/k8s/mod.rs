@@ -6,6 +6,7 @@
 
 mod cache;
 pub mod names;
+pub mod record_key;
 pub mod storage_class;
 pub mod volumes;
 
@@ -103,6 +104,15 @@ impl Kube {
             settings: settings.clone(),
             connected: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// The namespace of the bridge's own objects, when known without connecting (the
+    /// config's, or the one an earlier connection found).
+    pub fn namespace_hint(&self) -> Option<&str> {
+        self.settings
+            .namespace
+            .as_deref()
+            .or_else(|| self.connected.get().map(|(_, ns)| ns.as_str()))
     }
 
     /// The client and the namespace of the bridge's own objects.

@@ -52,6 +52,9 @@ pub struct CubeVolumeSpec {
     /// The provisioner secret DeleteVolume gets, from the StorageClass at Create.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provisioner_secret_ref: Option<SecretRef>,
+    /// The bridge's MAC over the fields above that Destroy acts on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<String>,
 }
 
 /// `spec.state`, spelled as Kubernetes enums are.
@@ -198,6 +201,14 @@ impl ControllerStore for CubeVolumeStore {
     fn describe(&self) -> String {
         format!("{CRD_KIND} objects ({CRD_GROUP}/{CRD_VERSION})")
     }
+
+    fn locate(&self, volume_id: &str) -> String {
+        let name = object_name(&self.driver, volume_id);
+        match self.kube.namespace_hint() {
+            Some(namespace) => format!("CubeVolume {namespace}/{name}"),
+            None => format!("CubeVolume {name}"),
+        }
+    }
 }
 
 impl CubeVolumeStore {
@@ -221,6 +232,7 @@ impl CubeVolumeStore {
                 .as_ref()
                 .map(|d| if d.retain { "Retain" } else { "Delete" }.to_string()),
             provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
+            integrity: record.integrity.clone(),
         }
     }
 
@@ -257,6 +269,7 @@ impl CubeVolumeStore {
             capacity_bytes: spec.capacity_bytes,
             updated_at: spec.updated_at,
             revision: object.metadata.resource_version,
+            integrity: spec.integrity,
         })
     }
 }
@@ -335,6 +348,7 @@ mod tests {
                 namespace: "default".into(),
                 name: "creds".into(),
             }),
+            integrity: Some("hmac-sha256-v1:00".into()),
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -344,7 +358,8 @@ mod tests {
                 "csiName": "cube-v1", "state": "Created", "csiVolumeId": "h",
                 "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
                 "reclaimPolicy": "Retain",
-                "provisionerSecretRef": {"namespace": "default", "name": "creds"}
+                "provisionerSecretRef": {"namespace": "default", "name": "creds"},
+                "integrity": "hmac-sha256-v1:00"
             })
         );
     }

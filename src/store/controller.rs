@@ -121,6 +121,10 @@ pub struct VolumeRecord {
     /// yet stored. Set by the store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// The bridge's MAC over the fields Destroy acts on (bridge/integrity.rs); None for a
+    /// record written before records were signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<String>,
 }
 
 /// The controller store behind the bridge.
@@ -135,6 +139,10 @@ pub trait ControllerStore: Send + Sync + std::fmt::Debug {
     async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError>;
     /// Where the records live, for messages.
     fn describe(&self) -> String;
+    /// Where one volume's record lives, for messages that send an operator to it.
+    fn locate(&self, volume_id: &str) -> String {
+        format!("the record of volume {volume_id:?} in {}", self.describe())
+    }
 }
 
 /// Seconds since the Unix epoch (for record timestamps).

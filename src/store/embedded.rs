@@ -257,6 +257,7 @@ mod tests {
             csi_driver: None,
             deletion: None,
             revision: None,
+            integrity: None,
         }
     }
 

@@ -108,6 +108,13 @@ Checks across values that the schema cannot express; included by every workload 
 {{- end }}
 
 {{/*
+The Secret holding the key CubeVolume records are signed with (made by the bridge).
+*/}}
+{{- define "cube-csi-bridge.recordKeySecret" -}}
+{{ include "cube-csi-bridge.fullname" . }}-record-key
+{{- end }}
+
+{{/*
 The shared part of a bridge config (TOML). Strings go through toJson: a JSON string is a
 valid TOML basic string. Call with (dict "root" $ "side" "node"|"controller").
 */}}
@@ -153,6 +160,9 @@ namespace = {{ .root.Release.Namespace | toJson }}
 storage_class = {{ . | toJson }}
 {{- end }}
 cache_secs = {{ int64 $v.kubernetes.cacheSecs }}
+{{- if $serveController }}
+record_key_secret = {{ include "cube-csi-bridge.recordKeySecret" .root | toJson }}
+{{- end }}
 {{- end }}
 
 [volume]

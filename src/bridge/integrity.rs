@@ -1,0 +1,375 @@
+//! Controller records are not blindly trusted: every record the bridge writes carries an
+//! HMAC-SHA256, keyed by a secret only the bridge holds, over the fields Destroy and the
+//! abandoned-create sweep act on. A record edited by hand (a CubeVolume pointed at another
+//! CSI handle, another driver, another deletion secret) no longer verifies, and the bridge
+//! refuses to send DeleteVolume for it.
+//!
+//! The key lives beside the embedded store (`state.dir/record.key`, mode 0600) or, with
+//! CubeVolume records, in a Kubernetes Secret that every controller replica reads (k8s/).
+//! It is made on first use. Records written before records carried a MAC are signed once,
+//! when the key is made (trust on first use); after that an unsigned record is refused
+//! like a forged one, unless `controller.sign_unsigned_records` asks for a re-sign.
+
+use std::fmt;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use super::BridgeError;
+use crate::store::VolumeRecord;
+
+/// Bytes of a record key.
+pub const KEY_LEN: usize = 32;
+/// How a MAC is written in a record: `hmac-sha256-v1:<64 hex digits>`. The version names
+/// the set of fields covered (see `mac_input`).
+const MAC_PREFIX: &str = "hmac-sha256-v1:";
+
+/// The secret records are signed with. Debug never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RecordKey([u8; KEY_LEN]);
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RecordKey(<redacted>)")
+    }
+}
+
+impl RecordKey {
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
+        <[u8; KEY_LEN]>::try_from(bytes)
+            .map(Self)
+            .map_err(|_| format!("a record key is {KEY_LEN} bytes, not {}", bytes.len()))
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// A fresh key from the kernel's random source.
+    pub fn generate() -> std::io::Result<Self> {
+        use std::io::Read;
+        let mut key = [0u8; KEY_LEN];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut key)?;
+        Ok(Self(key))
+    }
+
+    fn mac(&self, driver: &str, record: &VolumeRecord) -> Hmac<Sha256> {
+        let mut mac =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        mac.update(&mac_input(driver, record));
+        mac
+    }
+
+    /// The MAC of `record` as the bridge of Cube driver `driver` writes it.
+    pub fn sign(&self, driver: &str, record: &VolumeRecord) -> String {
+        let tag = self.mac(driver, record).finalize().into_bytes();
+        let hex: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{MAC_PREFIX}{hex}")
+    }
+
+    /// Whether `record` carries a MAC this key made for exactly these fields (compared in
+    /// constant time).
+    pub fn verify(&self, driver: &str, record: &VolumeRecord) -> Verdict {
+        let Some(stored) = &record.integrity else {
+            return Verdict::Unsigned;
+        };
+        let Some(tag) = stored.strip_prefix(MAC_PREFIX).and_then(decode_hex) else {
+            return Verdict::Mismatch;
+        };
+        match self.mac(driver, record).verify_slice(&tag) {
+            Ok(()) => Verdict::Valid,
+            Err(_) => Verdict::Mismatch,
+        }
+    }
+}
+
+/// What a record's MAC says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Valid,
+    /// No MAC: written before records carried one, or stripped.
+    Unsigned,
+    /// A MAC that this key did not make for these fields.
+    Mismatch,
+}
+
+/// The bytes a MAC covers: every field that decides what Destroy or the sweep deletes and
+/// how, each length-prefixed so that no two records share an input. `updated_at` (a
+/// timing hint) and `volume_context` (never used to delete) are left out; `revision` is
+/// the store's own.
+fn mac_input(driver: &str, r: &VolumeRecord) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    let mut field = |bytes: &[u8]| {
+        out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+        out.extend_from_slice(bytes);
+    };
+    fn optional(value: Option<&str>) -> Vec<u8> {
+        match value {
+            None => vec![0],
+            Some(v) => [&[1u8][..], v.as_bytes()].concat(),
+        }
+    }
+    field(b"cube-csi-bridge controller record v1");
+    field(driver.as_bytes());
+    field(r.volume_id.as_bytes());
+    field(r.csi_name.as_bytes());
+    field(&optional(r.csi_driver.as_deref()));
+    field(r.state.as_str().as_bytes());
+    field(&optional(r.csi_volume_id.as_deref()));
+    match &r.deletion {
+        None => field(b"deletion:none"),
+        Some(d) => {
+            field(if d.retain {
+                b"deletion:retain"
+            } else {
+                b"deletion:delete"
+            });
+            let secret = d.secret.as_ref();
+            field(&optional(secret.map(|s| s.namespace.as_str())));
+            field(&optional(secret.map(|s| s.name.as_str())));
+        }
+    }
+    out
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) || !text.is_ascii() {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok())
+        .collect()
+}
+
+/// A key as loaded, and whether this load made it (then records written before keys
+/// existed are signed once).
+#[derive(Debug, Clone)]
+pub struct LoadedKey {
+    pub key: RecordKey,
+    pub created: bool,
+}
+
+/// Where the record key is kept.
+#[async_trait]
+pub trait RecordKeySource: Send + Sync + fmt::Debug {
+    /// Reads the key, making it first if there is none yet (exactly one of several
+    /// concurrent first loads makes it; the others read it).
+    async fn load(&self) -> Result<LoadedKey, BridgeError>;
+    /// Where the key is, for messages.
+    fn describe(&self) -> String;
+}
+
+/// The key of the embedded store: a 0600 file beside it, as hex.
+#[derive(Debug, Clone)]
+pub struct FileKeySource {
+    path: PathBuf,
+}
+
+impl FileKeySource {
+    pub fn new(path: &Path) -> Self {
+        Self {
+            path: path.to_path_buf(),
+        }
+    }
+
+    fn read(&self) -> Result<Option<RecordKey>, BridgeError> {
+        let io = |e| BridgeError::io(format!("record key {}", self.path.display()), e);
+        let meta = match std::fs::symlink_metadata(&self.path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(e)),
+        };
+        let mode = meta.permissions().mode();
+        if !meta.is_file() || mode & 0o077 != 0 {
+            return Err(BridgeError::Precondition(format!(
+                "record key {} must be a regular file of mode 0600 (it is {}, mode {:o}): \
+                 whoever can read it can forge controller records; chmod 600 it",
+                self.path.display(),
+                if meta.is_file() {
+                    "a file"
+                } else {
+                    "not a file"
+                },
+                mode & 0o777
+            )));
+        }
+        let text = std::fs::read_to_string(&self.path).map_err(io)?;
+        let key = decode_hex(text.trim())
+            .ok_or_else(|| "not hex".to_string())
+            .and_then(|bytes| RecordKey::from_bytes(&bytes))
+            .map_err(|e| {
+                BridgeError::Precondition(format!(
+                    "record key {} is damaged ({e}); restore it from a backup (records \
+                     signed with the lost key no longer verify)",
+                    self.path.display()
+                ))
+            })?;
+        Ok(Some(key))
+    }
+
+    /// Writes a new key under a temporary name, then links it into place: the link fails
+    /// if another process made the key first, and then its key is read instead.
+    fn create(&self) -> Result<LoadedKey, BridgeError> {
+        let io = |e| BridgeError::io(format!("record key {}", self.path.display()), e);
+        if let Some(dir) = self.path.parent() {
+            crate::mount::ops::ensure_dir(dir, 0o700).map_err(io)?;
+        }
+        let key = RecordKey::generate().map_err(io)?;
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        // A unique 0600 file, linked into place only if no key is there yet.
+        let written = (|| {
+            let mut file = tempfile::Builder::new()
+                .prefix(".record.key.")
+                .permissions(std::fs::Permissions::from_mode(0o600))
+                .tempfile_in(dir)?;
+            let hex: String = key.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+            file.write_all(format!("{hex}\n").as_bytes())?;
+            file.as_file().sync_all()?;
+            file.persist_noclobber(&self.path).map_err(|e| e.error)?;
+            Ok::<_, std::io::Error>(())
+        })();
+        match written {
+            Ok(()) => Ok(LoadedKey { key, created: true }),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let key = self.read()?.ok_or_else(|| {
+                    BridgeError::Precondition(format!(
+                        "record key {} vanished while being made",
+                        self.path.display()
+                    ))
+                })?;
+                Ok(LoadedKey {
+                    key,
+                    created: false,
+                })
+            }
+            Err(e) => Err(io(e)),
+        }
+    }
+}
+
+#[async_trait]
+impl RecordKeySource for FileKeySource {
+    async fn load(&self) -> Result<LoadedKey, BridgeError> {
+        let me = self.clone();
+        super::blocking(move || match me.read()? {
+            Some(key) => Ok(LoadedKey {
+                key,
+                created: false,
+            }),
+            None => me.create(),
+        })
+        .await
+    }
+
+    fn describe(&self) -> String {
+        format!("file {}", self.path.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{DeletionPolicy, SecretRef, VolumeState};
+
+    fn record() -> VolumeRecord {
+        VolumeRecord {
+            volume_id: "v1".into(),
+            csi_name: "cube-v1".into(),
+            csi_driver: Some("nfs.csi.k8s.io".into()),
+            state: VolumeState::Created,
+            csi_volume_id: Some("server#share#v1".into()),
+            volume_context: Default::default(),
+            capacity_bytes: 0,
+            updated_at: 5,
+            deletion: Some(DeletionPolicy {
+                retain: false,
+                secret: Some(SecretRef {
+                    namespace: "default".into(),
+                    name: "creds".into(),
+                }),
+            }),
+            revision: None,
+            integrity: None,
+        }
+    }
+
+    #[test]
+    fn every_field_destroy_acts_on_is_covered() {
+        let key = RecordKey::from_bytes(&[7; KEY_LEN]).unwrap();
+        let mut signed = record();
+        signed.integrity = Some(key.sign("nfs", &signed));
+        assert_eq!(key.verify("nfs", &signed), Verdict::Valid);
+        // Timing and bookkeeping may change without a new MAC.
+        let mut touched = signed.clone();
+        touched.updated_at = 99;
+        touched.revision = Some("12".into());
+        touched.volume_context.insert("k".into(), "v".into());
+        assert_eq!(key.verify("nfs", &touched), Verdict::Valid);
+        type Edit = fn(&mut VolumeRecord);
+        let edits: [Edit; 8] = [
+            |r| r.csi_volume_id = Some("server#share#other".into()),
+            |r| r.csi_volume_id = None,
+            |r| r.volume_id = "v2".into(),
+            |r| r.csi_name = "cube-v2".into(),
+            |r| r.csi_driver = Some("evil.csi".into()),
+            |r| r.state = VolumeState::Creating,
+            |r| r.deletion.as_mut().unwrap().secret.as_mut().unwrap().name = "admin".into(),
+            |r| r.deletion.as_mut().unwrap().retain = true,
+        ];
+        for edit in edits {
+            let mut forged = signed.clone();
+            edit(&mut forged);
+            assert_eq!(key.verify("nfs", &forged), Verdict::Mismatch, "{forged:?}");
+        }
+        // Another bridge instance (driver name) or key does not verify it either.
+        assert_eq!(key.verify("cephfs", &signed), Verdict::Mismatch);
+        let other = RecordKey::from_bytes(&[8; KEY_LEN]).unwrap();
+        assert_eq!(other.verify("nfs", &signed), Verdict::Mismatch);
+        for junk in ["", "hmac-sha256-v1:zz", "hmac-sha256-v1:00", "md5:abc"] {
+            let mut bad = signed.clone();
+            bad.integrity = Some(junk.into());
+            assert_eq!(key.verify("nfs", &bad), Verdict::Mismatch, "{junk}");
+        }
+        assert_eq!(key.verify("nfs", &record()), Verdict::Unsigned);
+        assert!(!format!("{key:?}").contains("07"));
+    }
+
+    #[tokio::test]
+    async fn the_key_file_is_made_once_0600_and_refused_when_others_can_read_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("state/record.key");
+        let source = FileKeySource::new(&path);
+        let first = source.load().await.unwrap();
+        assert!(first.created);
+        let again = source.load().await.unwrap();
+        assert!(!again.created);
+        assert_eq!(first.key, again.key);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // Concurrent first loads agree on one key.
+        let path2 = tmp.path().join("race/record.key");
+        let loads: Vec<_> = (0..8)
+            .map(|_| {
+                let s = FileKeySource::new(&path2);
+                tokio::spawn(async move { s.load().await.unwrap() })
+            })
+            .collect();
+        let mut keys = Vec::new();
+        let mut made = 0;
+        for load in loads {
+            let loaded = load.await.unwrap();
+            made += usize::from(loaded.created);
+            keys.push(loaded.key);
+        }
+        assert_eq!(made, 1);
+        assert!(keys.windows(2).all(|w| w[0] == w[1]));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = source.load().await.unwrap_err().to_string();
+        assert!(err.contains("0600") && err.contains("644"), "{err}");
+    }
+}
