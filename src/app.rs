@@ -60,7 +60,7 @@ pub fn open_bridge(
             (true, ControllerStoreKind::Kubernetes, Some(kube)) => {
                 bridge.with_record_key_source(Arc::new(SecretKeySource::new(
                     kube.clone(),
-                    &config.kubernetes.record_key_secret,
+                    &config.record_key_secret(),
                 )))
             }
             _ => bridge,

@@ -61,6 +61,9 @@ pub fn validate_base_dir(dir: &str) -> Result<PathBuf, String> {
         return Err(format!("volume_base_dir {dir:?} is not absolute"));
     }
     let normal: PathBuf = path.components().collect();
+    if normal == Path::new("/") {
+        return Err("volume_base_dir must not be /".into());
+    }
     let trimmed = dir.trim_end_matches('/');
     if path
         .components()
@@ -70,9 +73,6 @@ pub fn validate_base_dir(dir: &str) -> Result<PathBuf, String> {
         return Err(format!(
             "volume_base_dir {dir:?} is not a normal path (no '.', '..' or '//')"
         ));
-    }
-    if normal == Path::new("/") {
-        return Err("volume_base_dir must not be /".into());
     }
     if dir.len() > 1024 {
         return Err("volume_base_dir is longer than 1024 bytes".into());

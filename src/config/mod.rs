@@ -317,8 +317,9 @@ pub struct KubernetesConfig {
     pub cache_secs: u64,
     /// The Secret (in the CubeVolume namespace) holding the key controller records are
     /// signed with; the bridge makes it on first use. Only the controller side reads it.
-    #[serde(default = "default_record_key_secret")]
-    pub record_key_secret: String,
+    /// Default: `cube-csi-bridge-<driver>-record-key` (see `Config::record_key_secret`).
+    #[serde(default)]
+    pub record_key_secret: Option<String>,
 }
 
 impl Default for KubernetesConfig {
@@ -328,7 +329,7 @@ impl Default for KubernetesConfig {
             namespace: None,
             storage_class: None,
             cache_secs: default_kube_cache_secs(),
-            record_key_secret: default_record_key_secret(),
+            record_key_secret: None,
         }
     }
 }
@@ -474,9 +475,6 @@ fn default_rollback_secs() -> u64 {
 fn default_kube_cache_secs() -> u64 {
     30
 }
-fn default_record_key_secret() -> String {
-    "cube-csi-bridge-record-key".into()
-}
 const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 const DEFAULT_SWEEP_INTERVAL_SECS: u64 = 300;
 /// An abandoned Create is judged only well after any Create could still be running.
@@ -511,6 +509,26 @@ impl Config {
     pub fn uses_kubernetes(&self) -> bool {
         self.kubernetes.storage_class.is_some()
             || self.state.controller_store == ControllerStoreKind::Kubernetes
+    }
+
+    /// The Secret holding the CubeVolume record key: `kubernetes.record_key_secret`, else
+    /// `cube-csi-bridge-<driver>-record-key` with the driver name made a DNS label (the
+    /// chart renders the same name and grants exactly it).
+    pub fn record_key_secret(&self) -> String {
+        self.kubernetes
+            .record_key_secret
+            .clone()
+            .unwrap_or_else(|| {
+                let driver: String = self
+                    .driver
+                    .chars()
+                    .map(|c| match c.to_ascii_lowercase() {
+                        c @ ('a'..='z' | '0'..='9') => c,
+                        _ => '-',
+                    })
+                    .collect();
+                format!("cube-csi-bridge-{driver}-record-key")
+            })
     }
 
     /// The socket Cube dials.
@@ -829,13 +847,12 @@ impl Checker<'_> {
         if k.cache_secs > 3600 {
             return Err(self.invalid("kubernetes.cache_secs", "must be at most 3600"));
         }
-        if !is_dns_subdomain(&k.record_key_secret) {
+        if let Some(name) = &k.record_key_secret
+            && !is_dns_subdomain(name)
+        {
             return Err(self.invalid(
                 "kubernetes.record_key_secret",
-                format!(
-                    "{:?} is not a Secret name (a DNS-1123 subdomain)",
-                    k.record_key_secret
-                ),
+                format!("{name:?} is not a Secret name (a DNS-1123 subdomain)"),
             ));
         }
         if let Some(class) = &k.storage_class {
@@ -1160,6 +1177,23 @@ endpoint = "unix:///run/csi/nfs.sock"
             .unwrap_err()
             .to_string();
         assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn the_record_key_secret_defaults_to_a_name_from_the_driver() {
+        let c = parse(&MINIMAL.replace("\"nfs\"", "\"Nfs_A.b\"")).unwrap();
+        assert_eq!(c.record_key_secret(), "cube-csi-bridge-nfs-a-b-record-key");
+        let c = parse(&format!(
+            "{MINIMAL}[kubernetes]\nrecord_key_secret = \"k\"\n"
+        ))
+        .unwrap();
+        assert_eq!(c.record_key_secret(), "k");
+        let err = parse(&format!(
+            "{MINIMAL}[kubernetes]\nrecord_key_secret = \"K_\"\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("kubernetes.record_key_secret"), "{err}");
     }
 
     #[test]

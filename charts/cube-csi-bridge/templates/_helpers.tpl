@@ -108,10 +108,11 @@ Checks across values that the schema cannot express; included by every workload 
 {{- end }}
 
 {{/*
-The Secret holding the key CubeVolume records are signed with (made by the bridge).
+The Secret holding the key CubeVolume records are signed with (made by the bridge); the same
+name the bridge derives from the driver when its config names none.
 */}}
 {{- define "cube-csi-bridge.recordKeySecret" -}}
-{{ include "cube-csi-bridge.fullname" . }}-record-key
+cube-csi-bridge-{{ regexReplaceAll "[^a-z0-9]" (lower .Values.driver) "-" }}-record-key
 {{- end }}
 
 {{/*
