@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -500,7 +501,13 @@ key = "CTRL-SECRET-5"
             controller_publish: true,
             ..Default::default()
         };
-        let w = World::start(mode, caps, secret_config).await;
+        // A config holding secrets must be private (the bridge refuses one others can read).
+        let mut w = World::start(Mode::Binary, caps, secret_config).await;
+        std::fs::set_permissions(&w.config_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        if mode == Mode::Rpc {
+            w.mode = mode;
+            w.start_daemon().await.unwrap();
+        }
         let created = w.create("sec").await.unwrap();
         let a = w
             .attach("sb", "sec", 0, &created.private_data)
