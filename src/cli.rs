@@ -200,6 +200,22 @@ impl HookArgs {
     }
 }
 
+/// Parses the arguments Cube passes a forked hook (everything after the executable name,
+/// `--op …`) into the hook's wire request, as a forked hook does before it reads its
+/// config or touches anything. The error is what the hook would print.
+pub fn parse_hook_argv(args: &[OsString]) -> Result<HookRequest, String> {
+    let mut full = vec![OsString::from("cube-csi-bridge"), OsString::from("hook")];
+    full.extend(args.iter().cloned());
+    match Cli::try_parse_from(full) {
+        Ok(Cli {
+            command: Command::Hook(hook),
+            ..
+        }) => hook.request(),
+        Ok(_) => Err("not a hook".into()),
+        Err(e) => Err(e.render().to_string()),
+    }
+}
+
 /// Entry point of the executable.
 pub fn main(args: Vec<OsString>) -> ExitCode {
     // The namespace reader must setns() before any thread exists (see mount::view).
@@ -499,6 +515,22 @@ mod tests {
             panic!()
         };
         assert_eq!(req.metadata["mount_dir"], "/d/x-v");
+    }
+
+    #[test]
+    fn parse_hook_argv_is_the_forked_hooks_parser() {
+        let argv: Vec<OsString> = ["--op", "destroy", "--volume-id", "-v"]
+            .into_iter()
+            .map(OsString::from)
+            .collect();
+        assert!(matches!(
+            parse_hook_argv(&argv),
+            Ok(HookRequest::Destroy(pb::DestroyRequest { volume_id })) if volume_id == "-v"
+        ));
+        let err = parse_hook_argv(&argv[..2]).unwrap_err();
+        assert!(err.contains("--volume-id"), "{err}");
+        let err = parse_hook_argv(&[OsString::from("--op"), OsString::from("x")]).unwrap_err();
+        assert!(err.contains("\"x\""), "{err}");
     }
 
     #[test]

@@ -852,7 +852,8 @@ async fn settled(root: &Path) -> BTreeMap<PathBuf, String> {
     }
 }
 
-fn assert_unchanged(before: &BTreeMap<PathBuf, String>, root: &Path, what: &str) {
+/// What changed under `root` since `before`.
+fn changes(before: &BTreeMap<PathBuf, String>, root: &Path) -> Result<(), String> {
     let after = snapshot(root);
     let added: Vec<_> = after.keys().filter(|k| !before.contains_key(*k)).collect();
     let removed: Vec<_> = before.keys().filter(|k| !after.contains_key(*k)).collect();
@@ -861,10 +862,18 @@ fn assert_unchanged(before: &BTreeMap<PathBuf, String>, root: &Path, what: &str)
         .filter(|(k, v)| before.get(*k).is_some_and(|b| b != *v))
         .map(|(k, _)| k)
         .collect();
-    assert!(
-        added.is_empty() && removed.is_empty() && changed.is_empty(),
-        "{what}: added {added:?}, removed {removed:?}, changed {changed:?}"
-    );
+    if added.is_empty() && removed.is_empty() && changed.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "added {added:?}, removed {removed:?}, changed {changed:?}"
+    ))
+}
+
+fn assert_unchanged(before: &BTreeMap<PathBuf, String>, root: &Path, what: &str) {
+    if let Err(e) = changes(before, root) {
+        panic!("{what}: {e}");
+    }
 }
 
 /// A forked hook as Cube sees it: exit code, stdout, stderr.
@@ -884,29 +893,41 @@ fn fork(argv: &[OsString], config: &Path) -> (i32, String, String) {
 }
 
 /// The failure of a forked hook: one JSON object with a non-empty error, a failing exit
-/// code; returns the error.
-fn hook_error(what: &str, (code, stdout, stderr): &(i32, String, String)) -> (i32, String) {
+/// code, the error also on stderr; returns the exit code and the error.
+fn hook_error((code, stdout, stderr): &(i32, String, String)) -> Result<(i32, String), String> {
     let object: serde_json::Map<String, serde_json::Value> = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("{what}: stdout is not one JSON object ({e}): {stdout:?}"));
-    assert_eq!(stdout.trim_end().lines().count(), 1, "{what}: {stdout:?}");
-    let error = object["error"].as_str().unwrap_or_default().to_string();
-    assert!(!error.is_empty() && *code != 0, "{what}: {code} {stdout}");
-    assert!(
-        stderr.contains(error.lines().next().unwrap()),
-        "{what}: the error also ends stderr (Cube shows stderr): {stderr}"
-    );
-    (*code, error)
+        .map_err(|e| format!("stdout is not one JSON object ({e}): {stdout:?}"))?;
+    if stdout.trim_end().lines().count() != 1 {
+        return Err(format!("more than one line of stdout: {stdout:?}"));
+    }
+    let error = object
+        .get("error")
+        .and_then(|e| e.as_str())
+        .unwrap_or_default()
+        .to_string();
+    if error.is_empty() || *code == 0 {
+        return Err(format!("accepted: exit {code}, {stdout}"));
+    }
+    if !stderr.contains(error.lines().next().unwrap_or_default()) {
+        return Err(format!(
+            "the error does not end stderr (Cube shows stderr): {stderr}"
+        ));
+    }
+    Ok((*code, error))
 }
 
 /// The symlinked base dir case must not have reached the real root.
-fn root_path_untouched() {
+fn root_path_untouched() -> Result<(), String> {
     let leaf = format!("{DRIVER}-{GOOD_ID}");
     for path in [
         Path::new("/").join(&leaf),
         Path::new("/.staging").join(&leaf),
     ] {
-        assert!(!path.exists(), "{} was created", path.display());
+        if path.exists() {
+            return Err(format!("{} was created", path.display()));
+        }
     }
+    Ok(())
 }
 
 /// A world with `{dir}/link` (an allowed base dir in the test config) a symlink to /.
@@ -924,12 +945,56 @@ async fn world(mode: Mode) -> (World, Ctx) {
     (w, ctx)
 }
 
+/// Runs one case over one transport: Ok, or what is wrong.
+async fn run_case(w: &World, case: &Case, mode: Mode) -> Option<Result<(), String>> {
+    let message = match (&case.input, mode) {
+        (Input::Hook(hook) | Input::RpcOnly(hook), Mode::Rpc) => {
+            match hook.rpc(&w.socket()).await {
+                Ok(()) => return Some(Err("accepted".into())),
+                Err(status) => Ok(status.message().to_string()),
+            }
+        }
+        (Input::Hook(hook), Mode::Binary) => {
+            hook_result(case, hook_error(&fork(&hook.argv(), &w.config_path)))
+        }
+        (Input::Argv(argv), Mode::Binary) => {
+            hook_result(case, hook_error(&fork(argv, &w.config_path)))
+        }
+        // No form in this transport.
+        (Input::RpcOnly(_), Mode::Binary) | (Input::Argv(_), Mode::Rpc) => return None,
+    };
+    Some(message.and_then(|message| {
+        if !message.contains(case.expect) {
+            return Err(format!(
+                "the error does not say {:?}: {message}",
+                case.expect
+            ));
+        }
+        if message.len() >= 2048 {
+            return Err(format!(
+                "the error echoes the input ({} bytes)",
+                message.len()
+            ));
+        }
+        Ok(())
+    }))
+}
+
+fn hook_result(case: &Case, outcome: Result<(i32, String), String>) -> Result<String, String> {
+    let (code, error) = outcome?;
+    if code != case.exit {
+        return Err(format!("exit code {code}, not {} ({error})", case.exit));
+    }
+    Ok(error)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn hostile_requests_get_clear_errors_and_change_nothing() {
     let mut checked = 0;
+    let mut failures = Vec::new();
     for mode in [Mode::Binary, Mode::Rpc] {
         let (w, ctx) = world(mode).await;
-        let before = settled(w.dir.path()).await;
+        let mut before = settled(w.dir.path()).await;
         if mode == Mode::Binary {
             assert!(
                 !before.contains_key(Path::new("state"))
@@ -939,51 +1004,40 @@ async fn hostile_requests_get_clear_errors_and_change_nothing() {
         }
         let table = cases(&ctx);
         assert!(table.len() >= 40, "{} cases", table.len());
-        for case in table {
-            let what = format!("{mode:?}: {}", case.name);
+        for case in &table {
             w.driver.clear_calls();
-            let message = match (&case.input, mode) {
-                (Input::Hook(hook) | Input::RpcOnly(hook), Mode::Rpc) => {
-                    let status = hook
-                        .rpc(&w.socket())
-                        .await
-                        .expect_err(&format!("{what}: accepted"));
-                    status.message().to_string()
-                }
-                (Input::Hook(hook), Mode::Binary) => {
-                    let (code, error) = hook_error(&what, &fork(&hook.argv(), &w.config_path));
-                    assert_eq!(code, case.exit, "{what}: exit code ({error})");
-                    error
-                }
-                (Input::Argv(argv), Mode::Binary) => {
-                    let (code, error) = hook_error(&what, &fork(argv, &w.config_path));
-                    assert_eq!(code, case.exit, "{what}: exit code ({error})");
-                    error
-                }
-                // No form in this transport.
-                (Input::RpcOnly(_), Mode::Binary) | (Input::Argv(_), Mode::Rpc) => continue,
+            let Some(outcome) = run_case(&w, case, mode).await else {
+                continue;
             };
-            assert!(
-                message.contains(case.expect),
-                "{what}: the error does not say {:?}: {message}",
-                case.expect
-            );
-            assert!(
-                message.len() < 2048,
-                "{what}: the error echoes the input ({} bytes)",
-                message.len()
-            );
-            assert_eq!(
-                w.driver.mutating_calls(),
-                Vec::<&str>::new(),
-                "{what}: CSI calls"
-            );
-            assert!(w.mounts().is_empty(), "{what}: mounts {:?}", w.mounts());
-            assert_unchanged(&before, w.dir.path(), &what);
-            root_path_untouched();
+            let calls = w.driver.mutating_calls();
+            let outcome = outcome
+                .and_then(|()| {
+                    if calls.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(format!("CSI calls {calls:?}"))
+                    }
+                })
+                .and_then(|()| match w.mounts() {
+                    m if m.is_empty() => Ok(()),
+                    m => Err(format!("mounts {m:?}")),
+                })
+                .and_then(|()| changes(&before, w.dir.path()))
+                .and_then(|()| root_path_untouched());
+            if let Err(e) = outcome {
+                failures.push(format!("{mode:?}: {}: {e}", case.name));
+                // Judge the next case against the state this one left.
+                before = snapshot(w.dir.path());
+            }
             checked += 1;
         }
     }
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} case runs failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     assert!(checked >= 80, "{checked} case runs");
 }
 
@@ -1082,7 +1136,7 @@ async fn broken_missing_and_exposed_configs_are_refused_before_anything() {
         })
         .argv();
         let out = fork(&argv, &path);
-        let (code, error) = hook_error(name, &out);
+        let (code, error) = hook_error(&out).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(code, 78, "{name}: {error}");
         assert!(error.contains(expect), "{name}: {error}");
         assert!(
