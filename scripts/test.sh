@@ -29,8 +29,13 @@ export CUBE_CSI_BRIDGE_K8S_BIN
 CUBE_CSI_BRIDGE_OPS_BIN="$(bash scripts/install-ops-tools.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_OPS_BIN
 
+# cargo-fuzz (scripts/fuzz.sh below), built from crates.io once and cached.
+CUBE_CSI_BRIDGE_FUZZ_BIN="$(bash scripts/install-fuzz-tools.sh | tail -n 1)"
+
 cargo fmt --check
 cargo clippy --locked --all-targets -- -D warnings
 # Licences, bans and sources of Cargo.lock (deny.toml; advisories: see there).
 bash scripts/check-deps.sh "$CUBE_CSI_BRIDGE_OPS_BIN"
 cargo test --locked
+# Each fuzz target (the parsers of what Cube and operators hand the bridge) for 20 s.
+bash scripts/fuzz.sh "$CUBE_CSI_BRIDGE_FUZZ_BIN"

@@ -1,0 +1,53 @@
+//! The config parser: any text is a config or an error naming the file, never a panic, and
+//! an error never quotes a secret (a `[secrets]` value or a mount flag) that the file holds
+//! only there.
+#![no_main]
+
+use std::path::Path;
+
+use cube_csi_bridge::config::Config;
+use libfuzzer_sys::fuzz_target;
+
+/// The values at secret-bearing places of a TOML table.
+fn secret_values(table: &toml::Table) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(toml::Value::Table(secrets)) = table.get("secrets") {
+        for family in secrets.values() {
+            if let toml::Value::Table(family) = family {
+                out.extend(
+                    family
+                        .values()
+                        .filter_map(|v| v.as_str().map(str::to_string)),
+                );
+            }
+        }
+    }
+    if let Some(flags) = table
+        .get("volume")
+        .and_then(|v| v.get("mount_flags"))
+        .and_then(|f| f.as_array())
+    {
+        out.extend(flags.iter().filter_map(|v| v.as_str().map(str::to_string)));
+    }
+    out
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Err(error) = Config::parse(text, Path::new("/fuzz.toml")) else {
+        return;
+    };
+    let message = error.to_string();
+    assert!(message.contains("/fuzz.toml"), "{message}");
+    if let Ok(table) = text.parse::<toml::Table>() {
+        for secret in secret_values(&table) {
+            // Long enough not to be a word of the message, and nowhere else in the file
+            // (other fields' values may be quoted).
+            if secret.len() >= 12 && text.matches(secret.as_str()).count() == 1 {
+                assert!(!message.contains(&secret), "{message}");
+            }
+        }
+    }
+});
