@@ -101,17 +101,28 @@ impl Bridge {
                 let loaded = source.load().await?;
                 if loaded.created {
                     tracing::info!(key = %source.describe(), "made the key controller records are signed with");
+                    // Kept until the signing pass succeeds, should it fail now.
+                    self.unsigned_records_pending
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
                 }
-                if loaded.created || self.config.controller.sign_unsigned_records {
-                    self.sign_unsigned_records(&loaded.key)
-                        .await
-                        .map_err(|e| {
-                            BridgeError::Precondition(format!(
+                let pending = self
+                    .unsigned_records_pending
+                    .load(std::sync::atomic::Ordering::SeqCst);
+                if pending || self.config.controller.sign_unsigned_records {
+                    match self.sign_unsigned_records(&loaded.key).await {
+                        Ok(_) => self
+                            .unsigned_records_pending
+                            .store(false, std::sync::atomic::Ordering::SeqCst),
+                        // Retried on the next use (the daemon starts anyway).
+                        Err(e @ BridgeError::Store(_)) if store_transient(&e) => return Err(e),
+                        Err(e) => {
+                            return Err(BridgeError::Precondition(format!(
                                 "signing the controller records written before records were \
                                  signed failed ({e}); set controller.sign_unsigned_records = \
                                  true for one restart to finish it"
-                            ))
-                        })?;
+                            )));
+                        }
+                    }
                 }
                 Ok(loaded.key)
             })
@@ -607,6 +618,10 @@ impl Bridge {
             .await?;
         Ok(true)
     }
+}
+
+fn store_transient(error: &BridgeError) -> bool {
+    matches!(error, BridgeError::Store(e) if e.is_transient())
 }
 
 fn being_reclaimed(volume_id: &str) -> BridgeError {

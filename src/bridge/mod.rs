@@ -82,6 +82,8 @@ pub struct Bridge {
     record_key_source: Option<Arc<dyn integrity::RecordKeySource>>,
     /// That key, once loaded.
     record_key: tokio::sync::OnceCell<integrity::RecordKey>,
+    /// This process made the key and has not yet signed the records from before keys.
+    unsigned_records_pending: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Bridge {
@@ -138,6 +140,7 @@ impl Bridge {
             boot_id: crate::store::journal::boot_id(),
             record_key_source,
             record_key: tokio::sync::OnceCell::new(),
+            unsigned_records_pending: Default::default(),
             config,
         })
     }

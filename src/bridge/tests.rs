@@ -1180,3 +1180,107 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         .unwrap();
     assert!(!w.backend_volumes().contains_key("cube-late"));
 }
+
+/// A store whose first `list` fails as an unreachable API server would.
+#[derive(Debug)]
+struct FlakyList {
+    inner: Arc<MemoryStore>,
+    failed_once: Mutex<bool>,
+}
+
+#[async_trait]
+impl ControllerStore for FlakyList {
+    async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        self.inner.get(volume_id).await
+    }
+    async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        self.inner.put(record).await
+    }
+    async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        self.inner.delete(record).await
+    }
+    async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        let first = !std::mem::replace(&mut *self.failed_once.lock().unwrap(), true);
+        if first {
+            return Err(StoreError::Backend {
+                store: "flaky".into(),
+                action: "listing".into(),
+                transient: true,
+                source: "unreachable".into(),
+            });
+        }
+        self.inner.list().await
+    }
+    fn describe(&self) -> String {
+        "flaky".into()
+    }
+}
+
+#[tokio::test]
+async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
+    let w = World::new(Fake::new(false, false));
+    let store = Arc::new(FlakyList {
+        inner: w.store.clone(),
+        failed_once: Mutex::new(false),
+    });
+    let config = Arc::new(
+        Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/fresh-state\"\nlock_dir = \"{d}/locks\"\n",
+                d = w.dir.path().display()
+            ),
+            Path::new("test.toml"),
+        )
+        .unwrap(),
+    );
+    let bridge = Bridge::new(
+        config,
+        crate::config::Roles::CONTROLLER,
+        Ports {
+            controller: Arc::new(w.fake.clone()),
+            node: Arc::new(w.fake.clone()),
+            store: Some(store),
+            settings: Arc::new(super::profile::ConfigSettings::new(
+                &Default::default(),
+                &Default::default(),
+            )),
+            mounts: Arc::new(w.fake.clone()),
+        },
+    )
+    .unwrap();
+    w.fake
+        .state
+        .lock()
+        .unwrap()
+        .volumes
+        .insert("cube-old".into(), "old-handle".into());
+    w.store.records.lock().unwrap().insert(
+        "old".into(),
+        VolumeRecord {
+            volume_id: "old".into(),
+            csi_name: "cube-old".into(),
+            csi_driver: Some("fake.csi".into()),
+            state: VolumeState::Created,
+            csi_volume_id: Some("old-handle".into()),
+            volume_context: Default::default(),
+            capacity_bytes: 0,
+            updated_at: 1,
+            deletion: None,
+            revision: Some("0".into()),
+            integrity: None,
+        },
+    );
+    let destroy = || {
+        bridge.destroy(DestroyVolume {
+            volume_id: "old".into(),
+        })
+    };
+    let err = destroy().await.unwrap_err();
+    assert!(
+        matches!(&err.error, BridgeError::Store(e) if e.is_transient()),
+        "{err}"
+    );
+    // The key exists now, but this process still owes the signing pass.
+    destroy().await.unwrap();
+    assert!(!w.backend_volumes().contains_key("cube-old"));
+}
