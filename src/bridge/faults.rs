@@ -13,7 +13,9 @@ pub fn point(hook: super::HookKind, when: When, step: &str) {
         if let Some(target) = crash_target()
             && target == format!("{hook}:{}:{step}", when.as_str())
         {
-            eprintln!("fault injection: crashing at {target}");
+            // Not eprintln!: it panics when nobody reads stderr any more.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "fault injection: crashing at {target}");
             let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
         }
     }
