@@ -7,11 +7,11 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::callers::{Hook, attach_request};
 use common::fake_driver::{Behavior, Caps};
-use common::{BRIDGE, MODES, Mode, World};
+use common::{MODES, Mode, World};
 use cube_csi_bridge::csi::Endpoint;
 use cube_csi_bridge::proto::cube::v1 as pb;
 
@@ -90,8 +90,7 @@ async fn an_rpc_attach_cancelled_by_its_callers_deadline_is_rolled_back() {
         [Behavior::Delay(Duration::from_secs(3))],
     );
     let channel = cube_csi_bridge::csi::client::channel(&Endpoint::Unix(w.socket()));
-    let mut client =
-        pb::volume_plugin_service_client::VolumePluginServiceClient::new(channel);
+    let mut client = pb::volume_plugin_service_client::VolumePluginServiceClient::new(channel);
     let mut request = tonic::Request::new(pb::AttachRequest {
         sandbox_id: "sb".into(),
         namespace: "default".into(),
@@ -111,8 +110,13 @@ async fn an_rpc_attach_cancelled_by_its_callers_deadline_is_rolled_back() {
         w.driver.mutating_calls()
     );
     // Cube's next create attaches the volume afresh.
-    let again = w.attach("sb", "cancelled", 0, &created.private_data).await.unwrap();
-    w.detach("sb", "cancelled", 0, &again.metadata).await.unwrap();
+    let again = w
+        .attach("sb", "cancelled", 0, &created.private_data)
+        .await
+        .unwrap();
+    w.detach("sb", "cancelled", 0, &again.metadata)
+        .await
+        .unwrap();
 }
 
 /// A forked Attach that Cube SIGKILLs after 1 s while NodePublishVolume takes 3 s.
@@ -125,43 +129,33 @@ async fn a_binary_attach_killed_by_cube_is_rolled_back() {
         "NodePublishVolume",
         [Behavior::Delay(Duration::from_secs(3))],
     );
-    let base = w.base_dir.display().to_string();
-    let mut hook = tokio::process::Command::new(BRIDGE)
-        .args([
-            "--op",
-            "attach",
-            "--sandbox-id",
-            "sb",
-            "--namespace",
-            "default",
-            "--volume-id",
-            "killed",
-            "--ref-count",
-            "0",
-            "--volume-base-dir",
-            &base,
-            "--private-data",
-            &created.private_data,
-        ])
-        .env("CUBE_CSI_BRIDGE_CONFIG", &w.config_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut hook = w.binary_caller().spawn(&Hook::Attach(attach_request(
+        "default",
+        &w.base_dir,
+        "sb",
+        "killed",
+        0,
+        &created.private_data,
+    )));
     tokio::time::sleep(Duration::from_secs(1)).await;
     // What Go's exec.CommandContext does at the deadline: SIGKILL the process it started.
     hook.start_kill().unwrap();
     // Cube then waits for the pipes: nothing may hold them for long.
     let waited = tokio::time::timeout(Duration::from_secs(2), hook.wait_with_output()).await;
-    assert!(waited.is_ok(), "a child of the killed hook kept Cube's pipes open");
+    assert!(
+        waited.is_ok(),
+        "a child of the killed hook kept Cube's pipes open"
+    );
     assert!(
         eventually(Duration::from_secs(15), || nothing_left(&w, "killed")).await,
         "left behind: mounts {:?}, calls {:?}",
         w.mounts(),
         w.driver.mutating_calls()
     );
-    let again = w.attach("sb", "killed", 0, &created.private_data).await.unwrap();
+    let again = w
+        .attach("sb", "killed", 0, &created.private_data)
+        .await
+        .unwrap();
     w.detach("sb", "killed", 0, &again.metadata).await.unwrap();
 }
 
@@ -189,7 +183,9 @@ async fn start_up_reconciliation_never_acts_on_a_stale_copy() {
     let mut handles = std::collections::HashMap::new();
     for volume in ["a-slow", "b-live"] {
         let created = w.create(volume).await.unwrap();
-        w.attach("sb", volume, 0, &created.private_data).await.unwrap();
+        w.attach("sb", volume, 0, &created.private_data)
+            .await
+            .unwrap();
         handles.insert(volume, created.private_data);
     }
     // Two attaches interrupted by a crash in NodePublishVolume: nobody holds them.
@@ -208,7 +204,10 @@ async fn start_up_reconciliation_never_acts_on_a_stale_copy() {
     );
     w.start_daemon().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let live = w.attach("sb", "b-live", 0, &handles["b-live"]).await.unwrap();
+    let live = w
+        .attach("sb", "b-live", 0, &handles["b-live"])
+        .await
+        .unwrap();
     // Reconciliation reaches b-live after the Attach: it must see the fresh record.
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(
@@ -223,7 +222,10 @@ async fn after_a_reboot_attachments_of_the_earlier_boot_are_torn_down() {
     require_root!();
     let mut w = World::start(Mode::Rpc, Caps::staging(), "").await;
     let created = w.create("old").await.unwrap();
-    let a = w.attach("sb", "old", 0, &created.private_data).await.unwrap();
+    let a = w
+        .attach("sb", "old", 0, &created.private_data)
+        .await
+        .unwrap();
     let mut daemon = w.daemon.take().unwrap();
     daemon.kill().await.unwrap();
     // The reboot: the mount is gone, the journal says it was another boot, and the
@@ -250,13 +252,19 @@ async fn a_held_volume_whose_mount_was_lost_is_mounted_again_at_start_up() {
     require_root!();
     let mut w = World::start(Mode::Rpc, Caps::staging(), "").await;
     let created = w.create("lost").await.unwrap();
-    let a = w.attach("sb", "lost", 0, &created.private_data).await.unwrap();
+    let a = w
+        .attach("sb", "lost", 0, &created.private_data)
+        .await
+        .unwrap();
     let mut daemon = w.daemon.take().unwrap();
     daemon.kill().await.unwrap();
     cube_csi_bridge::mount::ops::unmount(Path::new(&a.host_path)).unwrap();
     w.start_daemon().await.unwrap();
     assert!(
-        eventually(Duration::from_secs(15), || is_mounted(Path::new(&a.host_path))).await,
+        eventually(Duration::from_secs(15), || is_mounted(Path::new(
+            &a.host_path
+        )))
+        .await,
         "the lost mount of a held volume was only reported"
     );
     w.detach("sb", "lost", 0, &a.metadata).await.unwrap();
@@ -269,7 +277,10 @@ async fn an_empty_journal_record_does_not_make_a_volume_unattachable() {
     for mode in MODES {
         let w = World::start(mode, Caps::staging(), "").await;
         let created = w.create("torn").await.unwrap();
-        let a = w.attach("s1", "torn", 0, &created.private_data).await.unwrap();
+        let a = w
+            .attach("s1", "torn", 0, &created.private_data)
+            .await
+            .unwrap();
         // A power loss after a non-durable save: the record is an empty file.
         std::fs::write(w.dir.path().join("state/node/torn.json"), b"").unwrap();
         let b = w
@@ -290,8 +301,10 @@ async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
                  [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
     let mut w = World::start(Mode::Rpc, Caps::default(), extra).await;
     // CreateVolume answers after the daemon is gone: the handle is never recorded.
-    w.driver
-        .script("CreateVolume", [Behavior::Delay(Duration::from_millis(500))]);
+    w.driver.script(
+        "CreateVolume",
+        [Behavior::Delay(Duration::from_millis(500))],
+    );
     let creating = {
         let channel = cube_csi_bridge::csi::client::channel(&Endpoint::Unix(w.socket()));
         let mut client =
