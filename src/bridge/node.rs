@@ -355,15 +355,9 @@ impl Bridge {
             .parent()
             .expect("target has a parent")
             .to_path_buf();
-        let staging = plan.stage.then(|| paths.staging.clone());
         blocking(move || {
             // Cubelet creates the base dir before Attach; do it too, for other callers.
-            ops::ensure_dir(&base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))?;
-            if let Some(staging) = staging {
-                // The CO creates the staging directory (CSI spec); the driver the target.
-                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))?;
-            }
-            Ok(())
+            ops::ensure_dir(&base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))
         })
         .await?;
 
@@ -395,6 +389,13 @@ impl Bridge {
             record.staging_path = Some(paths.staging.clone());
             record.stage = Step::Uncertain;
             self.save(hook, record, true).await?;
+            // The CO creates the staging directory (CSI spec); the driver the target. Only
+            // now that the record names it, so that a crash never strands it.
+            let staging = paths.staging.clone();
+            blocking(move || {
+                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))
+            })
+            .await?;
             let call = Stage {
                 csi_volume_id: record.csi_volume_id.clone(),
                 staging_path: paths.staging.clone(),
