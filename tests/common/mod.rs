@@ -146,6 +146,11 @@ impl World {
 
     /// Starts `cube-csi-bridge serve` and waits until its socket accepts connections.
     pub async fn start_daemon(&mut self) -> Result<(), String> {
+        self.start_daemon_with_env(&[]).await
+    }
+
+    /// [`World::start_daemon`] with extra environment (e.g. a fault-injection point).
+    pub async fn start_daemon_with_env(&mut self, env: &[(&str, &str)]) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -155,13 +160,16 @@ impl World {
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("RUST_LOG", "debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        for _ in 0..500 {
+        // Generous: a debug build on a loaded machine can take seconds to start.
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < until {
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(format!(
                     "daemon exited with {status}: {}",
@@ -174,7 +182,7 @@ impl World {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        Err("daemon did not listen within 5 s".into())
+        Err("daemon did not listen within 30 s".into())
     }
 
     /// Everything the bridge logged: the daemon's stderr and every forked hook's.
