@@ -323,12 +323,12 @@ struct Lab {
 /// The config's extra part: short budgets, and the sweep only when asked for.
 fn extra(sweep: bool) -> String {
     let sweep = if sweep {
-        "sweep_interval_secs = 1\nabandoned_create_secs = 2\n"
+        "sweep_interval_secs = 1\nabandoned_create_secs = 4\n"
     } else {
         "sweep_interval_secs = 0\n"
     };
     format!(
-        "[controller]\n{sweep}\n[timeouts]\ncreate_secs = 1\ndestroy_secs = 10\n\
+        "[controller]\n{sweep}\n[timeouts]\ncreate_secs = 2\ndestroy_secs = 10\n\
          attach_secs = 10\ndetach_secs = 10\nrollback_secs = 10\n"
     )
 }
@@ -378,17 +378,27 @@ impl Lab {
     }
 
     /// Drives `hook` with the crash point armed and checks that the process died there by
-    /// SIGKILL. `leave_after`: the caller gives up after that long (its deadline, or Cube
-    /// killing the process it forked).
-    async fn crash(&mut self, hook: Hook, leave_after: Option<Duration>) -> Result<(), String> {
+    /// SIGKILL. `leave_during`: the caller gives up once the driver is inside that (slow)
+    /// CSI call — rpc: the client drops the call, as at its deadline; forked: Cube
+    /// SIGKILLs the process it started.
+    async fn crash(&mut self, hook: Hook, leave_during: Option<&str>) -> Result<(), String> {
         let point = self.case.point();
         let _ = std::fs::remove_file(&self.mark);
+        self.w.driver.clear_calls();
         match self.case.transport {
             Transport::Daemon => {
                 self.daemon(Some(&point)).await?;
-                let mut rpc = RpcCaller::new(&self.w.socket());
-                rpc.timeout = leave_after;
-                if let Ok(answer) = rpc.call(hook).await {
+                let rpc = RpcCaller::new(&self.w.socket());
+                let call = tokio::spawn(async move { rpc.call(hook).await });
+                let answer = match leave_during {
+                    None => call.await.unwrap().ok(),
+                    Some(method) => {
+                        self.wait_for_call(method).await?;
+                        call.abort();
+                        None
+                    }
+                };
+                if let Some(answer) = answer {
                     return Err(format!(
                         "{point} was not reached: the hook answered {answer:?}"
                     ));
@@ -409,7 +419,7 @@ impl Lab {
                     .binary_caller()
                     .with_env(CRASH_AT, &point)
                     .with_env(CRASH_MARK, &self.mark.display().to_string());
-                match leave_after {
+                match leave_during {
                     None => {
                         if let Ok(answer) = binary.call(hook).await {
                             return Err(format!(
@@ -417,9 +427,9 @@ impl Lab {
                             ));
                         }
                     }
-                    Some(after) => {
+                    Some(method) => {
                         let mut front = binary.spawn(&hook);
-                        tokio::time::sleep(after).await;
+                        self.wait_for_call(method).await?;
                         // What Cube does at its deadline: SIGKILL the process it forked.
                         front.start_kill().unwrap();
                         let _ = front.wait().await;
@@ -431,6 +441,18 @@ impl Lab {
         }
         self.w.driver.clear_calls();
         self.note(format!("killed at {point}"));
+        Ok(())
+    }
+
+    /// Waits until the driver has received a call of `method`.
+    async fn wait_for_call(&self, method: &str) -> Result<(), String> {
+        let until = Instant::now() + CONVERGE_LIMIT;
+        while !self.w.driver.calls().iter().any(|c| c.method == method) {
+            if Instant::now() >= until {
+                return Err(format!("the hook never called {method}"));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         Ok(())
     }
 
@@ -764,9 +786,9 @@ async fn create_case(lab: &mut Lab) -> Result<String, String> {
         Scenario::CreateAbandoned => {
             lab.w.driver.script(
                 "CreateVolume",
-                [Behavior::Delay(Duration::from_millis(600))],
+                [Behavior::Delay(Duration::from_millis(500))],
             );
-            lab.crash(create, Some(Duration::from_millis(200))).await?;
+            lab.crash(create, Some("CreateVolume")).await?;
         }
         Scenario::Sweep => {
             // A Create that died after recording its intent, then a sweep that dies.
@@ -943,7 +965,7 @@ async fn node_case(lab: &mut Lab) -> Result<String, String> {
                 "NodePublishVolume",
                 [Behavior::Delay(Duration::from_millis(1000))],
             );
-            lab.crash(attach, Some(Duration::from_millis(300))).await?;
+            lab.crash(attach, Some("NodePublishVolume")).await?;
         } else {
             lab.crash(attach, None).await?;
         }
