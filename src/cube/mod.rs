@@ -1,6 +1,7 @@
 //! North side: Cube's volume-plugin protocol — the gRPC services, the forked binary
 //! hook, request validation, and the one mapping of errors to what Cube sees.
 
+pub mod authority;
 pub mod binary;
 pub mod errors;
 pub mod hooks;

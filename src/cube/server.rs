@@ -12,6 +12,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::transport::Server;
 
+use super::authority::fix_incoming;
 use super::service::CubeService;
 use crate::bridge::{Bridge, ProcessMode, Roles};
 use crate::config::Config;
@@ -117,8 +118,9 @@ pub async fn serve(config: Config, shutdown: impl Future<Output = ()>) -> anyhow
             .add_optional_service(controller)
             .add_optional_service(node)
     };
-    let unix_server =
-        router().serve_with_incoming_shutdown(UnixListenerStream::new(unix), stopped());
+    // fix_incoming: every gRPC client may call the socket, not only grpc-go (authority.rs).
+    let unix_server = router()
+        .serve_with_incoming_shutdown(fix_incoming(UnixListenerStream::new(unix)), stopped());
     let tcp_server = async {
         match tcp {
             Some(listener) => {
