@@ -166,16 +166,22 @@ enum Stage {
     SteppedAside,
 }
 
-/// A header block being collected (a HEADERS frame and its CONTINUATIONs).
-#[derive(Debug, Default)]
+/// What a rewritten block keeps from its HEADERS frame.
+#[derive(Debug, Clone, Copy)]
+struct BlockHead {
+    stream_id: u32,
+    end_stream: bool,
+    priority: Option<[u8; 5]>,
+}
+
+/// A header block split over a HEADERS frame and CONTINUATIONs, being collected.
+#[derive(Debug)]
 struct OpenBlock {
+    head: BlockHead,
     /// The frames as received, to forward unchanged.
     raw: Vec<u8>,
     /// The HPACK fragments, concatenated.
     fragment: Vec<u8>,
-    stream_id: u32,
-    end_stream: bool,
-    priority: Option<[u8; 5]>,
 }
 
 /// The connection's read-side state machine, free of I/O so it is tested on byte strings.
@@ -211,7 +217,7 @@ impl Filter {
             stage: Stage::Preface(0),
             passing: 0,
             block: None,
-            decoder: loona_hpack::Decoder::new(),
+            decoder: mirror_decoder(),
             rewriting: false,
             rewritten_blocks: 0,
             names_values: Vec::new(),
@@ -314,6 +320,7 @@ impl Filter {
         let flags = frame[4];
         let stream_id = u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]) & 0x7fff_ffff;
         let payload = &frame[FRAME_HEADER_LEN..];
+        let end_headers = flags & FLAG_END_HEADERS != 0;
         if kind == TYPE_HEADERS {
             if self.block.is_some() {
                 return false;
@@ -321,32 +328,51 @@ impl Filter {
             let Some((fragment, priority)) = headers_fragment(flags, payload) else {
                 return false;
             };
-            self.block = Some(OpenBlock {
-                raw: frame.to_vec(),
-                fragment: fragment.to_vec(),
+            let head = BlockHead {
                 stream_id,
                 end_stream: flags & FLAG_END_STREAM != 0,
                 priority,
-            });
-        } else {
-            let Some(block) = self.block.as_mut() else {
-                return false;
             };
-            if block.stream_id != stream_id {
-                return false;
+            if end_headers {
+                // The usual case: the whole block in one frame, used where it lies.
+                self.finish_block(head, fragment, frame, output);
+            } else {
+                self.block = Some(OpenBlock {
+                    head,
+                    raw: frame.to_vec(),
+                    fragment: fragment.to_vec(),
+                });
             }
-            block.raw.extend_from_slice(frame);
-            block.fragment.extend_from_slice(payload);
-        }
-        if flags & FLAG_END_HEADERS == 0 {
             return true;
         }
-        let block = self.block.take().expect("a block is open");
-        if !self.decode(&block.fragment) {
+        let Some(block) = self.block.as_mut() else {
+            return false;
+        };
+        if block.head.stream_id != stream_id {
+            return false;
+        }
+        block.raw.extend_from_slice(frame);
+        block.fragment.extend_from_slice(payload);
+        if end_headers {
+            let block = self.block.take().expect("a block is open");
+            self.finish_block(block.head, &block.fragment, &block.raw, output);
+        }
+        true
+    }
+
+    /// Passes on a complete header block: `raw` as received, or re-encoded.
+    fn finish_block(
+        &mut self,
+        head: BlockHead,
+        fragment: &[u8],
+        raw: &[u8],
+        output: &mut BytesMut,
+    ) {
+        if !self.decode(fragment) {
             // Leave the block and the rest to h2, which will fail it as it would have.
-            output.extend_from_slice(&block.raw);
+            output.extend_from_slice(raw);
             self.stage = Stage::SteppedAside;
-            return true;
+            return;
         }
         let refused = self.fields().any(|(name, value)| {
             name == b":authority" && http::uri::Authority::try_from(value).is_err()
@@ -354,17 +380,16 @@ impl Filter {
         if refused && !self.rewriting {
             self.rewriting = true;
             tracing::debug!(
-                stream_id = block.stream_id,
+                stream_id = head.stream_id,
                 "rewriting an HTTP/2 :authority h2 would refuse (a socket path) to localhost on this connection"
             );
         }
         if self.rewriting {
-            self.write_rewritten(&block, output);
+            self.write_rewritten(head, output);
             self.rewritten_blocks += 1;
         } else {
-            output.extend_from_slice(&block.raw);
+            output.extend_from_slice(raw);
         }
-        true
     }
 
     /// Decodes a block into the scratch list, updating the mirror table.
@@ -392,7 +417,7 @@ impl Filter {
 
     /// Re-encodes the decoded block as literals without indexing (no table is touched),
     /// with a refused `:authority` replaced, framed as HEADERS + CONTINUATIONs.
-    fn write_rewritten(&self, block: &OpenBlock, output: &mut BytesMut) {
+    fn write_rewritten(&self, head: BlockHead, output: &mut BytesMut) {
         let mut encoded = Vec::with_capacity(self.names_values.len() + 4 * self.fields.len());
         for (name, value) in self.fields() {
             let value = if name == b":authority" && http::uri::Authority::try_from(value).is_err() {
@@ -406,28 +431,36 @@ impl Filter {
             encode_string(value, &mut encoded);
         }
         let mut flags = 0;
-        if block.end_stream {
+        if head.end_stream {
             flags |= FLAG_END_STREAM;
         }
         let mut first = Vec::new();
-        if let Some(priority) = block.priority {
+        if let Some(priority) = head.priority {
             flags |= FLAG_PRIORITY;
             first.extend_from_slice(&priority);
         }
         let room = MAX_WRITTEN_FRAME - first.len();
-        let (head, mut rest) = encoded.split_at(room.min(encoded.len()));
-        first.extend_from_slice(head);
+        let (leading, mut rest) = encoded.split_at(room.min(encoded.len()));
+        first.extend_from_slice(leading);
         if rest.is_empty() {
             flags |= FLAG_END_HEADERS;
         }
-        write_frame(output, TYPE_HEADERS, flags, block.stream_id, &first);
+        write_frame(output, TYPE_HEADERS, flags, head.stream_id, &first);
         while !rest.is_empty() {
             let (chunk, more) = rest.split_at(MAX_WRITTEN_FRAME.min(rest.len()));
             let flags = if more.is_empty() { FLAG_END_HEADERS } else { 0 };
-            write_frame(output, TYPE_CONTINUATION, flags, block.stream_id, chunk);
+            write_frame(output, TYPE_CONTINUATION, flags, head.stream_id, chunk);
             rest = more;
         }
     }
+}
+
+/// An HPACK decoder that accepts what h2's decoder accepts: a dynamic table of at most
+/// SETTINGS_HEADER_TABLE_SIZE's initial 4096 bytes (tonic leaves hyper's h2 at that).
+fn mirror_decoder() -> loona_hpack::Decoder<'static> {
+    let mut decoder = loona_hpack::Decoder::new();
+    decoder.set_max_allowed_table_size(4096);
+    decoder
 }
 
 /// The header block fragment of a HEADERS payload (padding and priority removed), and
