@@ -68,11 +68,6 @@ impl<IO> AuthorityFix<IO> {
             filter: Filter::new(),
         }
     }
-
-    /// How many header blocks of this connection were re-encoded (tests, logs).
-    pub fn rewritten_blocks(&self) -> u64 {
-        self.filter.rewritten_blocks
-    }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for AuthorityFix<IO> {
@@ -195,9 +190,11 @@ struct Filter {
     /// Once a block was rewritten, h2's table no longer matches the client's: every
     /// later block is re-encoded.
     rewriting: bool,
+    /// Header blocks re-encoded so far (the tests check it).
     rewritten_blocks: u64,
     /// Scratch space for one decoded header list, reused across blocks.
     names_values: Vec<u8>,
+    /// Per field: (start in `names_values`, name length, value length).
     fields: Vec<(usize, usize, usize)>,
 }
 
