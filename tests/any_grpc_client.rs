@@ -74,7 +74,8 @@ fn assert_one_lifecycle(w: &World, who: &str) {
 /// tests/python/cube_hooks.py: one grpcio channel, one JSON call per line.
 struct PythonClient {
     child: Child,
-    stdin: ChildStdin,
+    /// Closed on drop: the script then ends and removes its stub directory.
+    stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
 }
 
@@ -93,7 +94,7 @@ impl PythonClient {
         let stdout = BufReader::new(child.stdout.take().unwrap());
         PythonClient {
             child,
-            stdin,
+            stdin: Some(stdin),
             stdout,
         }
     }
@@ -101,8 +102,9 @@ impl PythonClient {
     /// One hook; Ok(response) or Err((code name, details)).
     fn call(&mut self, method: &str, request: Value) -> Result<Value, (String, String)> {
         let line = json!({"method": method, "request": request}).to_string();
-        writeln!(self.stdin, "{line}").unwrap();
-        self.stdin.flush().unwrap();
+        let stdin = self.stdin.as_mut().expect("open until drop");
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
         let mut answer = String::new();
         self.stdout.read_line(&mut answer).unwrap();
         let answer: Value = serde_json::from_str(&answer)
@@ -118,6 +120,13 @@ impl PythonClient {
 
 impl Drop for PythonClient {
     fn drop(&mut self) {
+        drop(self.stdin.take());
+        for _ in 0..500 {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
