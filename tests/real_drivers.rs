@@ -17,6 +17,7 @@
 mod common;
 
 use std::path::Path;
+use std::time::Duration;
 
 use common::real_drivers::{
     DriverKind, NFS_MOUNT_FLAGS, NFS_SERVER, NFS_SHARE, NodeOptions, RealNode, csi_volume_id,
@@ -261,6 +262,7 @@ async fn two_nodes_share_one_nfs_volume() {
             services: "node",
             node_id: "node-2",
             exports: Some(one.exports.clone()),
+            ..NodeOptions::default()
         },
     )
     .await;
@@ -373,4 +375,78 @@ async fn failed_attach_against_real_drivers_leaves_nothing_behind() {
             cube.destroy("bad").await.expect("destroy");
         }
     }
+}
+
+/// The metrics endpoint, scraped while the real hostpathplugin serves: hook counters and
+/// CSI latency histograms move, and the driver's NodeGetVolumeStats reaches the gauges.
+#[tokio::test(flavor = "multi_thread")]
+async fn hostpathplugin_stats_and_hook_metrics_reach_the_metrics_endpoint() {
+    let bins = require_real_drivers!();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let options = NodeOptions {
+        extra_config: format!(
+            "[metrics]\nlisten = \"127.0.0.1:{port}\"\nvolume_stats_interval_secs = 5\n"
+        ),
+        ..NodeOptions::default()
+    };
+    let node = RealNode::start(&bins, DriverKind::HostPath, Mode::Rpc, options).await;
+    let cube = node.cube();
+    let (_, private_data) = cube.create("stats").await.unwrap();
+    let a = cube
+        .attach(&node.base_dir, "sb", "stats", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("attach: {f:?}\n{}", node.logs()));
+    std::fs::write(a.host_path.join("data"), vec![7u8; 1 << 20]).unwrap();
+    let scrape = || async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.unwrap();
+        text
+    };
+    let gauge = "cube_csi_bridge_volume_capacity_bytes{volume_id=\"stats\"}";
+    let mut text = scrape().await;
+    for _ in 0..60 {
+        if text.contains(gauge) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        text = scrape().await;
+    }
+    for needle in [
+        gauge,
+        "cube_csi_bridge_volume_used_bytes{volume_id=\"stats\"}",
+        "cube_csi_bridge_volume_available_bytes{volume_id=\"stats\"}",
+        "cube_csi_bridge_volume_abnormal{volume_id=\"stats\"}",
+        "cube_csi_bridge_attached_volumes 1",
+        "cube_csi_bridge_volume_holders 1",
+        "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\"} 1",
+        "cube_csi_bridge_hook_calls_total{hook=\"create\",outcome=\"success\"} 1",
+        "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodeStageVolume\",code=\"Ok\"} 1",
+        "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodePublishVolume\",code=\"Ok\"} 1",
+        "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodeGetVolumeStats\",code=\"Ok\"}",
+    ] {
+        assert!(
+            text.contains(needle),
+            "{needle} missing:\n{text}\n{}",
+            node.logs()
+        );
+    }
+    cube.detach("sb", "stats", 0, &a.metadata).await.unwrap();
+    cube.destroy("stats").await.unwrap();
+    let text = scrape().await;
+    assert!(
+        text.contains("cube_csi_bridge_hook_calls_total{hook=\"detach\",outcome=\"success\"} 1"),
+        "{text}"
+    );
 }

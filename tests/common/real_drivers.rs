@@ -238,6 +238,8 @@ pub struct NodeOptions {
     pub node_id: &'static str,
     /// The NFS exports root to share with another node (default: the node's own).
     pub exports: Option<PathBuf>,
+    /// TOML tables appended to the bridge's config.
+    pub extra_config: String,
 }
 
 impl Default for NodeOptions {
@@ -246,6 +248,7 @@ impl Default for NodeOptions {
             services: "both",
             node_id: "node-1",
             exports: None,
+            extra_config: String::new(),
         }
     }
 }
@@ -345,7 +348,9 @@ destroy_secs = 45
 attach_secs = 45
 detach_secs = 40
 rollback_secs = 10
+{extra}
 "#,
+            extra = options.extra_config,
             driver = kind.cube_name(),
             csi = node.driver().socket.display(),
             socket = node.socket.display(),
