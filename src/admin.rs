@@ -8,20 +8,24 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use crate::bridge::Deadline;
+use crate::bridge::inventory::node_volumes;
 use crate::bridge::ports::ControllerDriver;
 use crate::config::Config;
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::mount::{MountTable, MountView};
 use crate::store::NodeJournal;
 
-/// Checks the config, the driver and the host; prints a line per finding. Returns
-/// whether everything needed is in place.
-pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
-    let mut ok = true;
-    let mut report = |good: bool, what: String| {
-        println!("{} {what}", if good { "ok  " } else { "FAIL" });
-        ok &= good;
-    };
+/// One finding of `check`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Finding {
+    pub ok: bool,
+    pub what: String,
+}
+
+/// Checks the config, the driver and the host: every finding, good or bad.
+pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Finding>> {
+    let mut findings = Vec::new();
+    let mut report = |ok: bool, what: String| findings.push(Finding { ok, what });
     report(true, format!("config {} is valid", config.source.display()));
     let deadline = Deadline::after(budget);
     let node = GrpcDriver::new(CsiClient::new(&config.csi.endpoint));
@@ -78,8 +82,90 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<bool> {
                 format!("volume base dir {} does not exist yet", base.display()),
             ),
         }
+        let (ok, what) = prove_visibility(&base, mounts.as_ref(), &deadline).await;
+        report(ok, what);
     }
-    Ok(ok)
+    Ok(findings)
+}
+
+/// Prints findings as text (`ok  `/`FAIL` lines) or one JSON document.
+pub fn render_findings(findings: &[Finding], output: Output) -> String {
+    match output {
+        Output::Json => {
+            let ok = findings.iter().all(|f| f.ok);
+            serde_json::json!({ "ok": ok, "findings": findings }).to_string() + "\n"
+        }
+        Output::Text => findings
+            .iter()
+            .map(|f| format!("{} {}\n", if f.ok { "ok  " } else { "FAIL" }, f.what))
+            .collect(),
+    }
+}
+
+/// Makes a bind mount under the base dir, as a CSI driver would, and asks the mount view
+/// (Cubelet's namespace, when it exists) whether it sees it; then removes it. This is
+/// what every Attach depends on, proven before the first sandbox needs it.
+async fn prove_visibility(
+    base: &Path,
+    mounts: &dyn crate::bridge::ports::MountCheck,
+    deadline: &Deadline,
+) -> (bool, String) {
+    use crate::bridge::ports::Visibility;
+    use crate::mount::ops;
+    if !nix::unistd::Uid::effective().is_root() {
+        return (
+            false,
+            "propagation not proven: making a test mount needs root".into(),
+        );
+    }
+    let probe = base.join(format!(".cube-csi-bridge-check-{}", std::process::id()));
+    let source = probe.with_extension("src");
+    let made = (|| {
+        ops::ensure_dir(&probe, 0o700)?;
+        ops::ensure_dir(&source, 0o700)?;
+        ops::bind_mount(&source, &probe, true)
+    })();
+    let verdict = match made {
+        Err(e) => (
+            false,
+            format!(
+                "propagation not proven: cannot make a test mount under {}: {e}",
+                base.display()
+            ),
+        ),
+        Ok(()) => match mounts.visibility(&probe, deadline).await {
+            Ok(Visibility::Mounted) => (
+                true,
+                format!(
+                    "a test mount under {} is visible in {}",
+                    base.display(),
+                    mounts.describe()
+                ),
+            ),
+            Ok(Visibility::Unchecked) => (
+                true,
+                "propagation not checked (node.mount_view = \"none\")".into(),
+            ),
+            Ok(Visibility::NotMounted) => (
+                false,
+                format!(
+                    "a test mount under {} does NOT show in {}: volumes would be invisible \
+                     to sandboxes; make the base dir a shared mount (mount --make-rshared) \
+                     or run the bridge as Cubelet's binary plugin",
+                    base.display(),
+                    mounts.describe()
+                ),
+            ),
+            Err(e) => (
+                false,
+                format!("propagation not proven: reading {}: {e}", mounts.describe()),
+            ),
+        },
+    };
+    let _ = ops::unmount(&probe);
+    let _ = ops::remove_dir_if_empty(&probe);
+    let _ = ops::remove_dir_if_empty(&source);
+    verdict
 }
 
 /// The mount point `path` lies on and whether it propagates (is shared).
@@ -133,38 +219,111 @@ pub fn registration_snippets(config: &Config, binary: &Path) -> String {
     out
 }
 
-/// A table of the node journal: one line per attached volume.
-pub fn list(config: &Config) -> anyhow::Result<String> {
+/// How `list` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Text,
+    Json,
+}
+
+/// This node's volumes: the node journal joined with the mount table.
+pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
     let journal = NodeJournal::open(&config.state.journal_dir())?;
-    let mounts = MountTable::read(None)?;
-    let mut out = String::from("VOLUME\tMOUNTED\tPUBLISH\tSTAGE\tHOST_PATH\tHOLDERS\n");
-    for volume_id in journal.volume_ids()? {
-        match journal.load(&volume_id) {
-            Ok(Some(r)) => {
-                let holders: Vec<String> = r
-                    .holders
-                    .iter()
-                    .flat_map(|(ns, sandboxes)| {
-                        let ns = ns.clone();
-                        sandboxes.iter().map(move |sb| format!("{ns}/{sb}"))
-                    })
-                    .collect();
-                let _ = writeln!(
-                    out,
-                    "{}\t{}\t{}\t{}\t{}\t{}",
-                    r.volume_id,
-                    mounts.is_mount_point(&r.target_path),
-                    r.publish.as_str(),
-                    r.stage.as_str(),
-                    r.target_path.display(),
-                    holders.join(",")
-                );
-            }
-            Ok(None) => {}
-            Err(e) => {
-                let _ = writeln!(out, "{volume_id}\t?\t?\t?\t{e}\t");
-            }
+    let mounts = MountView::new(&config.node.mount_view, false);
+    let volumes = node_volumes(&journal, &mounts).await?;
+    if output == Output::Json {
+        return Ok(serde_json::to_string_pretty(&volumes)? + "\n");
+    }
+    let mut out = String::from("VOLUME\tMOUNT\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\n");
+    for v in volumes {
+        if let Some(error) = &v.error {
+            let _ = writeln!(out, "{}\t?\t?\t?\t?\t{error}\t", v.volume_id);
+            continue;
         }
+        let holders: Vec<String> = v
+            .holders
+            .iter()
+            .flat_map(|(ns, sandboxes)| sandboxes.iter().map(move |sb| format!("{ns}/{sb}")))
+            .collect();
+        let _ = writeln!(
+            out,
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            v.volume_id,
+            v.mount,
+            v.publish,
+            v.stage,
+            age(v.since),
+            v.host_path.display(),
+            holders.join(",")
+        );
     }
     Ok(out)
+}
+
+/// One controller record, as `list --controller` shows it.
+#[derive(Debug, serde::Serialize)]
+struct ControllerEntry {
+    volume_id: String,
+    state: &'static str,
+    csi_name: String,
+    csi_volume_id: Option<String>,
+    csi_driver: Option<String>,
+    age_secs: u64,
+}
+
+/// The controller store's records: state, age and CSI handle of every Cube volume, so
+/// that leaks (a `created` volume Cube no longer knows) can be found and cleaned by hand.
+pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<String> {
+    let kube = config
+        .uses_kubernetes()
+        .then(|| Arc::new(crate::k8s::Kube::new(&config.kubernetes)));
+    let store = crate::app::controller_store(config, kube.as_ref())?;
+    let now = crate::store::controller::now_secs();
+    let mut entries: Vec<ControllerEntry> = store
+        .list()
+        .await?
+        .into_iter()
+        .map(|r| ControllerEntry {
+            state: r.state.as_str(),
+            age_secs: now.saturating_sub(r.updated_at),
+            volume_id: r.volume_id,
+            csi_name: r.csi_name,
+            csi_volume_id: r.csi_volume_id,
+            csi_driver: r.csi_driver,
+        })
+        .collect();
+    entries.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
+    if output == Output::Json {
+        return Ok(serde_json::to_string_pretty(&entries)? + "\n");
+    }
+    let mut out = format!(
+        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\n",
+        store.describe()
+    );
+    for e in entries {
+        let _ = writeln!(
+            out,
+            "{}\t{}\t{}\t{}\t{}",
+            e.volume_id,
+            e.state,
+            age(now.saturating_sub(e.age_secs)),
+            e.csi_volume_id.as_deref().unwrap_or("-"),
+            e.csi_name
+        );
+    }
+    Ok(out)
+}
+
+/// `3d4h`, `5m`, … since `since` (seconds since the epoch); `-` when unknown.
+fn age(since: u64) -> String {
+    if since == 0 {
+        return "-".into();
+    }
+    let secs = crate::store::controller::now_secs().saturating_sub(since);
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m", s / 60),
+        s if s < 86_400 => format!("{}h{}m", s / 3600, s % 3600 / 60),
+        s => format!("{}d{}h", s / 86_400, s % 86_400 / 3600),
+    }
 }

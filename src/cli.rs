@@ -32,7 +32,7 @@ const EXIT_CONFIG: u8 = 78;
         either over gRPC (`serve`, registered as type rpc) or by forking this executable \
         (registered as type binary; Cube passes `--op …` directly). The bridge turns each hook \
         into CSI calls on an unmodified CSI driver.",
-    after_help = "The config file of `serve`, `check`, `list` and `register` is --config, else \
+    after_help = "The config file of `serve`, `check`, `list`, `register` and `probe` is --config, else \
         $CUBE_CSI_BRIDGE_CONFIG, else /etc/cube-csi-bridge/<name>.toml when the executable is \
         invoked as cube-csi-bridge-<name>, else /etc/cube-csi-bridge/config.toml."
 )]
@@ -60,12 +60,38 @@ pub enum Command {
     /// Run a whole Cube volume lifecycle against a built-in local-directory CSI driver,
     /// with no config and no external service (needs root for mounts).
     Demo(DemoArgs),
-    /// Check the config, the CSI driver and the host before registering the bridge.
-    Check(ConfigArg),
+    /// Check the config, the CSI driver and the host before registering the bridge
+    /// (including that a test mount under the base dir is visible to Cubelet).
+    Check(CheckArgs),
     /// Print the CubeMaster conf.yaml and Cubelet config.toml entries for this instance.
     Register(RegisterArgs),
-    /// List the volumes this node has attached, from the node journal.
-    List(ConfigArg),
+    /// List the volumes this node has attached (node journal joined with the mount
+    /// table), or with --controller the controller store's records (state, age, handle).
+    List(ListArgs),
+    /// Ask the running daemon over its socket whether it is alive (or, with --ready, ready:
+    /// its CSI driver answers Probe); exit 0 if so, 1 if not, 78 for a bad config.
+    Probe(crate::probe::ProbeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// List the controller store's records instead of this node's volumes.
+    #[arg(long)]
+    pub controller: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
 }
 
 #[derive(Debug, Args)]
@@ -239,17 +265,23 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 }
             }
         }
-        Command::Check(arg) => {
+        Command::Check(args) => {
             // Findings are printed; retry warnings would only repeat them.
             telemetry::init(cli.log_format, "error");
-            let config = match load_config(arg.config, argv0.as_deref()) {
+            let config = match load_config(args.config.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
             match runtime.block_on(crate::admin::check(config, Duration::from_secs(10))) {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::from(EXIT_FAILURE),
+                Ok(findings) => {
+                    print!("{}", crate::admin::render_findings(&findings, args.output));
+                    if findings.iter().all(|f| f.ok) {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(EXIT_FAILURE)
+                    }
+                }
                 Err(e) => {
                     eprintln!("check failed: {e:#}");
                     ExitCode::from(EXIT_FAILURE)
@@ -269,13 +301,37 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             print!("{}", crate::admin::registration_snippets(&config, &binary));
             ExitCode::SUCCESS
         }
-        Command::List(arg) => {
-            telemetry::init(cli.log_format, "warn");
-            let config = match load_config(arg.config, argv0.as_deref()) {
+        Command::Probe(args) => {
+            telemetry::init(cli.log_format, "off");
+            let config = match load_config(args.config.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            match crate::admin::list(&config) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("starting the async runtime");
+            let timeout = Duration::from_secs(args.timeout);
+            let verdict = runtime.block_on(crate::probe::probe(&config, args.ready, timeout));
+            println!("{}", verdict.line);
+            ExitCode::from(if verdict.healthy { 0 } else { EXIT_FAILURE })
+        }
+        Command::List(args) => {
+            telemetry::init(cli.log_format, "warn");
+            let config = match load_config(args.config.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("starting the async runtime");
+            let listed = if args.controller {
+                runtime.block_on(crate::admin::list_controller(&config, args.output))
+            } else {
+                runtime.block_on(crate::admin::list(&config, args.output))
+            };
+            match listed {
                 Ok(text) => {
                     print!("{text}");
                     ExitCode::SUCCESS

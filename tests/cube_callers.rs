@@ -10,18 +10,16 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 
 use common::callers::{
     CubeCaller, CubeError, GoCaller, attach_request, create_request, detach_request, peers_bin,
 };
+use common::cube_peers::{BaseDir, CubeletNs};
 use common::fake_driver::{Behavior, Caps};
 use common::{MODES, Mode, World};
 use cube_csi_bridge::mount::MountTable;
 use cube_csi_bridge::proto::cube::v1 as pb;
 use tonic::Code;
-
-const PEERS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
 
 /// Skips the test unless root and the Go peers are built (fails it in CI); yields the
 /// peers' bin dir.
@@ -279,176 +277,6 @@ async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() 
 }
 
 // --- simulated Cubelet mount namespace ------------------------------------------------
-
-/// Runs a helper script from tests/peers; panics with its output on failure.
-fn peer_script(script: &str, args: &[&Path]) -> String {
-    let out = std::process::Command::new("sh")
-        .arg(Path::new(PEERS_DIR).join(script))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("sh runs");
-    assert!(
-        out.status.success(),
-        "{script} {args:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// The volume base dir's own bind mount in the host: shared (mounts made below it reach
-/// the Cubelet namespace) or private (they do not).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BaseDir {
-    Shared,
-    Private,
-}
-
-/// A simulated Cubelet namespace (cubelet-ns.sh) plus the base dir's bind mount; both are
-/// undone on drop, so declare it after the `World` whose base dir it binds.
-struct CubeletNs {
-    dir: tempfile::TempDir,
-    base: PathBuf,
-    base_bound: bool,
-    started: bool,
-    pid: u32,
-}
-
-impl CubeletNs {
-    /// Where the namespace file of a namespace started in `dir` will be.
-    fn nsfile_in(dir: &Path) -> PathBuf {
-        dir.join("cubeletmnt/mnt")
-    }
-
-    fn nsfile(&self) -> PathBuf {
-        Self::nsfile_in(self.dir.path())
-    }
-
-    fn pidfile(&self) -> PathBuf {
-        self.dir.path().join("cubelet.pid")
-    }
-
-    /// Binds `base` onto itself as `propagation`, then starts the namespace (which copies
-    /// the host's mounts as one-way slaves).
-    fn start(dir: tempfile::TempDir, base: &Path, propagation: BaseDir) -> CubeletNs {
-        std::fs::create_dir_all(base).unwrap();
-        let mut ns = CubeletNs {
-            dir,
-            base: base.to_path_buf(),
-            base_bound: false,
-            started: false,
-            pid: 0,
-        };
-        let cmd = match propagation {
-            BaseDir::Shared => "make",
-            BaseDir::Private => "private",
-        };
-        let bound = peer_script("shared-dir.sh", &[Path::new(cmd), base]);
-        ns.base_bound = bound == "bound";
-        assert!(
-            ns.base_bound,
-            "{} was already a mount point",
-            base.display()
-        );
-        let shared = std::process::Command::new("sh")
-            .arg(Path::new(PEERS_DIR).join("shared-dir.sh"))
-            .args([Path::new("check"), base])
-            .status()
-            .unwrap()
-            .success();
-        assert_eq!(shared, propagation == BaseDir::Shared);
-
-        ns.started = true;
-        peer_script(
-            "cubelet-ns.sh",
-            &[Path::new("start"), &ns.nsfile(), &ns.pidfile()],
-        );
-        ns.pid = std::fs::read_to_string(ns.pidfile())
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
-        assert_eq!(
-            inode(&ns.nsfile()),
-            inode(Path::new(&format!("/proc/{}/ns/mnt", ns.pid))),
-            "the ns file is bound to the holder's namespace"
-        );
-        assert_ne!(
-            inode(&ns.nsfile()),
-            inode(Path::new("/proc/self/ns/mnt")),
-            "a namespace of its own"
-        );
-        ns
-    }
-
-    /// The namespace's mount table, read as the bridge reads it.
-    fn table(&self) -> MountTable {
-        MountTable::read(Some(self.pid)).expect("the holder is alive")
-    }
-
-    /// Mount points at or below the base dir, inside the namespace.
-    fn mounts_under_base(&self) -> Vec<PathBuf> {
-        let mut v: Vec<_> = self
-            .table()
-            .under(&self.base)
-            .map(Path::to_path_buf)
-            .collect();
-        v.sort();
-        v
-    }
-
-    /// Reads a file through the namespace, as a sandbox would see it.
-    fn read_inside(&self, path: &Path) -> String {
-        let out = std::process::Command::new("nsenter")
-            .arg(format!("--mount={}", self.nsfile().display()))
-            .arg("cat")
-            .arg(path)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    fn assert_mounted_inside(&self, path: &Path, what: &str) {
-        assert!(
-            self.table().is_mount_point(path),
-            "{what}: {} is not a mount point in the Cubelet namespace; there: {:?}",
-            path.display(),
-            self.mounts_under_base()
-        );
-    }
-}
-
-impl Drop for CubeletNs {
-    fn drop(&mut self) {
-        // Best effort and quiet: a failing test must still clean up everything.
-        let run = |script: &str, args: &[&Path]| {
-            let _ = std::process::Command::new("sh")
-                .arg(Path::new(PEERS_DIR).join(script))
-                .args(args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        };
-        if self.started {
-            run(
-                "cubelet-ns.sh",
-                &[Path::new("stop"), &self.nsfile(), &self.pidfile()],
-            );
-        }
-        if self.base_bound {
-            run("shared-dir.sh", &[Path::new("release"), &self.base]);
-        }
-    }
-}
 
 /// Asserts that the namespace, its file and the base dir's bind are gone.
 fn assert_cleaned_up(ns: CubeletNs) {

@@ -338,3 +338,62 @@ async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
     w.create("leak").await.unwrap();
     w.destroy("leak").await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_repair_undoes_only_its_own_publish_not_the_stage_others_rely_on() {
+    require_root!();
+    let caps = Caps {
+        stage: true,
+        controller_publish: true,
+        ..Default::default()
+    };
+    for mode in MODES {
+        let w = World::start(mode, caps, "").await;
+        let created = w.create("own").await.unwrap();
+        let a = w
+            .attach("s1", "own", 0, &created.private_data)
+            .await
+            .unwrap();
+        // The target mount is lost; the next sandbox's NodePublish fails.
+        cube_csi_bridge::mount::ops::unmount(Path::new(&a.host_path)).unwrap();
+        w.driver.clear_calls();
+        w.driver.script(
+            "NodePublishVolume",
+            [Behavior::Fail(tonic::Code::Internal, "publish broke")],
+        );
+        w.attach("s2", "own", 1, &created.private_data)
+            .await
+            .unwrap_err();
+        let calls = w.driver.mutating_calls();
+        assert!(
+            !calls.contains(&"NodeUnstageVolume") && !calls.contains(&"ControllerUnpublishVolume"),
+            "{mode:?}: the failed Attach undid the stage and publish s1 relies on: {calls:?}"
+        );
+        assert!(staging_dir(&w, "own").exists(), "{mode:?}");
+        // The next Attach repairs it, and the last Detach removes everything.
+        let b = w
+            .attach("s2", "own", 1, &created.private_data)
+            .await
+            .unwrap();
+        assert!(is_mounted(Path::new(&b.host_path)), "{mode:?}");
+        w.detach("s2", "own", 0, &b.metadata).await.unwrap();
+        assert!(nothing_left(&w, "own"), "{mode:?}: {:?}", w.mounts());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_mount_checks_off_the_last_detach_succeeds() {
+    require_root!();
+    for mode in MODES {
+        let w = World::start_with_mount_view(mode, Caps::staging(), "", "none").await;
+        let created = w.create("unchecked").await.unwrap();
+        let a = w
+            .attach("s1", "unchecked", 0, &created.private_data)
+            .await
+            .unwrap();
+        w.detach("s1", "unchecked", 0, &a.metadata)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: {}", e.message));
+        assert!(nothing_left(&w, "unchecked"), "{mode:?}: {:?}", w.mounts());
+    }
+}

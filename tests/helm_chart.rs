@@ -286,9 +286,20 @@ fn schema_refuses_bad_values_naming_the_field() {
         ),
         ("a bad mount view", "node.mountView=host", "/node/mountView"),
         (
-            "an unprivileged node container",
-            "node.bridge.securityContext.privileged=false",
-            "/node/bridge/securityContext/privileged",
+            "an unprivileged node driver container",
+            "node.driver.securityContext.privileged=false",
+            "/node/driver/securityContext/privileged",
+        ),
+        (
+            "a probe timeout too short to leave the probe a second",
+            "probes.readiness.timeoutSeconds=1",
+            "/probes/readiness/timeoutSeconds",
+        ),
+        ("an unknown probe", "probes.startup.enabled=true", "startup"),
+        (
+            "a digest that is not one",
+            "image.digest=latest",
+            "/image/digest",
         ),
         // Checks across values, made by the templates.
         (
@@ -442,4 +453,298 @@ controller:
             "{name} values: expected {expected} config(s) in the ConfigMap:\n{manifest}"
         );
     }
+}
+
+/// The rendered manifests as JSON values, one per YAML document.
+fn manifests(rendered: &str) -> Vec<serde_json::Value> {
+    use serde::Deserialize;
+    serde_norway::Deserializer::from_str(rendered)
+        .map(|doc| serde_json::Value::deserialize(doc).expect("rendered YAML parses"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// The pod template of the workload (DaemonSet or Deployment) of `component`, if rendered.
+fn workload_pod<'a>(
+    objects: &'a [serde_json::Value],
+    component: &str,
+) -> Option<&'a serde_json::Value> {
+    let name = format!("{RELEASE}-{component}");
+    objects
+        .iter()
+        .find(|o| {
+            matches!(o["kind"].as_str(), Some("DaemonSet" | "Deployment"))
+                && o["metadata"]["name"] == name.as_str()
+        })
+        .map(|o| &o["spec"]["template"]["spec"])
+}
+
+fn pod_spec<'a>(objects: &'a [serde_json::Value], component: &str) -> &'a serde_json::Value {
+    workload_pod(objects, component).unwrap_or_else(|| panic!("no {component} workload"))
+}
+
+fn container<'a>(pod: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    pod["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn strings(value: &serde_json::Value) -> Vec<String> {
+    value
+        .as_array()
+        .map(|a| a.iter().map(|v| v.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default()
+}
+
+/// Mount points of `container` by volume name.
+fn mounts(container: &serde_json::Value) -> Vec<(String, serde_json::Value)> {
+    container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["name"].as_str().unwrap().to_string(), m.clone()))
+        .collect()
+}
+
+/// The bridge containers' privileges, per side and node.mountView: no privileged mode, no
+/// privilege escalation, uid 0 with every capability dropped except those the mount view
+/// needs, and Bidirectional propagation only for the driver, which mounts.
+#[test]
+fn the_bridge_containers_get_only_what_their_role_needs() {
+    let helm = require_helm!();
+    let namespace_caps = ["SYS_PTRACE", "SYS_ADMIN", "SYS_CHROOT"];
+    // (node.mountView, capabilities added to the node bridge, hostPID, namespace dir mounted)
+    let views: [(&str, &[&str], Option<&str>); 4] = [
+        ("self", &[], None),
+        ("none", &[], None),
+        (
+            "auto",
+            &namespace_caps,
+            Some("/usr/local/services/cubetoolbox/cubeletmnt"),
+        ),
+        (
+            "/run/cubelet-ns/mnt",
+            &namespace_caps,
+            Some("/run/cubelet-ns"),
+        ),
+    ];
+    for (view, caps, ns_dir) in views {
+        let objects = manifests(&helm.render(&["--set", &format!("node.mountView={view}")]));
+        for component in ["node", "controller"] {
+            let pod = pod_spec(&objects, component);
+            let bridge = container(pod, "bridge");
+            let context = &bridge["securityContext"];
+            let what = format!("mountView {view}, {component} bridge");
+            assert_eq!(context["privileged"], false, "{what}");
+            assert_eq!(context["allowPrivilegeEscalation"], false, "{what}");
+            assert_eq!(context["readOnlyRootFilesystem"], true, "{what}");
+            assert_eq!(context["runAsUser"], 0, "{what}");
+            assert_eq!(strings(&context["capabilities"]["drop"]), ["ALL"], "{what}");
+            let added = strings(&context["capabilities"]["add"]);
+            let expected: &[&str] = if component == "node" { caps } else { &[] };
+            assert_eq!(added, expected, "{what}");
+            assert_eq!(
+                pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+                "{what}"
+            );
+            let host_pid = pod["hostPID"].as_bool().unwrap_or(false);
+            assert_eq!(host_pid, component == "node" && ns_dir.is_some(), "{what}");
+            for probe in ["livenessProbe", "readinessProbe"] {
+                let command = strings(&bridge[probe]["exec"]["command"]);
+                assert_eq!(command[..2], ["cube-csi-bridge", "probe"], "{what} {probe}");
+                assert_eq!(
+                    command.contains(&"--ready".to_string()),
+                    probe == "readinessProbe",
+                    "{what} {probe}"
+                );
+            }
+
+            let bridge_mounts = mounts(bridge);
+            for (name, mount) in &bridge_mounts {
+                assert_ne!(
+                    mount["mountPropagation"], "Bidirectional",
+                    "{what}: {name} is mounted Bidirectional"
+                );
+            }
+            let ns_mount = bridge_mounts.iter().find(|(n, _)| n == "cubelet-mount-ns");
+            match (component, ns_dir) {
+                ("node", Some(dir)) => {
+                    let (_, mount) = ns_mount.expect("the namespace dir is mounted");
+                    assert_eq!(mount["mountPath"], dir, "{what}");
+                    assert_eq!(mount["readOnly"], true, "{what}");
+                }
+                _ => assert!(ns_mount.is_none(), "{what}"),
+            }
+            if component == "node" {
+                let (_, base) = bridge_mounts
+                    .iter()
+                    .find(|(n, _)| n == "volume-base-dir")
+                    .unwrap();
+                assert_eq!(base["mountPropagation"], "HostToContainer", "{what}");
+                // The driver mounts: it alone keeps Bidirectional, hence privileged.
+                let driver = container(pod, "csi-driver");
+                let (_, driver_base) = mounts(driver)
+                    .into_iter()
+                    .find(|(n, _)| n == "volume-base-dir")
+                    .unwrap();
+                assert_eq!(driver_base["mountPropagation"], "Bidirectional", "{what}");
+                assert_eq!(driver["securityContext"]["privileged"], true, "{what}");
+            }
+        }
+    }
+}
+
+/// The API token reaches the bridge container only, and only on a side that uses the API:
+/// never the third-party driver container.
+#[test]
+fn only_the_bridge_gets_a_service_account_token() {
+    let helm = require_helm!();
+    let token_dir = "/var/run/secrets/kubernetes.io/serviceaccount";
+    // (values, whether the node side uses the API)
+    let setups: [(&[&str], bool); 3] = [
+        (&[], true),
+        (&["--set", "kubernetes.storageClass="], false),
+        (&["-f", &example("values-hostpath.yaml")], true),
+    ];
+    for (values, node_uses_api) in setups {
+        let objects = manifests(&helm.render(values));
+        for component in ["node", "controller"] {
+            let Some(pod) = workload_pod(&objects, component) else {
+                continue;
+            };
+            let what = format!("{values:?}, {component}");
+            assert_eq!(pod["automountServiceAccountToken"], false, "{what}");
+            let uses_api = component == "controller" || node_uses_api;
+            for c in pod["containers"].as_array().unwrap() {
+                let has_token = mounts(c).iter().any(|(_, m)| m["mountPath"] == token_dir);
+                let is_bridge = c["name"] == "bridge";
+                assert_eq!(
+                    has_token,
+                    is_bridge && uses_api,
+                    "{what}: container {} token",
+                    c["name"]
+                );
+            }
+            let projected = pod["volumes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == "kube-api-access");
+            assert_eq!(projected.is_some(), uses_api, "{what}");
+            if let Some(volume) = projected {
+                let sources = volume["projected"]["sources"].as_array().unwrap();
+                assert!(
+                    sources
+                        .iter()
+                        .any(|s| s["serviceAccountToken"]["path"] == "token"),
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+/// The bridge container's securityContext from the values is merged over the chart's own.
+#[test]
+fn bridge_security_context_values_are_merged_over_the_chart_defaults() {
+    let helm = require_helm!();
+    let digest = format!("image.digest=sha256:{}", "0f".repeat(32));
+    let objects = manifests(&helm.render(&[
+        "--set",
+        "node.bridge.securityContext.appArmorProfile.type=Unconfined",
+        "--set",
+        "probes.liveness.enabled=false",
+        "--set",
+        &digest,
+    ]));
+    let pod = pod_spec(&objects, "node");
+    let bridge = container(pod, "bridge");
+    assert_eq!(
+        bridge["securityContext"]["appArmorProfile"]["type"],
+        "Unconfined"
+    );
+    assert_eq!(bridge["securityContext"]["allowPrivilegeEscalation"], false);
+    assert!(bridge.get("livenessProbe").is_none());
+    assert!(bridge.get("readinessProbe").is_some());
+    let image = bridge["image"].as_str().unwrap();
+    assert!(
+        image.ends_with(&format!("@sha256:{}", "0f".repeat(32))),
+        "{image}"
+    );
+}
+
+/// Metrics are off by default; switched on, each bridge serves /metrics on its side's port
+/// (node: metrics.port, controller: port + 1), a Service per side selects the pods, and the
+/// ServiceMonitor appears only when asked for.
+#[test]
+fn metrics_are_exposed_only_when_enabled() {
+    let helm = require_helm!();
+    let nfs = example("values-nfs.yaml");
+    let off = manifests(&helm.render(&["-f", &nfs]));
+    assert!(
+        !off.iter()
+            .any(|o| o["kind"] == "Service" || o["kind"] == "ServiceMonitor"),
+        "metrics objects rendered by default"
+    );
+    let lint = helm.run(&[
+        "lint",
+        "--strict",
+        CHART,
+        "--set",
+        "metrics.enabled=true",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+    ]);
+    assert!(lint.success, "{}{}", lint.stdout, lint.stderr);
+    for monitor in [false, true] {
+        let rendered = helm.render(&[
+            "-f",
+            &nfs,
+            "--set",
+            "metrics.enabled=true",
+            "--set",
+            &format!("metrics.serviceMonitor.enabled={monitor}"),
+        ]);
+        for (key, side, port) in [
+            ("node.toml", "node", 9808),
+            ("controller.toml", "controller", 9809),
+        ] {
+            let text = block_scalar(&rendered, key).unwrap();
+            let config = Config::parse(&text, Path::new(key)).unwrap();
+            assert_eq!(
+                config.metrics.listen,
+                Some(format!("0.0.0.0:{port}").parse().unwrap()),
+                "{key}"
+            );
+            let objects = manifests(&rendered);
+            let bridge = container(pod_spec(&objects, side), "bridge");
+            assert_eq!(bridge["ports"][0]["containerPort"], port, "{side}");
+            let service = objects
+                .iter()
+                .find(|o| {
+                    o["kind"] == "Service"
+                        && o["metadata"]["labels"]["app.kubernetes.io/component"] == side
+                })
+                .unwrap_or_else(|| panic!("no {side} metrics Service"));
+            assert_eq!(service["spec"]["ports"][0]["port"], port);
+            assert_eq!(
+                service["spec"]["selector"]["app.kubernetes.io/component"],
+                side
+            );
+        }
+        let monitors = manifests(&rendered)
+            .into_iter()
+            .filter(|o| o["kind"] == "ServiceMonitor")
+            .count();
+        assert_eq!(monitors, usize::from(monitor));
+    }
+    let bad = helm.template(&["--set", "metrics.volumeStatsIntervalSecs=2"]);
+    assert!(
+        !bad.success && bad.stderr.contains("volumeStatsIntervalSecs"),
+        "{}",
+        bad.stderr
+    );
 }

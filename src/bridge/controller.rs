@@ -327,6 +327,7 @@ impl Bridge {
             Ok::<_, BridgeError>(())
         }
         .await;
+        crate::metrics::rollback("create", if undone.is_ok() { "undone" } else { "failed" });
         match undone {
             Ok(()) => error,
             Err(rollback) => BridgeError::RollbackFailed {
@@ -439,7 +440,16 @@ impl Bridge {
             }
             let span = tracing::info_span!("sweep", volume_id = %record.volume_id);
             let volume_id = record.volume_id.clone();
-            match self.reclaim(record).await {
+            let outcome = self.reclaim(record).await;
+            crate::metrics::sweep_finding(
+                match &outcome {
+                    Ok(true) => "reclaimed",
+                    Ok(false) => "skipped",
+                    Err(_) => "failed",
+                },
+                1,
+            );
+            match outcome {
                 Ok(true) => {
                     span.in_scope(|| {
                         tracing::warn!("deleted the CSI volume of an abandoned Create")

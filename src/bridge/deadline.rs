@@ -26,19 +26,7 @@ impl Deadline {
         self.start.elapsed()
     }
 
-    pub fn expired(&self) -> bool {
-        self.remaining().is_zero()
-    }
-
     pub fn instant(&self) -> Instant {
         self.at
-    }
-
-    /// This deadline, or `budget` from now if that comes first.
-    pub fn capped(&self, budget: Duration) -> Self {
-        Self {
-            start: self.start,
-            at: self.at.min(Instant::now() + budget),
-        }
     }
 }

@@ -62,7 +62,7 @@ pub enum BridgeError {
     InvalidRequest(String),
     /// A CSI call failed (the message names the call and carries the driver's words).
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(Box<DriverError>),
     /// The driver, the state or the setup cannot do what was asked (capabilities,
     /// configuration, a record that does not fit).
     #[error("{0}")]
@@ -106,11 +106,35 @@ pub enum BridgeError {
     CallerGone,
 }
 
+impl From<DriverError> for BridgeError {
+    fn from(error: DriverError) -> Self {
+        BridgeError::Driver(Box::new(error))
+    }
+}
+
 impl BridgeError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         BridgeError::Io {
             context: context.into(),
             source,
+        }
+    }
+
+    /// A short, stable name of the kind of failure (a metrics label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BridgeError::InvalidRequest(_) => "invalid_request",
+            BridgeError::Driver(_) => "driver_error",
+            BridgeError::Precondition(_) => "precondition",
+            BridgeError::NotVisible { .. } => "not_visible",
+            BridgeError::StillMounted { .. } => "still_mounted",
+            BridgeError::Busy { .. } => "busy",
+            BridgeError::Store(_) => "store_error",
+            BridgeError::Journal(_) => "journal_error",
+            BridgeError::Settings(_) => "settings_error",
+            BridgeError::Io { .. } => "io_error",
+            BridgeError::RollbackFailed { .. } => "rollback_failed",
+            BridgeError::CallerGone => "caller_gone",
         }
     }
 

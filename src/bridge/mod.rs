@@ -12,6 +12,7 @@ mod deadline;
 pub mod error;
 pub mod faults;
 pub mod handoff;
+pub mod inventory;
 pub mod locks;
 pub mod naming;
 pub mod node;
@@ -133,22 +134,6 @@ impl Bridge {
         self.roles
     }
 
-    pub fn mounts(&self) -> &dyn MountCheck {
-        self.mounts.as_ref()
-    }
-
-    pub fn node_driver(&self) -> &dyn NodeDriver {
-        self.node.as_ref()
-    }
-
-    pub fn store(&self) -> Option<&dyn ControllerStore> {
-        self.store.as_deref()
-    }
-
-    pub fn journal(&self) -> Option<&NodeJournal> {
-        self.journal.as_ref()
-    }
-
     /// The one place every hook starts and ends: a span, timing, and the outcome log.
     async fn hook<T>(
         &self,
@@ -161,11 +146,16 @@ impl Bridge {
             let started = Instant::now();
             tracing::debug!("hook started");
             let result = work.await;
-            let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+            let elapsed = started.elapsed();
+            let elapsed_ms = elapsed.as_secs_f64() * 1e3;
             match &result {
                 Ok(_) => tracing::info!(elapsed_ms, "hook succeeded"),
                 Err(error) => tracing::error!(elapsed_ms, %error, "hook failed"),
             }
+            let outcome = result
+                .as_ref()
+                .map_or_else(BridgeError::kind, |_| "success");
+            crate::metrics::hook(hook.as_str(), outcome, elapsed);
             result.map_err(|error| HookError {
                 hook,
                 volume_id: volume_id.to_string(),
@@ -233,7 +223,7 @@ impl Bridge {
                 e.call
             ))
         } else {
-            BridgeError::Driver(e)
+            BridgeError::Driver(Box::new(e))
         }
     }
 

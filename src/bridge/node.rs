@@ -220,12 +220,16 @@ impl Bridge {
                     match self.undo_attach(&mut record, &before, &change, &rollback).await {
                         Ok(()) => {
                             tracing::info!("partial attach undone");
+                            crate::metrics::rollback("attach", "undone");
                             Err(error)
                         }
-                        Err(rollback) => Err(BridgeError::RollbackFailed {
+                        Err(rollback) => {
+                            crate::metrics::rollback("attach", "failed");
+                            Err(BridgeError::RollbackFailed {
                             error: Box::new(error),
                             rollback: Box::new(rollback),
-                        }),
+                        })
+                        }
                     }
                 }
             };
@@ -687,8 +691,14 @@ fn attached(record: &NodeRecord, volume_id: &str) -> Attached {
     }
 }
 
+/// Whether `path` exists. A filesystem that does not answer within a few seconds (a dead
+/// network mount) counts as "exists": the caller then treats the step as uncertain and
+/// asks the driver to undo it, rather than hanging the hook.
 async fn path_exists(path: &Path) -> bool {
-    tokio::fs::symlink_metadata(path).await.is_ok()
+    const PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+    tokio::time::timeout(PATIENCE, tokio::fs::symlink_metadata(path))
+        .await
+        .map_or(true, |found| found.is_ok())
 }
 
 /// Removes a directory the bridge or driver made, if it is empty and not mounted;

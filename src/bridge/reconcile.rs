@@ -97,6 +97,15 @@ impl Bridge {
                 }
             }
         }
+        for (finding, count) in [
+            ("rolled_back", report.rolled_back),
+            ("earlier_boot", report.earlier_boot),
+            ("repaired", report.repaired),
+            ("mount_lost", report.mount_lost),
+            ("failed", report.failed),
+        ] {
+            crate::metrics::reconcile_finding(finding, count);
+        }
         Ok(report)
     }
 

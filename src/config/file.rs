@@ -28,6 +28,8 @@ pub(super) struct ConfigFile {
     pub kubernetes: KubernetesConfig,
     #[serde(default)]
     pub controller: ControllerFile,
+    #[serde(default)]
+    pub metrics: MetricsFile,
 }
 
 #[derive(Debug, Deserialize)]
@@ -90,4 +92,13 @@ pub(super) struct ControllerFile {
     pub sweep_interval_secs: Option<u64>,
     #[serde(default)]
     pub abandoned_create_secs: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct MetricsFile {
+    #[serde(default)]
+    pub listen: Option<String>,
+    #[serde(default)]
+    pub volume_stats_interval_secs: Option<u64>,
 }

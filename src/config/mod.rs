@@ -63,6 +63,7 @@ pub struct Config {
     pub timeouts: TimeoutsConfig,
     pub kubernetes: KubernetesConfig,
     pub controller: ControllerSettings,
+    pub metrics: MetricsSettings,
     /// The file this config was read from (for messages).
     pub source: PathBuf,
 }
@@ -381,6 +382,16 @@ pub struct ControllerSettings {
     pub abandoned_create_after: Duration,
 }
 
+/// The Prometheus endpoint.
+#[derive(Debug, Clone)]
+pub struct MetricsSettings {
+    /// Where `GET /metrics` is served; `None` (the default) serves nothing.
+    pub listen: Option<SocketAddr>,
+    /// How often the daemon asks the driver for attached volumes' stats
+    /// (NodeGetVolumeStats, when the driver offers it); `None` never.
+    pub volume_stats_interval: Option<Duration>,
+}
+
 /// Per-hook budgets: all CSI calls and retries of one hook fit in its budget.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -528,6 +539,7 @@ impl Checker<'_> {
         let node = self.node(raw.node)?;
         self.timeouts(&raw.timeouts)?;
         let controller = self.controller(raw.controller, &raw.timeouts)?;
+        let metrics = self.metrics(raw.metrics)?;
         let config = Config {
             driver,
             csi,
@@ -539,6 +551,7 @@ impl Checker<'_> {
             timeouts: raw.timeouts,
             kubernetes: raw.kubernetes,
             controller,
+            metrics,
             source: self.path.to_path_buf(),
         };
         self.kubernetes(&config)?;
@@ -752,6 +765,28 @@ impl Checker<'_> {
         Ok(ControllerSettings {
             sweep_interval: (interval > 0).then(|| Duration::from_secs(interval)),
             abandoned_create_after: Duration::from_secs(abandoned),
+        })
+    }
+
+    fn metrics(&self, raw: file::MetricsFile) -> Result<MetricsSettings, ConfigError> {
+        let listen = raw
+            .listen
+            .map(|addr| {
+                addr.parse::<SocketAddr>()
+                    .map_err(|_| self.invalid("metrics.listen", format!("{addr:?} is not ip:port")))
+            })
+            .transpose()?;
+        let interval = raw.volume_stats_interval_secs.unwrap_or(60);
+        if interval > 0 && interval < 5 {
+            return Err(self.invalid(
+                "metrics.volume_stats_interval_secs",
+                "must be 0 (off) or at least 5",
+            ));
+        }
+        Ok(MetricsSettings {
+            listen,
+            volume_stats_interval: (interval > 0 && listen.is_some())
+                .then(|| Duration::from_secs(interval)),
         })
     }
 

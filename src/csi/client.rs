@@ -8,6 +8,7 @@ use tonic::transport::{Channel, Uri};
 use tonic::{Code, Status};
 
 use super::Endpoint;
+use super::redact::Redactions;
 use super::retry::{Backoff, finality, is_final};
 use crate::bridge::Deadline;
 use crate::bridge::ports::DriverError;
@@ -67,8 +68,15 @@ impl CsiClient {
         &self.endpoint
     }
 
-    /// The core's error for a failed call.
-    pub fn error(&self, call: &'static str, status: &Status, attempts: u32) -> DriverError {
+    /// The core's error for a failed call, with what the request carried in confidence
+    /// scrubbed from the driver's message.
+    pub fn error(
+        &self,
+        call: &'static str,
+        status: &Status,
+        attempts: u32,
+        redact: &Redactions,
+    ) -> DriverError {
         let code = status.code();
         DriverError {
             call,
@@ -76,7 +84,7 @@ impl CsiClient {
             status: code_name(code),
             grpc_code: code as i32,
             finality: finality(code),
-            message: status.message().to_string(),
+            message: redact.apply(status.message()),
             attempts,
             gave_up_after: None,
         }
@@ -88,6 +96,7 @@ impl CsiClient {
         name: &'static str,
         deadline: &Deadline,
         req: &Req,
+        redact: &Redactions,
         send: impl Fn(Channel, tonic::Request<Req>) -> Fut,
     ) -> Result<Resp, DriverError>
     where
@@ -107,6 +116,7 @@ impl CsiClient {
                 request.set_timeout(remaining);
                 match tokio::time::timeout(remaining, send(self.channel.clone(), request)).await {
                     Ok(Ok(response)) => {
+                        crate::metrics::csi_call(name, "Ok", started.elapsed());
                         tracing::debug!(
                             call = name,
                             attempts,
@@ -122,7 +132,8 @@ impl CsiClient {
                     )),
                 }
             };
-            let mut error = self.error(name, &status, attempts);
+            let mut error = self.error(name, &status, attempts, redact);
+            crate::metrics::csi_call(name, error.status, started.elapsed());
             if is_final(status.code()) {
                 return Err(error);
             }
@@ -131,10 +142,11 @@ impl CsiClient {
                 error.gave_up_after = Some(deadline.elapsed());
                 return Err(error);
             }
+            crate::metrics::csi_retry(name, error.status);
             tracing::warn!(
                 call = name,
                 code = ?status.code(),
-                message = status.message(),
+                message = %error.message,
                 attempt = attempts,
                 retry_in_ms = delay.as_millis() as u64,
                 "CSI call failed non-finally; retrying"
@@ -149,8 +161,8 @@ macro_rules! csi_calls {
     ($( $(#[$doc:meta])* $fn:ident: $client:ident::$method:ident($req:ident) -> $resp:ident; )*) => {
         impl CsiClient {$(
             $(#[$doc])*
-            pub async fn $fn(&self, req: csi::$req, deadline: &Deadline) -> Result<csi::$resp, DriverError> {
-                self.call(stringify!($req).trim_end_matches("Request"), deadline, &req, |channel, request| async move {
+            pub async fn $fn(&self, req: csi::$req, deadline: &Deadline, redact: &Redactions) -> Result<csi::$resp, DriverError> {
+                self.call(stringify!($req).trim_end_matches("Request"), deadline, &req, redact, |channel, request| async move {
                     $client::new(channel).$method(request).await
                 })
                 .await

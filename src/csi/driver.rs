@@ -10,6 +10,7 @@ use tonic::Code;
 
 use super::CsiClient;
 use super::client::code_name;
+use super::redact::Redactions;
 use super::retry::finality;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
@@ -53,7 +54,10 @@ impl GrpcDriver {
     /// Probes until the driver says it is ready (an absent `ready` means ready).
     async fn probe_until_ready(&self, deadline: &Deadline) -> Result<(), DriverError> {
         loop {
-            let probe = self.client.probe(csi::ProbeRequest {}, deadline).await?;
+            let probe = self
+                .client
+                .probe(csi::ProbeRequest {}, deadline, &Redactions::NONE)
+                .await?;
             if probe.ready.is_none_or(|r| r) {
                 return Ok(());
             }
@@ -121,14 +125,18 @@ impl ControllerDriver for GrpcDriver {
         self.probe_until_ready(deadline).await?;
         let info = self
             .client
-            .get_plugin_info(csi::GetPluginInfoRequest {}, deadline)
+            .get_plugin_info(csi::GetPluginInfoRequest {}, deadline, &Redactions::NONE)
             .await?;
         if info.name.is_empty() {
             return Err(self.bad_answer("GetPluginInfo", "the driver returned an empty name"));
         }
         let caps = self
             .client
-            .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {}, deadline)
+            .get_plugin_capabilities(
+                csi::GetPluginCapabilitiesRequest {},
+                deadline,
+                &Redactions::NONE,
+            )
             .await?;
         let controller_service = caps.capabilities.iter().any(|c| {
             matches!(
@@ -147,7 +155,11 @@ impl ControllerDriver for GrpcDriver {
     async fn capabilities(&self, deadline: &Deadline) -> Result<ControllerCaps, DriverError> {
         let resp = self
             .client
-            .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {}, deadline)
+            .controller_get_capabilities(
+                csi::ControllerGetCapabilitiesRequest {},
+                deadline,
+                &Redactions::NONE,
+            )
             .await?;
         // Unknown entries (newer spec versions, UNKNOWN) are ignored.
         let has = |wanted: CtrlRpc| {
@@ -178,7 +190,11 @@ impl ControllerDriver for GrpcDriver {
             secrets: secrets(&volume.secrets),
             ..Default::default()
         };
-        let reply = self.client.create_volume(request, deadline).await?;
+        let redact = Redactions::of(&volume.secrets, Some(&volume.capability));
+        let reply = self
+            .client
+            .create_volume(request, deadline, &redact)
+            .await?;
         let created = reply
             .volume
             .filter(|v| !v.volume_id.is_empty())
@@ -205,7 +221,11 @@ impl ControllerDriver for GrpcDriver {
             volume_id: csi_volume_id.to_string(),
             secrets: secrets(secrets_),
         };
-        match self.client.delete_volume(request, deadline).await {
+        match self
+            .client
+            .delete_volume(request, deadline, &Redactions::of(secrets_, None))
+            .await
+        {
             Ok(_) => Ok(()),
             // DeleteVolume of an unknown volume must succeed (CSI spec); some drivers
             // answer NOT_FOUND anyway.
@@ -229,7 +249,11 @@ impl ControllerDriver for GrpcDriver {
         };
         let reply = self
             .client
-            .controller_publish_volume(request, deadline)
+            .controller_publish_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
             .await?;
         Ok(map(reply.publish_context))
     }
@@ -248,7 +272,7 @@ impl ControllerDriver for GrpcDriver {
         };
         match self
             .client
-            .controller_unpublish_volume(request, deadline)
+            .controller_unpublish_volume(request, deadline, &Redactions::of(secrets_, None))
             .await
         {
             Ok(_) => Ok(()),
@@ -272,7 +296,11 @@ impl NodeDriver for GrpcDriver {
     async fn capabilities(&self, deadline: &Deadline) -> Result<NodeCaps, DriverError> {
         let resp = self
             .client
-            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {}, deadline)
+            .node_get_capabilities(
+                csi::NodeGetCapabilitiesRequest {},
+                deadline,
+                &Redactions::NONE,
+            )
             .await?;
         let has = |wanted: NodeRpc| {
             resp.capabilities.iter().any(|c| {
@@ -289,7 +317,7 @@ impl NodeDriver for GrpcDriver {
     async fn node_id(&self, deadline: &Deadline) -> Result<String, DriverError> {
         let info = self
             .client
-            .node_get_info(csi::NodeGetInfoRequest {}, deadline)
+            .node_get_info(csi::NodeGetInfoRequest {}, deadline, &Redactions::NONE)
             .await?;
         if info.node_id.is_empty() {
             return Err(self.bad_answer("NodeGetInfo", "the driver returned an empty node_id"));
@@ -306,7 +334,13 @@ impl NodeDriver for GrpcDriver {
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
         };
-        self.client.node_stage_volume(request, deadline).await?;
+        self.client
+            .node_stage_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
+            .await?;
         Ok(())
     }
 
@@ -320,7 +354,11 @@ impl NodeDriver for GrpcDriver {
             volume_id: csi_volume_id.to_string(),
             staging_target_path: path_string(staging_path),
         };
-        match self.client.node_unstage_volume(request, deadline).await {
+        match self
+            .client
+            .node_unstage_volume(request, deadline, &Redactions::NONE)
+            .await
+        {
             Ok(_) => Ok(Undone::Done),
             // csi-driver-host-path answers NOT_FOUND for volumes it no longer knows.
             Err(e) if not_found(&e) => Ok(Undone::UnknownVolume),
@@ -343,7 +381,13 @@ impl NodeDriver for GrpcDriver {
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
         };
-        self.client.node_publish_volume(request, deadline).await?;
+        self.client
+            .node_publish_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
+            .await?;
         Ok(())
     }
 
@@ -357,7 +401,11 @@ impl NodeDriver for GrpcDriver {
             volume_id: csi_volume_id.to_string(),
             target_path: path_string(target_path),
         };
-        match self.client.node_unpublish_volume(request, deadline).await {
+        match self
+            .client
+            .node_unpublish_volume(request, deadline, &Redactions::NONE)
+            .await
+        {
             Ok(_) => Ok(Undone::Done),
             Err(e) if not_found(&e) => Ok(Undone::UnknownVolume),
             Err(e) => Err(e),
@@ -376,7 +424,10 @@ impl NodeDriver for GrpcDriver {
             volume_path: path_string(target_path),
             staging_target_path: String::new(),
         };
-        let reply = self.client.node_get_volume_stats(request, deadline).await?;
+        let reply = self
+            .client
+            .node_get_volume_stats(request, deadline, &Redactions::NONE)
+            .await?;
         let mut stats = VolumeStats::default();
         for usage in reply.usage.iter().filter(|u| u.unit == Unit::Bytes as i32) {
             stats.total_bytes = Some(usage.total);

@@ -4,6 +4,7 @@
 pub mod client;
 pub mod driver;
 pub mod endpoint;
+pub mod redact;
 pub mod retry;
 
 pub use client::CsiClient;

@@ -5,32 +5,13 @@ use std::sync::Arc;
 
 use serde_json::json;
 
-use super::{errors, hooks};
+use super::errors;
+pub use super::hooks::HookRequest;
+use super::hooks::{self, HookReply};
 use crate::bridge::reconcile::Scope;
-use crate::bridge::{Caller, HookError, HookKind};
+use crate::bridge::{Caller, HookError};
 use crate::config::{Config, Roles};
 use crate::mount::MountView;
-use crate::proto::cube::v1 as pb;
-
-/// One forked hook's request, already parsed from argv.
-#[derive(Debug, Clone)]
-pub enum HookRequest {
-    Create(pb::CreateRequest),
-    Destroy(pb::DestroyRequest),
-    Attach(pb::AttachRequest),
-    Detach(pb::DetachRequest),
-}
-
-impl HookRequest {
-    pub fn kind(&self) -> HookKind {
-        match self {
-            HookRequest::Create(_) => HookKind::Create,
-            HookRequest::Destroy(_) => HookKind::Destroy,
-            HookRequest::Attach(_) => HookKind::Attach,
-            HookRequest::Detach(_) => HookKind::Detach,
-        }
-    }
-}
 
 /// The outcome of a forked hook: what to print on stdout, and whether it succeeded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +44,11 @@ pub async fn run(
     } else {
         Roles::CONTROLLER
     };
+    // Checked before the bridge opens its state: a bad request leaves no trace.
+    let checked = match hooks::check(request, &config) {
+        Ok(checked) => checked,
+        Err(error) => return answered(failure(&error)),
+    };
     // Cubelet forks the hook inside its own mount namespace.
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
     let bridge = match crate::app::open_bridge(Arc::new(config), roles, mounts) {
@@ -74,25 +60,12 @@ pub async fn run(
             return;
         }
     };
-    let result: Result<serde_json::Value, HookError> = match request {
-        HookRequest::Create(req) => hooks::create(&bridge, req, caller)
-            .await
-            .map(|r| json!({ "token": r.token, "private_data": r.private_data })),
-        HookRequest::Destroy(req) => hooks::destroy(&bridge, req).await.map(|_| json!({})),
-        HookRequest::Attach(req) => hooks::attach(&bridge, req, caller)
-            .await
-            .map(|r| json!({ "host_path": r.host_path, "metadata": r.metadata })),
-        HookRequest::Detach(req) => hooks::detach(&bridge, req).await.map(|_| json!({})),
-    };
-    answered(match result {
-        Ok(value) => HookOutput {
-            stdout: value.to_string(),
+    answered(match hooks::run(&bridge, checked, caller).await {
+        Ok(reply) => HookOutput {
+            stdout: reply_json(reply).to_string(),
             success: true,
         },
-        Err(error) => HookOutput {
-            stdout: errors::to_json(&error),
-            success: false,
-        },
+        Err(error) => failure(&error),
     });
     if roles.node {
         match bridge.reconcile_node(Scope::Abandoned).await {
@@ -105,5 +78,21 @@ pub async fn run(
             Ok(_) => {}
             Err(error) => tracing::warn!(%error, "scanning for abandoned node operations failed"),
         }
+    }
+}
+
+fn failure(error: &HookError) -> HookOutput {
+    HookOutput {
+        stdout: errors::to_json(error),
+        success: false,
+    }
+}
+
+/// The JSON object Cube reads from a successful hook's stdout.
+fn reply_json(reply: HookReply) -> serde_json::Value {
+    match reply {
+        HookReply::Create(r) => json!({ "token": r.token, "private_data": r.private_data }),
+        HookReply::Attach(r) => json!({ "host_path": r.host_path, "metadata": r.metadata }),
+        HookReply::Destroy(_) | HookReply::Detach(_) => json!({}),
     }
 }

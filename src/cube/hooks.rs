@@ -1,67 +1,122 @@
 //! Cube's four hooks from wire request to wire reply, shared by the gRPC services and the
-//! binary hook: validate, call the bridge, shape the reply. A request that fails
-//! validation changes nothing: no lock, no directory, no CSI call, no record.
+//! binary hook, in two steps: `check` (validate, before anything else happens) and `run`
+//! (call the bridge, shape the reply). A request that fails the check changes nothing: no
+//! state directory, no lock, no CSI call, no record.
 
-use crate::bridge::{Bridge, BridgeError, Caller, HookError, HookKind};
+use crate::bridge::{
+    AttachVolume, Bridge, BridgeError, Caller, CreateVolume, DestroyVolume, DetachVolume,
+    HookError, HookKind,
+};
+use crate::config::Config;
 use crate::proto::cube::v1 as pb;
 
 use super::validate;
 
-fn invalid(hook: HookKind, volume_id: &str, message: String) -> HookError {
-    tracing::warn!(op = hook.as_str(), volume_id, %message, "rejected an invalid request");
-    HookError {
-        hook,
-        volume_id: volume_id.to_string(),
-        error: BridgeError::InvalidRequest(message),
+/// One hook's request as Cube sent it, over either transport.
+#[derive(Debug, Clone)]
+pub enum HookRequest {
+    Create(pb::CreateRequest),
+    Destroy(pb::DestroyRequest),
+    Attach(pb::AttachRequest),
+    Detach(pb::DetachRequest),
+}
+
+impl HookRequest {
+    pub fn kind(&self) -> HookKind {
+        match self {
+            HookRequest::Create(_) => HookKind::Create,
+            HookRequest::Destroy(_) => HookKind::Destroy,
+            HookRequest::Attach(_) => HookKind::Attach,
+            HookRequest::Detach(_) => HookKind::Detach,
+        }
+    }
+
+    fn volume_id(&self) -> &str {
+        match self {
+            HookRequest::Create(r) => &r.volume_id,
+            HookRequest::Destroy(r) => &r.volume_id,
+            HookRequest::Attach(r) => &r.volume_id,
+            HookRequest::Detach(r) => &r.volume_id,
+        }
     }
 }
 
-pub async fn create(
-    bridge: &Bridge,
-    req: pb::CreateRequest,
-    caller: &Caller,
-) -> Result<pb::CreateResponse, HookError> {
-    let volume_id = req.volume_id.clone();
-    let req = validate::create(req).map_err(|m| invalid(HookKind::Create, &volume_id, m))?;
-    let created = bridge.create(req, caller).await?;
-    Ok(pb::CreateResponse {
-        token: created.token,
-        private_data: created.private_data,
+/// A request that passed the check, in the core's types.
+#[derive(Debug, Clone)]
+pub enum Checked {
+    Create(CreateVolume),
+    Destroy(DestroyVolume),
+    Attach(AttachVolume),
+    Detach(DetachVolume),
+}
+
+/// A hook's reply, for either transport.
+#[derive(Debug, Clone)]
+pub enum HookReply {
+    Create(pb::CreateResponse),
+    Destroy(pb::DestroyResponse),
+    Attach(pb::AttachResponse),
+    Detach(pb::DetachResponse),
+}
+
+/// Validates `request` against `config`.
+pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError> {
+    let (hook, volume_id) = (request.kind(), request.volume_id().to_string());
+    let checked = match request {
+        HookRequest::Create(r) => validate::create(r).map(Checked::Create),
+        HookRequest::Destroy(r) => validate::destroy(r).map(Checked::Destroy),
+        HookRequest::Attach(r) => validate::attach(r, config).map(Checked::Attach),
+        HookRequest::Detach(r) => validate::detach(r, config).map(Checked::Detach),
+    };
+    checked.map_err(|message| {
+        tracing::warn!(op = hook.as_str(), %volume_id, %message, "rejected an invalid request");
+        crate::metrics::hook(hook.as_str(), "invalid_request", std::time::Duration::ZERO);
+        HookError {
+            hook,
+            volume_id,
+            error: BridgeError::InvalidRequest(message),
+        }
     })
 }
 
-pub async fn destroy(
+/// Runs a checked request.
+pub async fn run(
     bridge: &Bridge,
-    req: pb::DestroyRequest,
-) -> Result<pb::DestroyResponse, HookError> {
-    let volume_id = req.volume_id.clone();
-    let req = validate::destroy(req).map_err(|m| invalid(HookKind::Destroy, &volume_id, m))?;
-    bridge.destroy(req).await?;
-    Ok(pb::DestroyResponse {})
-}
-
-pub async fn attach(
-    bridge: &Bridge,
-    req: pb::AttachRequest,
+    request: Checked,
     caller: &Caller,
-) -> Result<pb::AttachResponse, HookError> {
-    let volume_id = req.volume_id.clone();
-    let req = validate::attach(req, bridge.config())
-        .map_err(|m| invalid(HookKind::Attach, &volume_id, m))?;
-    let attached = bridge.attach(req, caller).await?;
-    Ok(pb::AttachResponse {
-        host_path: attached.host_path.to_string_lossy().into_owned(),
-        metadata: attached.metadata,
+) -> Result<HookReply, HookError> {
+    Ok(match request {
+        Checked::Create(req) => {
+            let created = bridge.create(req, caller).await?;
+            HookReply::Create(pb::CreateResponse {
+                token: created.token,
+                private_data: created.private_data,
+            })
+        }
+        Checked::Destroy(req) => {
+            bridge.destroy(req).await?;
+            HookReply::Destroy(pb::DestroyResponse {})
+        }
+        Checked::Attach(req) => {
+            let attached = bridge.attach(req, caller).await?;
+            HookReply::Attach(pb::AttachResponse {
+                host_path: attached.host_path.to_string_lossy().into_owned(),
+                metadata: attached.metadata,
+            })
+        }
+        Checked::Detach(req) => {
+            bridge.detach(req).await?;
+            HookReply::Detach(pb::DetachResponse {})
+        }
     })
 }
 
-pub async fn detach(
+/// Checks and runs `request` (the rpc path: the bridge is already open).
+pub async fn handle(
     bridge: &Bridge,
-    req: pb::DetachRequest,
-) -> Result<pb::DetachResponse, HookError> {
-    let volume_id = req.volume_id.clone();
-    let req = validate::detach(req, bridge.config())
-        .map_err(|m| invalid(HookKind::Detach, &volume_id, m))?;
-    bridge.detach(req).await?;
-    Ok(pb::DetachResponse {})
+    request: HookRequest,
+    caller: &Caller,
+) -> Result<HookReply, HookError> {
+    let checked = check(request, bridge.config())?;
+    run(bridge, checked, caller).await
 }

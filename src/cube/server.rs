@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
 
+use super::authority::fix_incoming;
 use super::listener::{Incoming, ListenError, PeerPolicy, UnixSocket};
 use super::service::CubeService;
 use crate::bridge::reconcile::Scope;
@@ -53,6 +54,7 @@ pub struct Daemon {
     bridge: Arc<Bridge>,
     unix: UnixSocket,
     tcp: Option<TcpListener>,
+    metrics: Option<TcpListener>,
     policy: PeerPolicy,
     grace: Duration,
 }
@@ -67,6 +69,7 @@ impl Daemon {
         let socket_path = config.socket_path().to_path_buf();
         let socket_gid = config.serve.socket_gid;
         let tcp_addr = config.serve.tcp;
+        let metrics_addr = config.metrics.listen;
         let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
         let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts)
             .map_err(ServeError::Misconfigured)?;
@@ -91,18 +94,29 @@ impl Daemon {
             }
             None => None,
         };
+        let metrics = match metrics_addr {
+            Some(addr) => {
+                let listener =
+                    crate::metrics::bind(addr)
+                        .await
+                        .map_err(|source| ListenError::Io {
+                            context: format!("binding the metrics endpoint {addr}"),
+                            source,
+                        })?;
+                tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+                Some(listener)
+            }
+            None => None,
+        };
         tracing::info!(socket = %socket_path.display(), roles = roles.as_str(), "serving Cube hooks");
         Ok(Self {
             bridge: Arc::new(bridge),
             unix,
             tcp,
+            metrics,
             policy,
             grace,
         })
-    }
-
-    pub fn bridge(&self) -> &Arc<Bridge> {
-        &self.bridge
     }
 
     /// Serves until `shutdown` resolves, then drains within the grace period.
@@ -111,12 +125,22 @@ impl Daemon {
             bridge,
             unix,
             tcp,
+            metrics,
             policy,
             grace,
         } = self;
         let roles = bridge.roles();
         let housekeeping = spawn_housekeeping(bridge.clone(), roles);
+        let metrics = metrics
+            .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
+        let stats = bridge
+            .config()
+            .metrics
+            .volume_stats_interval
+            .filter(|_| roles.node)
+            .map(|interval| tokio::spawn(poll_volume_stats(bridge.clone(), interval)));
 
+        let health = super::health::DaemonHealth::start(bridge.config(), roles);
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {
@@ -132,12 +156,17 @@ impl Daemon {
                 .then(|| VolumeControllerServiceServer::new(service.clone()));
             let node = roles.node.then(|| VolumePluginServiceServer::new(service));
             Server::builder()
+                .add_service(health.service())
                 .add_optional_service(controller)
                 .add_optional_service(node)
         };
         let UnixSocket { listener, file } = unix;
-        let unix_server = router()
-            .serve_with_incoming_shutdown(Incoming::new(listener, policy.clone()), stopped());
+        // grpc-core and grpc-java clients send the socket path as :authority, which h2
+        // refuses; the shim rewrites it to what grpc-go sends (see cube/authority.rs).
+        let unix_server = router().serve_with_incoming_shutdown(
+            fix_incoming(Incoming::new(listener, policy.clone())),
+            stopped(),
+        );
         let tcp_server = async {
             match tcp {
                 Some(listener) => {
@@ -174,6 +203,9 @@ impl Daemon {
             }
         };
         housekeeping.abort();
+        for task in metrics.into_iter().chain(stats) {
+            task.abort();
+        }
         file.remove_if_ours();
         tracing::info!(socket = %file.path.display(), "stopped");
         result
@@ -217,6 +249,17 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, roles: Roles) -> tokio::task::JoinHan
             }
         }
     })
+}
+
+/// Keeps the node inventory and per-volume stats gauges current, off the hook path.
+async fn poll_volume_stats(bridge: Arc<Bridge>, interval: Duration) {
+    let mut timer = tokio::time::interval(interval);
+    loop {
+        timer.tick().await;
+        if let Err(error) = bridge.refresh_volume_metrics().await {
+            tracing::warn!(%error, "refreshing volume metrics failed");
+        }
+    }
 }
 
 /// Resolves on SIGTERM (systemd, Kubernetes) or SIGINT (a terminal), logging which.

@@ -5,14 +5,14 @@
 //! (or undoes its work) even when the caller's deadline fires and tonic drops the
 //! handler: dropping the handler only tells the hook that its caller is gone.
 
-use std::future::Future;
 use std::sync::Arc;
 
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
 
-use super::{errors::to_status, hooks};
-use crate::bridge::{Bridge, Caller, HookError};
+use super::errors::to_status;
+use super::hooks::{self, HookReply, HookRequest};
+use crate::bridge::{Bridge, Caller};
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;
@@ -30,24 +30,31 @@ impl CubeService {
         Self { bridge, tasks }
     }
 
-    async fn run<T, F>(
-        &self,
-        hook: impl FnOnce(Arc<Bridge>, Caller) -> F,
-    ) -> Result<Response<T>, Status>
-    where
-        T: Send + 'static,
-        F: Future<Output = Result<T, HookError>> + Send + 'static,
-    {
+    async fn run(&self, request: HookRequest) -> Result<HookReply, Status> {
         let caller = Caller::waiting();
         let left = caller.leave_on_drop();
-        let task = self.tasks.spawn(hook(self.bridge.clone(), caller));
+        let bridge = self.bridge.clone();
+        let hook_caller = caller.clone();
+        let task = self
+            .tasks
+            .spawn(async move { hooks::handle(&bridge, request, &hook_caller).await });
         let result = match task.await {
             Ok(result) => result,
             Err(join) => std::panic::resume_unwind(join.into_panic()),
         };
         left.disarm();
-        result.map(Response::new).map_err(|e| to_status(&e))
+        result.map_err(|e| to_status(&e))
     }
+}
+
+/// Unwraps the reply of the hook that was asked for.
+macro_rules! reply {
+    ($reply:expr, $variant:ident) => {
+        match $reply? {
+            HookReply::$variant(r) => Ok(Response::new(r)),
+            other => unreachable!("a {} request got {other:?}", stringify!($variant)),
+        }
+    };
 }
 
 #[tonic::async_trait]
@@ -56,18 +63,20 @@ impl VolumeControllerService for CubeService {
         &self,
         request: Request<pb::CreateRequest>,
     ) -> Result<Response<pb::CreateResponse>, Status> {
-        let req = request.into_inner();
-        self.run(|bridge, caller| async move { hooks::create(&bridge, req, &caller).await })
-            .await
+        reply!(
+            self.run(HookRequest::Create(request.into_inner())).await,
+            Create
+        )
     }
 
     async fn destroy(
         &self,
         request: Request<pb::DestroyRequest>,
     ) -> Result<Response<pb::DestroyResponse>, Status> {
-        let req = request.into_inner();
-        self.run(|bridge, _| async move { hooks::destroy(&bridge, req).await })
-            .await
+        reply!(
+            self.run(HookRequest::Destroy(request.into_inner())).await,
+            Destroy
+        )
     }
 }
 
@@ -77,17 +86,19 @@ impl VolumePluginService for CubeService {
         &self,
         request: Request<pb::AttachRequest>,
     ) -> Result<Response<pb::AttachResponse>, Status> {
-        let req = request.into_inner();
-        self.run(|bridge, caller| async move { hooks::attach(&bridge, req, &caller).await })
-            .await
+        reply!(
+            self.run(HookRequest::Attach(request.into_inner())).await,
+            Attach
+        )
     }
 
     async fn detach(
         &self,
         request: Request<pb::DetachRequest>,
     ) -> Result<Response<pb::DetachResponse>, Status> {
-        let req = request.into_inner();
-        self.run(|bridge, _| async move { hooks::detach(&bridge, req).await })
-            .await
+        reply!(
+            self.run(HookRequest::Detach(request.into_inner())).await,
+            Detach
+        )
     }
 }

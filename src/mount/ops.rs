@@ -43,19 +43,6 @@ pub fn bind_mount(source: &Path, target: &Path, read_only: bool) -> io::Result<(
     Ok(())
 }
 
-/// Mounts a fresh tmpfs at `target`.
-pub fn mount_tmpfs(target: &Path, size_bytes: u64) -> io::Result<()> {
-    let data = format!("size={size_bytes},mode=0755");
-    nix::mount::mount(
-        Some("tmpfs"),
-        target,
-        Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some(data.as_str()),
-    )
-    .map_err(|e| with_path("tmpfs mount onto", target, e))
-}
-
 /// Unmounts `target`; a target that is not mounted (or does not exist) is success.
 pub fn unmount(target: &Path) -> io::Result<()> {
     match nix::mount::umount2(target, MntFlags::UMOUNT_NOFOLLOW) {

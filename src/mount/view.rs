@@ -34,6 +34,8 @@ pub struct MountView {
     setting: MountViewSetting,
     /// The binary hook: Cubelet forks it inside its own namespace already.
     forked_by_cube: bool,
+    /// Cubelet's namespace file, for `auto`.
+    cubelet_file: PathBuf,
     /// A process last seen living in the namespace, to read its mountinfo without forking.
     cached_pid: AtomicU32,
     /// Resolved parents of checked paths (mountinfo lists resolved paths; base dirs may
@@ -54,6 +56,7 @@ impl MountView {
         Self {
             setting: setting.clone(),
             forked_by_cube,
+            cubelet_file: PathBuf::from(CUBELET_MOUNT_NS),
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
         }
@@ -65,7 +68,7 @@ impl MountView {
             MountViewSetting::Own => Resolved::Own,
             MountViewSetting::Auto if self.forked_by_cube => Resolved::Own,
             MountViewSetting::Auto => {
-                let file = Path::new(CUBELET_MOUNT_NS);
+                let file = self.cubelet_file.as_path();
                 if namespace_inode(file).is_some() {
                     Resolved::Namespace(file)
                 } else {
@@ -182,6 +185,7 @@ impl MountCheck for MountView {
         let view = MountView {
             setting: self.setting.clone(),
             forked_by_cube: self.forked_by_cube,
+            cubelet_file: self.cubelet_file.clone(),
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
         };
@@ -332,6 +336,53 @@ mod tests {
         }
         let forked = MountView::new(&MountViewSetting::Auto, true);
         assert_eq!(forked.describe(), "this process's mount namespace");
+    }
+
+    /// Needs root (bind-mounts a namespace file); skipped otherwise, run as root in CI.
+    #[tokio::test]
+    async fn auto_starts_following_cubelets_namespace_when_its_file_appears() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("mnt");
+        std::fs::write(&file, "").unwrap();
+        let mut view = MountView::new(&MountViewSetting::Auto, false);
+        view.cubelet_file = file.clone();
+        // Cubelet has not started: the daemon checks its own namespace.
+        assert_eq!(view.describe(), "this process's mount namespace");
+        // Cubelet starts: its namespace (here a private one) is bound at the file.
+        let mut cubelet = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sleep", "30"])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let ns = format!("/proc/{}/ns/mnt", cubelet.id());
+        let bound = std::process::Command::new("mount")
+            .args(["--bind", &ns])
+            .arg(&file)
+            .status()
+            .unwrap();
+        assert!(bound.success());
+        assert!(
+            view.describe().contains(&file.display().to_string()),
+            "{}",
+            view.describe()
+        );
+        // A mount made here now is judged by Cubelet's namespace, which does not see it.
+        let (source, probe) = (tmp.path().join("src"), tmp.path().join("probe"));
+        std::fs::create_dir(&source).unwrap();
+        std::fs::create_dir(&probe).unwrap();
+        crate::mount::ops::bind_mount(&source, &probe, false).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let seen = view.visibility(&probe, &deadline).await.unwrap();
+        crate::mount::ops::unmount(&probe).unwrap();
+        let _ = std::process::Command::new("umount").arg(&file).status();
+        let _ = cubelet.kill();
+        let _ = cubelet.wait();
+        assert_eq!(seen, Visibility::NotMounted);
     }
 
     #[tokio::test]

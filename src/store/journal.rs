@@ -206,11 +206,6 @@ impl NodeRecord {
         }
     }
 
-    /// Whether any step may have left something behind.
-    pub fn has_work_to_undo(&self) -> bool {
-        self.controller_publish.needs_undo() || self.stage.needs_undo() || self.publish.needs_undo()
-    }
-
     /// Whether any namespace still holds the volume.
     pub fn is_held(&self) -> bool {
         !self.holders.is_empty()

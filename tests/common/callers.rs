@@ -395,27 +395,14 @@ impl CubeCaller for BinaryCaller {
 
 // --- Go: cubeclient --------------------------------------------------------------------
 
-/// The environment variable naming the directory that holds cubeclient (the last line of
-/// scripts/install-test-peers.sh).
-pub const PEERS_BIN_ENV: &str = "CUBE_CSI_BRIDGE_PEERS_BIN";
-
 /// The directory holding cubeclient, or `None` when it is not configured (the test then
 /// skips; in CI it fails instead, see [`super::skip`]).
 pub fn peers_bin() -> Option<PathBuf> {
-    let Some(dir) = std::env::var_os(PEERS_BIN_ENV).filter(|v| !v.is_empty()) else {
-        super::skip(&format!(
-            "{PEERS_BIN_ENV} is not set (the dir holding cubeclient; see \
-             scripts/install-test-peers.sh)"
-        ));
-        return None;
-    };
-    let dir = PathBuf::from(dir);
-    assert!(
-        dir.join("cubeclient").is_file(),
-        "{PEERS_BIN_ENV}={} has no cubeclient: run scripts/install-test-peers.sh",
-        dir.display()
-    );
-    Some(dir)
+    super::cube_peers::peer_dir(
+        super::cube_peers::PEERS_BIN_ENV,
+        &["cubeclient"],
+        "scripts/install-test-peers.sh",
+    )
 }
 
 /// Upper bound for one cubeclient call (the bridge's own budgets are 20 s in tests).
@@ -436,6 +423,8 @@ pub enum GoTransport {
 pub struct GoCaller {
     pub client: PathBuf,
     pub transport: GoTransport,
+    /// A mount namespace file cubeclient runs in (so a forked hook runs there too).
+    pub namespace: Option<PathBuf>,
 }
 
 impl GoCaller {
@@ -443,12 +432,29 @@ impl GoCaller {
         Self {
             client: peers_bin.join("cubeclient"),
             transport,
+            namespace: None,
         }
+    }
+
+    /// Runs cubeclient (and so every hook it forks) inside the mount namespace bound at
+    /// `nsfile`, as Cubelet forks hooks inside its own.
+    pub fn inside(mut self, nsfile: &Path) -> Self {
+        self.namespace = Some(nsfile.to_path_buf());
+        self
     }
 
     /// Runs one hook; `Ok` is cubeclient's success object.
     async fn run(&self, op: &[String]) -> Result<serde_json::Value, CubeError> {
-        let mut cmd = tokio::process::Command::new(&self.client);
+        let mut cmd = match &self.namespace {
+            None => tokio::process::Command::new(&self.client),
+            Some(nsfile) => {
+                let mut nsenter = tokio::process::Command::new("nsenter");
+                nsenter
+                    .arg(format!("--mount={}", nsfile.display()))
+                    .arg(&self.client);
+                nsenter
+            }
+        };
         match &self.transport {
             GoTransport::Rpc { socket } => cmd.arg("rpc").arg("--target").arg(socket),
             GoTransport::Binary { config } => cmd

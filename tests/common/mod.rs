@@ -6,8 +6,10 @@
 #![allow(dead_code)]
 
 pub mod callers;
+pub mod cube_peers;
 pub mod fake_driver;
 pub mod k8s;
+pub mod real_drivers;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -42,9 +42,10 @@ app.kubernetes.io/part-of: cube-csi-bridge
 csibridge.cubesandbox.io/driver: {{ regexReplaceAll "[-._]+$" .Values.driver "" | quote }}
 {{- end }}
 
-{{/* The bridge image reference. */}}
+{{/* The bridge image reference, with its digest when one is pinned. */}}
 {{- define "cube-csi-bridge.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{/* ServiceAccount names of the two sides. */}}
@@ -169,6 +170,12 @@ mount_flags = [{{ range $i, $f := $v.volume.mountFlags }}{{ if $i }}, {{ end }}{
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if $v.metrics.enabled }}
+
+[metrics]
+listen = {{ printf "0.0.0.0:%d" (include "cube-csi-bridge.metricsPort" (dict "root" .root "side" $side) | int) | toJson }}
+volume_stats_interval_secs = {{ ternary (int64 $v.metrics.volumeStatsIntervalSecs) 0 (eq $side "node") }}
+{{- end }}
 {{- with $v.timeouts }}
 
 [timeouts]
@@ -216,4 +223,107 @@ Environment every CSI driver container gets. Call with the driver values.
 {{/* The driver container's image reference. Call with the driver values. */}}
 {{- define "cube-csi-bridge.driverImage" -}}
 {{- printf "%s:%s" .image.repository .image.tag }}
+{{- end }}
+
+{{/*
+The mount-namespace file the node side's mount checks read (node.mountView auto or a path),
+or nothing (self, none).
+*/}}
+{{- define "cube-csi-bridge.cubeletNamespaceFile" -}}
+{{- $view := .Values.node.mountView }}
+{{- if eq $view "auto" }}/usr/local/services/cubetoolbox/cubeletmnt/mnt
+{{- else if hasPrefix "/" $view }}{{ $view }}
+{{- end }}
+{{- end }}
+
+{{/*
+The bridge container's securityContext: uid 0 (the host directories it writes are
+root-owned, and Kubernetes gives a non-root container no capabilities), no privilege
+escalation, a read-only root, and only the capabilities its side and node.mountView need;
+then the side's bridge.securityContext merged over it. Call with
+(dict "root" $ "side" "node"|"controller").
+*/}}
+{{- define "cube-csi-bridge.bridgeSecurityContext" -}}
+{{- $v := .root.Values }}
+{{- $context := dict "runAsUser" 0 "runAsGroup" 0 "privileged" false "allowPrivilegeEscalation" false "readOnlyRootFilesystem" true "capabilities" (dict "drop" (list "ALL")) }}
+{{- if and (eq .side "node") (include "cube-csi-bridge.cubeletNamespaceFile" .root) }}
+{{- /* SYS_PTRACE: stat /proc/<pid>/ns/mnt of root processes to find one in Cubelet's
+namespace; SYS_ADMIN and SYS_CHROOT: setns() into it (the reader child). */}}
+{{- $_ := set $context.capabilities "add" (list "SYS_PTRACE" "SYS_ADMIN" "SYS_CHROOT") }}
+{{- end }}
+{{- $extra := ternary $v.node.bridge.securityContext $v.controller.bridge.securityContext (eq .side "node") }}
+{{- toYaml (mustMergeOverwrite $context (deepCopy $extra)) }}
+{{- end }}
+
+{{/*
+Liveness and readiness probes of a bridge container: `cube-csi-bridge probe` against the
+daemon's socket. Call with (dict "root" $ "config" "/etc/cube-csi-bridge/<side>.toml").
+*/}}
+{{- define "cube-csi-bridge.bridgeProbes" -}}
+{{- $config := .config }}
+{{- range $kind, $p := .root.Values.probes }}
+{{- if $p.enabled }}
+{{ $kind }}Probe:
+  exec:
+    command:
+      - cube-csi-bridge
+      - probe
+      {{- if eq $kind "readiness" }}
+      - --ready
+      {{- end }}
+      - --config
+      - {{ $config }}
+      - --timeout
+      - {{ max 1 (sub (int64 $p.timeoutSeconds) 1) | quote }}
+  initialDelaySeconds: {{ int64 $p.initialDelaySeconds }}
+  periodSeconds: {{ int64 $p.periodSeconds }}
+  timeoutSeconds: {{ int64 $p.timeoutSeconds }}
+  failureThreshold: {{ int64 $p.failureThreshold }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The bridge's Kubernetes API credentials as a projected volume, mounted into the bridge
+container only (pods set automountServiceAccountToken: false, so the CSI driver container
+gets no token). The same three files the automatic mount would give.
+*/}}
+{{- define "cube-csi-bridge.apiAccessVolume" -}}
+- name: kube-api-access
+  projected:
+    defaultMode: 0400
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3607
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                fieldPath: metadata.namespace
+{{- end }}
+{{- define "cube-csi-bridge.apiAccessMount" -}}
+- name: kube-api-access
+  mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+  readOnly: true
+{{- end }}
+
+{{/* The metrics port of one side (node: metrics.port, controller: metrics.port + 1). */}}
+{{- define "cube-csi-bridge.metricsPort" -}}
+{{- if eq .side "controller" }}{{ add (int .root.Values.metrics.port) 1 }}{{ else }}{{ int .root.Values.metrics.port }}{{ end }}
+{{- end }}
+
+{{/* The bridge container's metrics port, when metrics are on. */}}
+{{- define "cube-csi-bridge.metricsContainerPort" -}}
+{{- if .root.Values.metrics.enabled }}
+ports:
+  - name: metrics
+    containerPort: {{ include "cube-csi-bridge.metricsPort" . }}
+    protocol: TCP
+{{- end }}
 {{- end }}

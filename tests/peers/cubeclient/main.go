@@ -9,6 +9,7 @@
 //	cubeclient rpc --target <sock> detach --sandbox-id S --namespace N --volume-id ID \
 //	    --ref-count K [--metadata JSON]
 //	cubeclient binary --path <executable> <same op and flags>
+//	cubeclient loop --target <sock> ... (see loop.go)
 //
 // rpc prints {"token","private_data"} / {"host_path","metadata"} / {} on success
 // and {"error","code"} (exit 1) on a gRPC error. binary forks the executable with
@@ -64,6 +65,9 @@ func run(args []string) int {
 	}
 	mode := args[0]
 	args = args[1:]
+	if mode == "loop" {
+		return runLoop(args)
+	}
 	var g globals
 	// Mode options come before the op.
 	for len(args) > 0 && strings.HasPrefix(args[0], "--") {

@@ -1,0 +1,127 @@
+//! What this node holds: the node journal joined with the mount table, for `list`, the
+//! metrics gauges and the per-volume stats.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::ports::{MountCheck, Visibility};
+use super::{Bridge, BridgeError, Deadline};
+use crate::store::{NodeJournal, Step};
+
+/// The most volumes whose stats one refresh asks for (bounded work per interval).
+const MAX_STATS_VOLUMES: usize = 1000;
+/// How long one NodeGetVolumeStats may take.
+const STATS_CALL_BUDGET: Duration = Duration::from_secs(5);
+
+/// One volume attached (or half attached) on this node.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct NodeVolume {
+    pub volume_id: String,
+    pub csi_volume_id: String,
+    pub host_path: PathBuf,
+    pub staging_path: Option<PathBuf>,
+    pub controller_publish: &'static str,
+    pub stage: &'static str,
+    pub publish: &'static str,
+    /// Sandboxes by containerd namespace.
+    pub holders: BTreeMap<String, BTreeSet<String>>,
+    /// Seconds since the epoch of the first attach in this record (0 = unknown).
+    pub since: u64,
+    /// `mounted`, `missing`, or `unchecked` (mount checks disabled).
+    pub mount: &'static str,
+    /// Set when the record could not be read.
+    pub error: Option<String>,
+}
+
+/// Every volume in `journal`, with its mount state as `mounts` sees it.
+pub async fn node_volumes(
+    journal: &NodeJournal,
+    mounts: &dyn MountCheck,
+) -> Result<Vec<NodeVolume>, BridgeError> {
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let mut out = Vec::new();
+    for volume_id in journal.volume_ids()? {
+        let entry = match journal.load(&volume_id) {
+            Ok(Some(r)) => {
+                let mount = match mounts.visibility(&r.target_path, &deadline).await {
+                    Ok(Visibility::Mounted) => "mounted",
+                    Ok(Visibility::NotMounted) => "missing",
+                    Ok(Visibility::Unchecked) => "unchecked",
+                    Err(_) => "unknown",
+                };
+                NodeVolume {
+                    volume_id,
+                    csi_volume_id: r.csi_volume_id,
+                    host_path: r.target_path,
+                    staging_path: r.staging_path,
+                    controller_publish: r.controller_publish.as_str(),
+                    stage: r.stage.as_str(),
+                    publish: r.publish.as_str(),
+                    holders: r.holders,
+                    since: r.since,
+                    mount,
+                    error: None,
+                }
+            }
+            Ok(None) => continue,
+            Err(e) => NodeVolume {
+                volume_id,
+                csi_volume_id: String::new(),
+                host_path: PathBuf::new(),
+                staging_path: None,
+                controller_publish: "?",
+                stage: "?",
+                publish: "?",
+                holders: BTreeMap::new(),
+                since: 0,
+                mount: "unknown",
+                error: Some(e.to_string()),
+            },
+        };
+        out.push(entry);
+    }
+    Ok(out)
+}
+
+impl Bridge {
+    /// Refreshes the inventory gauges and, when the driver offers NodeGetVolumeStats,
+    /// each mounted volume's capacity, usage and condition. Runs off the hook path.
+    pub async fn refresh_volume_metrics(&self) -> Result<(), BridgeError> {
+        let volumes = node_volumes(self.node_journal(), self.mounts.as_ref()).await?;
+        let holders = volumes
+            .iter()
+            .map(|v| v.holders.values().map(BTreeSet::len).sum::<usize>())
+            .sum();
+        crate::metrics::node_inventory(volumes.len(), holders);
+        let deadline = Deadline::after(STATS_CALL_BUDGET);
+        if !self.node_caps(&deadline).await?.get_volume_stats {
+            return Ok(());
+        }
+        let mut seen = BTreeSet::new();
+        for volume in volumes
+            .iter()
+            .filter(|v| v.publish == Step::Done.as_str() && v.mount != "missing")
+            .take(MAX_STATS_VOLUMES)
+        {
+            let deadline = Deadline::after(STATS_CALL_BUDGET);
+            match self
+                .node
+                .volume_stats(&volume.csi_volume_id, &volume.host_path, &deadline)
+                .await
+            {
+                Ok(stats) => {
+                    crate::metrics::volume_stats(&volume.volume_id, Some(&stats));
+                    seen.insert(volume.volume_id.clone());
+                }
+                Err(error) => {
+                    tracing::debug!(volume_id = %volume.volume_id, %error, "NodeGetVolumeStats failed")
+                }
+            }
+        }
+        crate::metrics::forget_volumes_except(&seen);
+        Ok(())
+    }
+}

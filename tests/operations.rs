@@ -1,0 +1,312 @@
+//! What an operator runs and watches: the metrics endpoint, `list` and `list
+//! --controller` in JSON, `check` proving mount propagation, and a restart under systemd
+//! socket activation that fails no call. Needs root (real mounts); CI runs it as root.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::fake_driver::Caps;
+use common::{BRIDGE, Mode, World};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.unwrap();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    text
+}
+
+/// The value of the first sample line starting with `prefix`, or 0.
+fn sample(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn run_cli(w: &World, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(BRIDGE)
+        .args(args)
+        .arg("--config")
+        .arg(&w.config_path)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_move_with_hooks_and_list_shows_both_stores_in_json() {
+    require_root!();
+    let port = free_port();
+    let w = World::start(
+        Mode::Rpc,
+        Caps::staging(),
+        &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"),
+    )
+    .await;
+    let before = scrape(port).await;
+    let created = w.create("m1").await.unwrap();
+    let a = w
+        .attach("s1", "m1", 0, &created.private_data)
+        .await
+        .unwrap();
+    w.attach("s2", "m1", 1, &created.private_data)
+        .await
+        .unwrap();
+
+    // Inventories, while attached.
+    let (ok, json) = run_cli(&w, &["list", "--output", "json"]);
+    assert!(ok, "{json}");
+    let volumes: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let v = &volumes[0];
+    assert_eq!(v["volume_id"], "m1");
+    assert_eq!(v["mount"], "mounted");
+    assert_eq!(v["publish"], "done");
+    assert_eq!(v["stage"], "done");
+    assert_eq!(v["host_path"], a.host_path.as_str());
+    assert_eq!(v["holders"]["default"], serde_json::json!(["s1", "s2"]));
+    assert!(v["since"].as_u64().unwrap() > 0);
+    let (ok, json) = run_cli(&w, &["list", "--controller", "--output", "json"]);
+    assert!(ok, "{json}");
+    let records: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(records[0]["volume_id"], "m1");
+    assert_eq!(records[0]["state"], "created");
+    assert_eq!(records[0]["csi_volume_id"], "fake-cube-m1");
+    let (ok, text) = run_cli(&w, &["list", "--controller"]);
+    assert!(ok && text.contains("m1\tcreated\t"), "{text}");
+
+    w.detach("s2", "m1", 1, &a.metadata).await.unwrap();
+    w.detach("s1", "m1", 0, &a.metadata).await.unwrap();
+    w.attach("s1", "missing", 0, "not a handle")
+        .await
+        .unwrap_err();
+    let after = scrape(port).await;
+    for (series, at_least) in [
+        (
+            "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\"}",
+            2.0,
+        ),
+        (
+            "cube_csi_bridge_hook_calls_total{hook=\"detach\",outcome=\"success\"}",
+            2.0,
+        ),
+        (
+            "cube_csi_bridge_hook_calls_total{hook=\"create\",outcome=\"success\"}",
+            1.0,
+        ),
+        (
+            "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"invalid_request\"}",
+            1.0,
+        ),
+        (
+            "cube_csi_bridge_hook_duration_seconds_count{hook=\"attach\",outcome=\"success\"}",
+            2.0,
+        ),
+        (
+            "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodePublishVolume\",code=\"Ok\"}",
+            1.0,
+        ),
+        (
+            "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodeUnstageVolume\",code=\"Ok\"}",
+            1.0,
+        ),
+    ] {
+        let moved = sample(&after, series) - sample(&before, series);
+        assert!(moved >= at_least, "{series} moved by {moved}:\n{after}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_proves_that_a_mount_under_the_base_dir_reaches_the_mount_view() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    std::fs::create_dir_all(&w.base_dir).unwrap();
+    let (ok, json) = run_cli(&w, &["check", "--output", "json"]);
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let proof = report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["what"].as_str().unwrap().contains("test mount"))
+        .cloned()
+        .unwrap_or_else(|| panic!("no propagation finding: {json}"));
+    assert_eq!(proof["ok"], true, "{json}");
+    let _ = ok;
+
+    // A namespace that receives no propagation (a private one): the proof fails.
+    let mut private = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ns = format!("/proc/{}/ns/mnt", private.id());
+    let text = std::fs::read_to_string(&w.config_path).unwrap();
+    std::fs::write(
+        &w.config_path,
+        text.replace("mount_view = \"self\"", &format!("mount_view = \"{ns}\"")),
+    )
+    .unwrap();
+    let (ok, json) = run_cli(&w, &["check", "--output", "json"]);
+    let _ = private.kill();
+    let _ = private.wait();
+    assert!(!ok, "{json}");
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(report["ok"], false);
+    assert!(json.contains("does NOT show"), "{json}");
+    // The test mount is gone again, and so is its directory.
+    assert!(w.mounts().is_empty(), "{:?}", w.mounts());
+    let leftovers: Vec<_> = std::fs::read_dir(&w.base_dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Starts `serve` as systemd would with socket activation: the listening socket at fd 3,
+/// LISTEN_FDS=1 and LISTEN_PID naming the daemon itself.
+fn start_activated(w: &World, listener: &std::os::unix::net::UnixListener) -> std::process::Child {
+    let fd = listener.as_raw_fd();
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(w.daemon_log_path())
+        .unwrap();
+    let mut command = std::process::Command::new("sh");
+    command
+        .arg("-c")
+        .arg("LISTEN_PID=$$ LISTEN_FDS=1 exec \"$0\" serve --config \"$1\"")
+        .arg(BRIDGE)
+        .arg(&w.config_path)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    // SAFETY: dup2 and fcntl are async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            if nix::libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            nix::libc::fcntl(3, nix::libc::F_SETFD, 0);
+            Ok(())
+        });
+    }
+    command.spawn().unwrap()
+}
+
+/// Cube's own client: tests/peers/cubeclient (grpc-go, one connection for the process
+/// lifetime, as Cubelet dials). Required in CI.
+fn cubeclient() -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os("CUBE_CSI_BRIDGE_PEERS_BIN").filter(|v| !v.is_empty());
+    match dir {
+        Some(dir) => Some(std::path::PathBuf::from(dir).join("cubeclient")),
+        None if std::env::var_os("CI").is_some() => {
+            panic!("CUBE_CSI_BRIDGE_PEERS_BIN is not set (scripts/install-test-peers.sh)")
+        }
+        None => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_under_socket_activation_fails_no_call() {
+    require_root!();
+    let Some(cubeclient) = cubeclient() else {
+        eprintln!("skipped: CUBE_CSI_BRIDGE_PEERS_BIN is not set");
+        return;
+    };
+    // The socket belongs to "systemd" (this test); the World starts no daemon of its own.
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let listener = std::os::unix::net::UnixListener::bind(w.socket()).unwrap();
+    let mut daemon = start_activated(&w, &listener);
+    let created = rpc_call_create(&w).await;
+    let stop_file = w.dir.path().join("stop-loop");
+    let looping = tokio::process::Command::new(&cubeclient)
+        .arg("loop")
+        .arg("--target")
+        .arg(w.socket())
+        .args(["--volume-id", "restart", "--private-data", &created])
+        .arg("--volume-base-dir")
+        .arg(&w.base_dir)
+        .arg("--stop-file")
+        .arg(&stop_file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        // systemctl restart: SIGTERM, wait for the drain, start again on the same socket.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(daemon.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = daemon.wait().unwrap();
+        assert!(status.success(), "daemon exit: {status}");
+        daemon = start_activated(&w, &listener);
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    std::fs::write(&stop_file, "").unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), looping.wait_with_output())
+        .await
+        .expect("the loop stops")
+        .unwrap();
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "cubeclient loop: {e}: {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let calls = summary["calls"].as_u64().unwrap();
+    assert!(calls > 20, "too few calls to prove anything: {summary}");
+    assert_eq!(
+        summary["failures"],
+        serde_json::json!([]),
+        "calls failed across restarts: {summary}"
+    );
+    assert!(w.socket().exists(), "the activated socket was removed");
+    assert!(w.mounts().is_empty(), "{:?}", w.mounts());
+}
+
+async fn rpc_call_create(w: &World) -> String {
+    use cube_csi_bridge::proto::cube::v1 as pb;
+    let channel =
+        cube_csi_bridge::csi::client::channel(&cube_csi_bridge::csi::Endpoint::Unix(w.socket()));
+    pb::volume_controller_service_client::VolumeControllerServiceClient::new(channel)
+        .create(pb::CreateRequest {
+            volume_id: "restart".into(),
+            name: "restart".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .private_data
+}
