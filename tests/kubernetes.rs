@@ -335,7 +335,7 @@ async fn storage_class_reuse_and_crd_store_shared_by_two_bridges() {
             );
         }
     } else {
-        eprintln!("attach part skipped: it makes real mounts and needs root");
+        common::skip("the attach part makes real mounts and needs root");
     }
     b.destroy("vol-k8s-race").await.expect("destroy");
     assert!(
@@ -642,9 +642,7 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
         .map(std::path::PathBuf::from)
         .filter(|p| p.join("csi-mock").is_file())
     else {
-        eprintln!(
-            "skipped: CUBE_CSI_BRIDGE_PEERS_BIN has no csi-mock (scripts/install-test-peers.sh)"
-        );
+        common::skip("CUBE_CSI_BRIDGE_PEERS_BIN has no csi-mock (scripts/install-test-peers.sh)");
         return;
     };
     let api = ApiServer::start(&bin);
