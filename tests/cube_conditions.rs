@@ -7,11 +7,12 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::callers::{Hook, attach_request};
 use common::fake_driver::{Behavior, Caps};
-use common::{MODES, Mode, World};
+use common::{BRIDGE, MODES, Mode, World};
 use cube_csi_bridge::csi::Endpoint;
 use cube_csi_bridge::proto::cube::v1 as pb;
 
@@ -396,4 +397,55 @@ async fn with_mount_checks_off_the_last_detach_succeeds() {
             .unwrap_or_else(|e| panic!("{mode:?}: {}", e.message));
         assert!(nothing_left(&w, "unchecked"), "{mode:?}: {:?}", w.mounts());
     }
+}
+
+/// A binary-only deployment has no daemon to sweep: a forked Create whose worker is killed
+/// after CreateVolume is reclaimed by a later forked controller hook.
+#[tokio::test(flavor = "multi_thread")]
+async fn forked_controller_hooks_sweep_an_abandoned_create() {
+    require_root!();
+    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 2\n\
+                 [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
+    let w = World::start(Mode::Binary, Caps::default(), extra).await;
+    w.driver.script(
+        "CreateVolume",
+        [Behavior::Delay(Duration::from_millis(800))],
+    );
+    let mut front = tokio::process::Command::new(BRIDGE)
+        .args(["--op", "create", "--volume-id", "leak", "--name", "leak"])
+        .env("CUBE_CSI_BRIDGE_CONFIG", &w.config_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Kill the worker itself (the front's child), then the front: nothing undoes it.
+    let pid = front.id().unwrap();
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    for child in children.split_whitespace() {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.parse().unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    front.start_kill().unwrap();
+    let _ = front.wait().await;
+    // The record says creating; the driver may or may not have made the volume.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    w.driver.clear_calls();
+    // Any later forked controller hook sweeps (here a Destroy of another volume).
+    w.destroy("unrelated").await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(15), || {
+            w.driver.mutating_calls() == ["CreateVolume", "DeleteVolume"]
+                && !w.driver.volume_dir("fake-cube-leak").exists()
+        })
+        .await,
+        "the abandoned create was not reclaimed: calls {:?}",
+        w.driver.mutating_calls()
+    );
+    // Cube can create the same name again afterwards.
+    w.create("leak").await.unwrap();
+    w.destroy("leak").await.unwrap();
 }

@@ -562,6 +562,10 @@ impl Bridge {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         self.node_journal().mark_pending(&record.volume_id)?;
+        // Durably first: the record must say nobody holds the volume before anything is
+        // undone, or a crash half way would have reconciliation mount it again for the
+        // sandbox that was leaving.
+        self.save(hook, record, true).await?;
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
         faults::point(hook, When::Before, "journal");

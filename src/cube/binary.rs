@@ -67,6 +67,9 @@ pub async fn run(
         },
         Err(error) => failure(&error),
     });
+    if roles.controller {
+        sweep_if_due(&bridge).await;
+    }
     if roles.node {
         match bridge.reconcile_node(Scope::Abandoned).await {
             Ok(report) if !report.is_empty() => {
@@ -94,5 +97,42 @@ fn reply_json(reply: HookReply) -> serde_json::Value {
         HookReply::Create(r) => json!({ "token": r.token, "private_data": r.private_data }),
         HookReply::Attach(r) => json!({ "host_path": r.host_path, "metadata": r.metadata }),
         HookReply::Destroy(_) | HookReply::Detach(_) => json!({}),
+    }
+}
+
+/// Forked controller hooks are the only controller code a binary-only deployment runs, so
+/// after answering they also sweep abandoned Creates — at most once per
+/// `controller.sweep_interval_secs` across all processes (a stamp file, flocked, in the
+/// state dir), so that Cube's Creates do not each pay for it.
+async fn sweep_if_due(bridge: &crate::bridge::Bridge) {
+    let config = bridge.config();
+    let Some(interval) = config.controller.sweep_interval else {
+        return;
+    };
+    let stamp = config.state.dir.join("last-sweep");
+    let due = std::fs::metadata(&stamp)
+        .and_then(|m| m.modified())
+        .map_or(true, |at| at.elapsed().map_or(true, |age| age >= interval));
+    if !due {
+        return;
+    }
+    let Ok(Some(_turn)) = crate::store::fsutil::try_lock_exclusive(&stamp) else {
+        return;
+    };
+    // Stamped before sweeping: another process that finds the lock free meanwhile waits
+    // for the next interval rather than sweeping the same records again.
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&stamp)
+        .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+    match bridge
+        .sweep_abandoned_creates(config.controller.abandoned_create_after)
+        .await
+    {
+        Ok(report) if report.reclaimed + report.failed > 0 => {
+            tracing::info!(?report, "abandoned creates swept")
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "sweeping abandoned creates failed"),
     }
 }
