@@ -676,14 +676,15 @@ fn bridge_security_context_values_are_merged_over_the_chart_defaults() {
     );
 }
 
-/// Metrics are off by default; switched on, each bridge serves /metrics on its side's port
+/// Metrics are off by default (the host-path example); switched on (the nfs example does),
+/// each bridge serves /metrics on its side's port
 /// (node: metrics.port, controller: port + 1), a Service per side selects the pods, and the
 /// ServiceMonitor appears only when asked for.
 #[test]
 fn metrics_are_exposed_only_when_enabled() {
     let helm = require_helm!();
     let nfs = example("values-nfs.yaml");
-    let off = manifests(&helm.render(&["-f", &nfs]));
+    let off = manifests(&helm.render(&["-f", &example("values-hostpath.yaml")]));
     assert!(
         !off.iter()
             .any(|o| o["kind"] == "Service" || o["kind"] == "ServiceMonitor"),
