@@ -9,6 +9,8 @@
 //	cubeclient rpc --target <sock> detach --sandbox-id S --namespace N --volume-id ID \
 //	    --ref-count K [--metadata JSON]
 //	cubeclient binary --path <executable> <same op and flags>
+//	cubeclient bench                        (benchmark phases on stdin; bench.go)
+//	cubeclient floor-plugin --listen <sock> (a trivial grpc-go plugin; bench.go)
 //
 // rpc prints {"token","private_data"} / {"host_path","metadata"} / {} on success
 // and {"error","code"} (exit 1) on a gRPC error. binary forks the executable with
@@ -42,7 +44,7 @@ func main() {
 
 func usage(format string, args ...any) int {
 	fmt.Fprintf(os.Stderr, "cubeclient: "+format+"\n", args...)
-	fmt.Fprintln(os.Stderr, "usage: cubeclient rpc --target SOCK OP [FLAGS] | cubeclient binary --path EXE OP [FLAGS]")
+	fmt.Fprintln(os.Stderr, "usage: cubeclient rpc --target SOCK OP [FLAGS] | cubeclient binary --path EXE OP [FLAGS] | cubeclient bench | cubeclient floor-plugin --listen SOCK")
 	return 2
 }
 
@@ -64,6 +66,12 @@ func run(args []string) int {
 	}
 	mode := args[0]
 	args = args[1:]
+	switch mode {
+	case "bench":
+		return runBench(args)
+	case "floor-plugin":
+		return runFloorPlugin(args)
+	}
 	var g globals
 	// Mode options come before the op.
 	for len(args) > 0 && strings.HasPrefix(args[0], "--") {
