@@ -72,28 +72,38 @@ impl ApiServer {
         // The header goes through a file so that the token never shows in a process list.
         let header_file = self.dir.join("auth-header");
         std::fs::write(&header_file, auth_header)?;
-        let curl = |args: &[&str]| -> anyhow::Result<bool> {
+        // `quiet`: a failure is expected (polling) and says nothing on stderr.
+        let curl = |args: &[&str], quiet: bool| -> anyhow::Result<bool> {
+            let stderr = if quiet {
+                std::process::Stdio::null()
+            } else {
+                std::process::Stdio::inherit()
+            };
             let status = Command::new("curl")
                 .args(["-fsS", "--max-time", "10", "--cacert", &ca, "-H"])
                 .arg(format!("@{}", header_file.display()))
                 .args(args)
                 .stdout(std::process::Stdio::null())
+                .stderr(stderr)
                 .status()?;
             Ok(status.success())
         };
-        if !curl(&[
-            "-H",
-            "Content-Type: application/yaml",
-            "--data-binary",
-            &format!("@{CRD_FILE}"),
-            &format!("{url}/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
-        ])? {
+        if !curl(
+            &[
+                "-H",
+                "Content-Type: application/yaml",
+                "--data-binary",
+                &format!("@{CRD_FILE}"),
+                &format!("{url}/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
+            ],
+            false,
+        )? {
             bail!("posting the CubeVolume CRD failed");
         }
         let collection =
             format!("{url}/apis/{CRD_GROUP}/{CRD_VERSION}/namespaces/{NAMESPACE}/{CRD_PLURAL}");
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !curl(&[&collection])? {
+        while !curl(&[&collection], true)? {
             if Instant::now() > deadline {
                 bail!("the CubeVolume CRD was not served within 30 s");
             }

@@ -13,6 +13,7 @@ mod procs;
 mod report;
 mod runner;
 mod scenarios;
+mod seed;
 mod stats;
 mod tonic_side;
 mod world;

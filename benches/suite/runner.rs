@@ -25,6 +25,9 @@ pub struct Call {
     pub ref_count: i64,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub volume_base_dir: String,
+    /// Attach's private_data, when not the one this runner's Create got.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub private_data: Option<String>,
 }
 
 pub const NAMESPACE: &str = "bench";
@@ -57,6 +60,25 @@ impl Call {
             volume_base_dir: base.display().to_string(),
             ..Default::default()
         }
+    }
+
+    /// An Attach of a volume this runner did not Create, with the private_data the
+    /// bridge's Create would have returned for CSI volume `csi_volume_id`.
+    pub fn attach_handle(
+        volume_id: &str,
+        csi_volume_id: &str,
+        sandbox: &str,
+        base: &Path,
+    ) -> anyhow::Result<Call> {
+        let handle = cube_csi_bridge::bridge::handoff::VolumeHandle {
+            csi_volume_id: csi_volume_id.into(),
+            volume_context: Default::default(),
+            controller_publish: false,
+        };
+        Ok(Call {
+            private_data: Some(handle.encode().map_err(anyhow::Error::msg)?),
+            ..Call::attach(volume_id, sandbox, 0, base)
+        })
     }
 
     pub fn detach(volume_id: &str, sandbox: &str, ref_count: i64) -> Call {

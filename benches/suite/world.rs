@@ -295,6 +295,7 @@ impl BridgeSpec {
 #[derive(Debug, Clone)]
 pub struct BridgeFiles {
     pub config: PathBuf,
+    pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub base_dir: PathBuf,
     pub log: PathBuf,
@@ -307,6 +308,7 @@ impl World {
         let dir = self.dir(&spec.name)?;
         let files = BridgeFiles {
             config: dir.join("bridge.toml"),
+            state_dir: dir.join("state"),
             socket: dir.join("bridge.sock"),
             base_dir: dir.join("volumes"),
             log: dir.join("bridge.log"),
@@ -337,7 +339,7 @@ access_mode = "{access}"
 capacity_bytes = {capacity}
 
 [state]
-dir = "{dir}/state"
+dir = "{state}"
 lock_dir = "{dir}/locks"
 controller_store = "{store}"
 
@@ -352,6 +354,7 @@ mount_view = "self"
             access = spec.access_mode,
             capacity = spec.capacity_bytes,
             dir = dir.display(),
+            state = files.state_dir.display(),
             base = files.base_dir.display(),
         );
         std::fs::write(&files.config, text)?;
