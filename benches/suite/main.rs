@@ -22,12 +22,14 @@ use std::process::ExitCode;
 
 const USAGE: &str = "\
 usage: cargo bench --bench suite -- [--quick] [--only SECTIONS] [--keep] [--profile DIR]
+                                    [--bridge EXE]
   --quick          fewer iterations (a minute or two instead of several)
   --only A,B       run only these sections: hot, first, binary, concurrent, store,
                    kubernetes, ready (default: all)
   --keep           keep the work directory (logs, configs, state) and print its path
   --profile DIR    instead of the table: profile 1,000 hot Attach + Detach pairs on the
                    daemon (strace -c, one traced pair, perf stat, perf record) into DIR
+  --bridge EXE     measure this build of cube-csi-bridge instead of the one cargo built
 Needs root (real mounts) and the peers scripts/bench.sh installs; see docs/benchmarks.md.";
 
 fn main() -> ExitCode {

@@ -14,7 +14,7 @@ use crate::report::{Row, Target, table};
 use crate::runner::{Call, Runner, Via};
 use crate::stats::{Summary, fmt_duration, fmt_kib};
 use crate::tonic_side::{DirectCsi, time_to_first_call, tonic_hop};
-use crate::world::{self, BRIDGE, BridgeSpec, SECTIONS, Store, World};
+use crate::world::{self, BridgeSpec, SECTIONS, Store, World};
 
 /// Runs every selected section and prints the table; false if a figure was not measured.
 pub fn run_all(world: &World) -> bool {
@@ -449,7 +449,7 @@ fn binary(world: &World) -> anyhow::Result<Vec<Row>> {
     let (_driver, socket) = world.fake_driver("binary-driver", 0, true)?;
     let files = world.bridge_files(&BridgeSpec::new("binary", &socket))?;
     let hook = Via::Fork {
-        exe: BRIDGE.into(),
+        exe: world.bridge.clone(),
         env: vec![format!("CUBE_CSI_BRIDGE_CONFIG={}", files.config.display())],
         raw: false,
     };
@@ -909,83 +909,63 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
 
     // Each tool attaches to the running daemon, watches PAIRS pairs, and is stopped with
     // SIGINT (strace then prints its summary; perf writes its data).
-    let mut traced =
-        |tool: &str, args: Vec<String>, tag: &str, pairs: usize| -> anyhow::Result<()> {
-            let mut cmd = Command::new(tool);
-            cmd.args(&args);
-            let mut proc = Proc::spawn(tool, cmd, &out.join(format!("{tag}.log")))?;
-            std::thread::sleep(Duration::from_millis(700));
-            proc.check_alive()?;
-            run_pairs(
-                &mut runner,
-                tag,
-                &via,
-                &hot_calls("hot", pairs, &files.base_dir, tag),
-            )?;
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(proc.pid() as i32),
-                nix::sys::signal::Signal::SIGINT,
-            )?;
-            proc.stop(Duration::from_secs(60));
-            Ok(())
-        };
+    let mut traced = |tool: &str, args: &[&str], tag: &str, pairs: usize| -> anyhow::Result<()> {
+        let mut cmd = Command::new(tool);
+        cmd.args(args);
+        let mut proc = Proc::spawn(tool, cmd, &out.join(format!("{tag}.log")))?;
+        std::thread::sleep(Duration::from_millis(700));
+        proc.check_alive()?;
+        run_pairs(
+            &mut runner,
+            tag,
+            &via,
+            &hot_calls("hot", pairs, &files.base_dir, tag),
+        )?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(proc.pid() as i32),
+            nix::sys::signal::Signal::SIGINT,
+        )?;
+        proc.stop(Duration::from_secs(120));
+        Ok(())
+    };
     let path = |name: &str| out.join(name).display().to_string();
+    let (summary, one_pair) = (path("strace-summary.txt"), path("strace-one-pair.txt"));
+    let (stat, data) = (path("perf-stat.txt"), path("perf.data"));
     traced(
         "strace",
-        vec![
-            "-f".into(),
-            "-c".into(),
-            "-o".into(),
-            path("strace-summary.txt"),
-            "-p".into(),
-            pid.clone(),
-        ],
+        &["-f", "-c", "-o", &summary, "-p", &pid],
         "strace-c",
         PAIRS,
     )?;
     traced(
         "strace",
-        vec![
-            "-f".into(),
-            "-tt".into(),
-            "-T".into(),
-            "-o".into(),
-            path("strace-one-pair.txt"),
-            "-p".into(),
-            pid.clone(),
-        ],
+        &["-f", "-tt", "-T", "-o", &one_pair, "-p", &pid],
         "strace-one",
         1,
     )?;
+    let events = "task-clock,context-switches,cpu-migrations,page-faults";
     traced(
         "perf",
-        vec![
-            "stat".into(),
-            "-e".into(),
-            "task-clock,context-switches,cpu-migrations,page-faults".into(),
-            "-o".into(),
-            path("perf-stat.txt"),
-            "-p".into(),
-            pid.clone(),
-        ],
+        &["stat", "-e", events, "-o", &stat, "-p", &pid],
         "perf-stat",
         PAIRS,
     )?;
-    traced(
-        "perf",
-        vec![
-            "record".into(),
-            "-F".into(),
-            "4999".into(),
-            "-g".into(),
-            "-o".into(),
-            path("perf.data"),
-            "-p".into(),
-            pid.clone(),
-        ],
-        "perf-record",
-        PAIRS,
-    )?;
+    // No hardware counters in a VM: sample on cpu-clock; Rust keeps no frame pointers,
+    // so stacks are unwound from DWARF.
+    let record = [
+        "record",
+        "-e",
+        "cpu-clock",
+        "-F",
+        "1999",
+        "--call-graph",
+        "dwarf,16384",
+    ];
+    let record: Vec<&str> = record
+        .into_iter()
+        .chain(["-o", &data, "-p", &pid])
+        .collect();
+    traced("perf", &record, "perf-record", PAIRS)?;
     let report = |args: &[&str], name: &str| -> anyhow::Result<()> {
         let o = Command::new("perf")
             .args(["report", "--stdio", "-i"])

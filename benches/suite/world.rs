@@ -12,7 +12,8 @@ use nix::mount::{MntFlags, MsFlags};
 use crate::fake_csi;
 use crate::procs::Proc;
 
-/// The bridge executable under test: the release build cargo made for this bench.
+/// The bridge executable under test unless --bridge names another: the release build
+/// cargo made for this bench.
 pub const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
 /// The Cube driver name every bench bridge serves.
 pub const DRIVER: &str = "bench";
@@ -34,6 +35,8 @@ pub struct Options {
     pub only: Option<Vec<String>>,
     pub keep: bool,
     pub profile: Option<PathBuf>,
+    /// Another build of the bridge to measure (e.g. before and after a change).
+    pub bridge: Option<PathBuf>,
 }
 
 impl Options {
@@ -55,6 +58,10 @@ impl Options {
                 "--profile" => {
                     let dir = it.next().ok_or("--profile needs a directory")?;
                     o.profile = Some(PathBuf::from(dir));
+                }
+                "--bridge" => {
+                    let exe = it.next().ok_or("--bridge needs an executable")?;
+                    o.bridge = Some(PathBuf::from(exe));
                 }
                 "-h" | "--help" => return Err(String::new()),
                 other => return Err(format!("unknown argument {other:?}")),
@@ -132,6 +139,8 @@ impl Sizes {
 pub struct World {
     pub options: Options,
     pub sizes: Sizes,
+    /// The bridge executable measured.
+    pub bridge: PathBuf,
     /// This executable (re-run for `fake-csi` and `tonic-floor`).
     pub suite: PathBuf,
     pub cubeclient: PathBuf,
@@ -161,8 +170,16 @@ impl World {
         let root = tempfile::Builder::new()
             .prefix("ccb-bench-")
             .tempdir_in("/var/tmp")?;
+        let bridge = options
+            .bridge
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(BRIDGE));
+        let bridge = bridge
+            .canonicalize()
+            .with_context(|| format!("the bridge executable {}", bridge.display()))?;
         Ok(World {
             sizes: Sizes::new(options.quick),
+            bridge,
             options,
             suite: std::env::current_exe()?,
             cubeclient,
@@ -364,7 +381,7 @@ mount_view = "self"
     /// The command that starts `serve` on these files; its log level is the default
     /// (`info`: one line per hook), as in production.
     pub fn serve_command(&self, files: &BridgeFiles) -> Command {
-        let mut cmd = Command::new(BRIDGE);
+        let mut cmd = Command::new(&self.bridge);
         cmd.arg("serve").arg("--config").arg(&files.config);
         cmd.env_remove("RUST_LOG");
         cmd
