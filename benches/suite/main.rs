@@ -10,6 +10,7 @@
 mod fake_csi;
 mod kube_api;
 mod procs;
+mod profile;
 mod report;
 mod runner;
 mod scenarios;
@@ -27,8 +28,9 @@ usage: cargo bench --bench suite -- [--quick] [--only SECTIONS] [--keep] [--prof
   --only A,B       run only these sections: hot, first, binary, concurrent, store,
                    kubernetes, ready (default: all)
   --keep           keep the work directory (logs, configs, state) and print its path
-  --profile DIR    instead of the table: profile 1,000 hot Attach + Detach pairs on the
-                   daemon (strace -c, one traced pair, perf stat, perf record) into DIR
+  --profile DIR    instead of the table: where the daemon's time goes (strace of hot
+                   Attach/Detach, first Attach/Detach, Create/Destroy; perf of the hot
+                   pairs), written into DIR
   --bridge EXE     measure this build of cube-csi-bridge instead of the one cargo built
 Needs root (real mounts) and the peers scripts/bench.sh installs; see docs/benchmarks.md.";
 
@@ -79,7 +81,7 @@ fn suite(args: &[String]) -> ExitCode {
         }
     };
     let ok = if let Some(dir) = world.options.profile.clone() {
-        match scenarios::profile(&world, &dir) {
+        match profile::profile(&world, &dir) {
             Ok(()) => true,
             Err(e) => {
                 eprintln!("profile failed: {e:#}");

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use cube_csi_bridge::proto::csi::v1::volume_capability::access_mode::Mode as AccessMode;
 
 use crate::procs::Proc;
@@ -95,7 +95,7 @@ impl Pairs {
 
 /// `n` hot pairs on one volume: Attach with ref_count 1 (another sandbox holds it) and
 /// the matching Detach with ref_count 1, each from a sandbox of its own.
-fn hot_calls(volume: &str, n: usize, base: &Path, tag: &str) -> Vec<Call> {
+pub fn hot_calls(volume: &str, n: usize, base: &Path, tag: &str) -> Vec<Call> {
     (0..n)
         .flat_map(|i| {
             let sandbox = format!("{tag}-{i}");
@@ -108,7 +108,7 @@ fn hot_calls(volume: &str, n: usize, base: &Path, tag: &str) -> Vec<Call> {
 }
 
 /// Runs alternating Attach/Detach calls; returns (attach, detach) samples.
-fn run_pairs(
+pub fn run_pairs(
     runner: &mut Runner,
     name: &str,
     via: &Via,
@@ -119,7 +119,7 @@ fn run_pairs(
 }
 
 /// "1.24 ms (p99 2.10 ms, n 3000)".
-fn shown(s: &Summary) -> String {
+pub fn shown(s: &Summary) -> String {
     format!(
         "{} (p99 {}, n {})",
         fmt_duration(s.median),
@@ -868,169 +868,4 @@ fn ready(world: &World) -> anyhow::Result<Vec<Row>> {
         Target::Absolute(50.0),
         "ms",
     )])
-}
-
-/// --profile: where the time of a hot Attach + Detach pair goes in the daemon.
-pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
-    const PAIRS: usize = 1000;
-    std::fs::create_dir_all(out)?;
-    let out = out.canonicalize()?;
-    for tool in ["strace", "perf"] {
-        if Command::new(tool).arg("--version").output().is_err() {
-            bail!("{tool} is not installed (scripts/bench.sh --profile installs it)");
-        }
-    }
-    let (_driver, socket) = world.fake_driver("profile-driver", 0, true)?;
-    let (bridge, files) = world.bridge(&BridgeSpec::new("profile", &socket))?;
-    let pid = bridge.pid().to_string();
-    let via = Via::Socket(files.socket.clone());
-    let mut runner = world.runner()?;
-    runner.run(
-        "prime",
-        &via,
-        1,
-        &[
-            Call::create("hot"),
-            Call::attach("hot", "holder", 0, &files.base_dir),
-        ],
-    )?;
-    run_pairs(
-        &mut runner,
-        "warm-up",
-        &via,
-        &hot_calls("hot", 300, &files.base_dir, "warm"),
-    )?;
-    let untraced = run_pairs(
-        &mut runner,
-        "untraced",
-        &via,
-        &hot_calls("hot", PAIRS, &files.base_dir, "plain"),
-    )?;
-
-    // Each tool attaches to the running daemon, watches PAIRS pairs, and is stopped with
-    // SIGINT (strace then prints its summary; perf writes its data).
-    let mut traced = |tool: &str, args: &[&str], tag: &str, pairs: usize| -> anyhow::Result<()> {
-        let mut cmd = Command::new(tool);
-        cmd.args(args);
-        let mut proc = Proc::spawn(tool, cmd, &out.join(format!("{tag}.log")))?;
-        std::thread::sleep(Duration::from_millis(700));
-        proc.check_alive()?;
-        run_pairs(
-            &mut runner,
-            tag,
-            &via,
-            &hot_calls("hot", pairs, &files.base_dir, tag),
-        )?;
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(proc.pid() as i32),
-            nix::sys::signal::Signal::SIGINT,
-        )?;
-        proc.stop(Duration::from_secs(120));
-        Ok(())
-    };
-    let path = |name: &str| out.join(name).display().to_string();
-    let (summary, one_pair) = (path("strace-summary.txt"), path("strace-one-pair.txt"));
-    let (stat, data) = (path("perf-stat.txt"), path("perf.data"));
-    traced(
-        "strace",
-        &["-f", "-c", "-o", &summary, "-p", &pid],
-        "strace-c",
-        PAIRS,
-    )?;
-    traced(
-        "strace",
-        &["-f", "-tt", "-T", "-o", &one_pair, "-p", &pid],
-        "strace-one",
-        1,
-    )?;
-    let events = "task-clock,context-switches,cpu-migrations,page-faults";
-    traced(
-        "perf",
-        &["stat", "-e", events, "-o", &stat, "-p", &pid],
-        "perf-stat",
-        PAIRS,
-    )?;
-    // No hardware counters in a VM: sample on cpu-clock; Rust keeps no frame pointers,
-    // so stacks are unwound from DWARF.
-    let record = [
-        "record",
-        "-e",
-        "cpu-clock",
-        "-F",
-        "1999",
-        "--call-graph",
-        "dwarf,16384",
-    ];
-    let record: Vec<&str> = record
-        .into_iter()
-        .chain(["-o", &data, "-p", &pid])
-        .collect();
-    traced("perf", &record, "perf-record", PAIRS)?;
-    let report = |args: &[&str], name: &str| -> anyhow::Result<()> {
-        let o = Command::new("perf")
-            .args(["report", "--stdio", "-i"])
-            .arg(out.join("perf.data"))
-            .args(args)
-            .output()?;
-        std::fs::write(out.join(name), &o.stdout)?;
-        Ok(())
-    };
-    report(
-        &[
-            "--no-children",
-            "--sort",
-            "dso,symbol",
-            "--percent-limit",
-            "0.5",
-            "-g",
-            "none",
-        ],
-        "perf-report-self.txt",
-    )?;
-    report(
-        &[
-            "--children",
-            "--sort",
-            "symbol",
-            "--percent-limit",
-            "2",
-            "-g",
-            "caller,0.5,callee,function,percent",
-        ],
-        "perf-report-children.txt",
-    )?;
-    runner.run(
-        "release",
-        &via,
-        1,
-        &[Call::detach("hot", "holder", 0), Call::destroy("hot")],
-    )?;
-
-    let (a, d) = (Summary::of_ns(&untraced.0), Summary::of_ns(&untraced.1));
-    println!(
-        "untraced, {PAIRS} pairs: Attach {}, Detach {}",
-        shown(&a),
-        shown(&d)
-    );
-    println!("files in {}:", out.display());
-    for f in [
-        "strace-summary.txt",
-        "strace-one-pair.txt",
-        "perf-stat.txt",
-        "perf-report-self.txt",
-        "perf-report-children.txt",
-    ] {
-        println!("  {f}");
-    }
-    println!("\n--- strace -c over {PAIRS} pairs (daemon, all threads)");
-    print!(
-        "{}",
-        std::fs::read_to_string(out.join("strace-summary.txt")).context("strace summary")?
-    );
-    println!("\n--- perf stat over {PAIRS} pairs");
-    print!(
-        "{}",
-        std::fs::read_to_string(out.join("perf-stat.txt")).context("perf stat")?
-    );
-    Ok(())
 }
