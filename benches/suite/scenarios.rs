@@ -303,6 +303,27 @@ fn hot(world: &World) -> anyhow::Result<Vec<Row>> {
             Target::Ratio(2.0),
             Some(4.0),
         ));
+        // Each pair adds and removes one holder of the same volume: a cost that grows with
+        // that history shows as a later round slower than the first.
+        let first_round = Summary::of_ns(&pairs.attach[..per_round]);
+        let last_round = Summary::of_ns(&pairs.attach[pairs.attach.len() - per_round..]);
+        rows.push(Row::judged(
+            format!("Attach, volume already mounted, rpc, {driver}: last round vs first round"),
+            format!(
+                "{} after {} pairs on the volume",
+                fmt_duration(last_round.median),
+                s.warmup_pairs + s.hot_pairs
+            ),
+            format!(
+                "first round: {} after {} pairs",
+                fmt_duration(first_round.median),
+                s.warmup_pairs + per_round
+            ),
+            ms(last_round.median),
+            ms(first_round.median),
+            Target::Info,
+            "ms",
+        ));
         rows.extend(judged_latency(
             &format!("Detach, ref_count 1 (holders left), rpc, {driver}"),
             &Summary::of_ns(&pairs.detach),
