@@ -1,9 +1,10 @@
 //! --profile: where the daemon's time goes, per hook path, for the lead's optimisation
-//! work. Against a bridge on the fake driver at 0 ms, three workloads run while a tool is
+//! work. Against a bridge on the fake driver at 0 ms, workloads run while a tool is
 //! attached to the daemon (all its threads): hot Attach + Detach pairs (ref_count 1),
-//! first Attach + last Detach cycles, and Create + Destroy pairs. For each: `strace -f -c`
-//! over many iterations and `strace -f -tt -T` of one; for the hot pairs also `perf stat`
-//! and a `perf record` (cpu-clock, DWARF call graphs) with its reports.
+//! first Attach + last Detach cycles, and Create + Destroy pairs, each under `strace -f -c`
+//! (system time), `strace -f -c -w` (wall time) and `strace -f -tt -T` of one iteration;
+//! 256 first Attaches at once under `strace -f -c -w`; and the hot pairs under `perf stat`
+//! and `perf record` (cpu-clock, DWARF call graphs) with its reports.
 
 use std::path::Path;
 use std::process::Command;
@@ -21,6 +22,7 @@ use crate::world::{BridgeSpec, World};
 const HOT_PAIRS: usize = 1000;
 const FIRST_CYCLES: usize = 100;
 const CREATE_PAIRS: usize = 100;
+const CONCURRENT: usize = 256;
 
 pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(out)?;
@@ -81,23 +83,12 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         ),
     ];
 
-    // Attaches `tool` to the daemon, runs `calls`, and stops the tool with SIGINT (strace
-    // then writes its summary, perf its data).
-    let mut traced =
-        |tool: &str, args: &[&str], tag: &str, calls: Vec<Call>| -> anyhow::Result<()> {
-            let mut cmd = Command::new(tool);
-            cmd.args(args);
-            let mut proc = Proc::spawn(tool, cmd, &out.join(format!("{tag}.log")))?;
-            std::thread::sleep(Duration::from_millis(700));
-            proc.check_alive()?;
-            run_pairs(&mut runner, tag, &via, &calls)?;
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(proc.pid() as i32),
-                nix::sys::signal::Signal::SIGINT,
-            )?;
-            proc.stop(Duration::from_secs(120));
-            Ok(())
-        };
+    // Runs `calls` with `tool` attached to the daemon.
+    let mut traced = |tool: &str, args: &[&str], tag: &str, calls: Vec<Call>| {
+        watched(&out, tool, args, tag, || {
+            run_pairs(&mut runner, tag, &via, &calls).map(|_| ())
+        })
+    };
     let path = |name: &str| out.join(name).display().to_string();
     for (name, n) in [
         ("hot", HOT_PAIRS),
@@ -109,12 +100,21 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
             "first" => first(n, tag),
             _ => create(n, tag),
         };
+        // -c sums system time per syscall; -c -w sums wall time (waits on the disk show).
         let summary = path(&format!("{name}-strace-summary.txt"));
+        let wall = path(&format!("{name}-strace-wall.txt"));
         let one = path(&format!("{name}-strace-one.txt"));
         let tag = format!("{name}-strace-c");
         traced(
             "strace",
             &["-f", "-c", "-o", &summary, "-p", &pid],
+            &tag,
+            calls(n, &tag),
+        )?;
+        let tag = format!("{name}-strace-w");
+        traced(
+            "strace",
+            &["-f", "-c", "-w", "-o", &wall, "-p", &pid],
             &tag,
             calls(n, &tag),
         )?;
@@ -155,6 +155,32 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "hot-perf-record",
         hot(HOT_PAIRS, "perf-record"),
     )?;
+    // 256 first Attaches at once (then their Detaches, untraced): where concurrency waits.
+    let ids: Vec<String> = (0..CONCURRENT).map(|i| format!("c-{i:03}")).collect();
+    let attaches = ids
+        .iter()
+        .map(|id| Call::attach_handle(id, &format!("cube-{id}"), "sandbox", &base))
+        .collect::<anyhow::Result<Vec<Call>>>()?;
+    let detaches: Vec<Call> = ids
+        .iter()
+        .map(|id| Call::detach(id, "sandbox", 0))
+        .collect();
+    let wall = path("concurrent-strace-wall.txt");
+    let mut took = 0;
+    watched(
+        &out,
+        "strace",
+        &["-f", "-c", "-w", "-o", &wall, "-p", &pid],
+        "concurrent-strace",
+        || {
+            took = runner
+                .run("256 at once", &via, CONCURRENT, &attaches)?
+                .wall_ns;
+            Ok(())
+        },
+    )?;
+    runner.run("256 detaches", &via, CONCURRENT, &detaches)?;
+
     let report = |args: &[&str], name: &str| -> anyhow::Result<()> {
         let o = Command::new("perf")
             .args(["report", "--stdio", "-i", &data])
@@ -231,5 +257,29 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "{}",
         std::fs::read_to_string(out.join("hot-perf-stat.txt")).context("perf stat")?
     );
+    Ok(())
+}
+
+/// Attaches `tool` (its args name the daemon's pid) to the daemon, runs `work`, and stops
+/// the tool with SIGINT (strace then writes its summary, perf its data).
+fn watched(
+    out: &Path,
+    tool: &str,
+    args: &[&str],
+    tag: &str,
+    work: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut cmd = Command::new(tool);
+    cmd.args(args);
+    let mut proc = Proc::spawn(tool, cmd, &out.join(format!("{tag}.log")))?;
+    // Time to attach to every thread before the work starts.
+    std::thread::sleep(Duration::from_millis(700));
+    proc.check_alive()?;
+    work()?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(proc.pid() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )?;
+    proc.stop(Duration::from_secs(120));
     Ok(())
 }

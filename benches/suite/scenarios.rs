@@ -50,8 +50,7 @@ pub fn run_all(world: &World) -> bool {
     }
     let s = world.sizes;
     println!(
-        "cube-csi-bridge benchmarks ({}) — {header}; load average at the end {}; \
-         {:.0} s in all",
+        "cube-csi-bridge benchmarks ({}), {header}; load average at the end {}; {:.0} s in all",
         if world.options.quick {
             "--quick"
         } else {
@@ -60,6 +59,7 @@ pub fn run_all(world: &World) -> bool {
         world::load_average(),
         started.elapsed().as_secs_f64()
     );
+    println!("bridge measured: {}", world.bridge_description());
     println!(
         "iterations: hot pairs {} (+{} warm-up) per target in {} interleaved rounds; \
          first Attach {} (fake 0 ms) / {} (fake 10 ms) / {} (hostpath); binary pairs {}; \

@@ -259,6 +259,26 @@ impl World {
         crate::runner::Runner::start(&self.cubeclient, &self.root.path().join("runner.log"))
     }
 
+    /// Which bridge build is measured: its path, and the checkout it was built from.
+    pub fn bridge_description(&self) -> String {
+        if self.options.bridge.is_some() {
+            return format!("{} (given with --bridge)", self.bridge.display());
+        }
+        let git = |args: &[&str]| {
+            let mut all = vec!["-C", env!("CARGO_MANIFEST_DIR")];
+            all.extend_from_slice(args);
+            command_line("git", &all)
+        };
+        let commit = git(&["rev-parse", "--short", "HEAD"]);
+        let status = git(&["status", "--porcelain", "--untracked-files=no"]);
+        let dirty = !status.is_empty() && status != "unknown";
+        format!(
+            "{} (this checkout, commit {commit}{})",
+            self.bridge.display(),
+            if dirty { " with local changes" } else { "" }
+        )
+    }
+
     /// Removes the work directory (unless --keep), unmounting whatever is left in it first.
     pub fn finish(self) {
         unmount_below(self.root.path());
@@ -443,18 +463,8 @@ pub fn machine() -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let date = command_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
-    let commit = command_line(
-        "git",
-        &[
-            "-C",
-            env!("CARGO_MANIFEST_DIR"),
-            "rev-parse",
-            "--short",
-            "HEAD",
-        ],
-    );
     format!(
-        "{date}; {cores} cores, {cpu}; Linux {}; commit {commit}; load average {}",
+        "{date}; {cores} cores, {cpu}; Linux {}; load average {}",
         kernel.trim(),
         load_average()
     )
