@@ -81,6 +81,20 @@ impl Proc {
         rss_kib(self.pid())
     }
 
+    /// Sends SIGINT and waits up to `grace` for the child to exit (a tracer then writes
+    /// its summary); SIGTERM and SIGKILL follow if it has not.
+    pub fn interrupt(&mut self, grace: Duration) {
+        let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGINT);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.stop(Duration::from_secs(5));
+    }
+
     /// SIGTERM, then SIGKILL if the child has not exited within `grace`.
     pub fn stop(&mut self, grace: Duration) {
         if self.child.try_wait().ok().flatten().is_some() {
