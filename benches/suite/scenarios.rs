@@ -595,6 +595,21 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
         );
     }
 
+    // The driver's own share: the same calls made directly, all at once.
+    let direct = DirectCsi {
+        socket: socket.clone(),
+        access_mode: AccessMode::MultiNodeMultiWriter,
+        capacity_bytes: 0,
+        stage: true,
+    };
+    let direct_base = world.dir("concurrent/direct-volumes")?;
+    let direct_names: Vec<String> = (0..N).map(|i| format!("d-{i:03}")).collect();
+    let mut direct_walls = Vec::new();
+    for _ in 0..s.concurrent_rounds {
+        let (attach, _) = direct.all_at_once(&direct_base, &direct_names)?;
+        direct_walls.push(attach.as_nanos() as i64);
+    }
+    let direct_all = Summary::of_ns(&direct_walls);
     let (one, all) = (Summary::of_ns(&single.attach), Summary::of_ns(&walls));
     let (one_d, all_d) = (
         Summary::of_ns(&single.detach),
@@ -616,6 +631,22 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
             ms(all.median),
             ms(one.median),
             Target::Ratio(3.0),
+            "ms",
+        ),
+        Row::judged(
+            "the same 256 NodeStage + NodePublish made directly on the driver, at once: total wall",
+            format!(
+                "{} {}",
+                fmt_duration(direct_all.median),
+                spread(&direct_walls)
+            ),
+            format!(
+                "256 first Attaches through the bridge: {}",
+                fmt_duration(all.median)
+            ),
+            ms(direct_all.median),
+            ms(all.median),
+            Target::Info,
             "ms",
         ),
         Row::judged(

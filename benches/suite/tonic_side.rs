@@ -163,6 +163,96 @@ impl DirectCsi {
         }
     }
 
+    async fn create(&self, channel: &Channel, name: &str) -> anyhow::Result<csi::Volume> {
+        csi::controller_client::ControllerClient::new(channel.clone())
+            .create_volume(csi::CreateVolumeRequest {
+                name: name.into(),
+                capacity_range: (self.capacity_bytes > 0).then_some(csi::CapacityRange {
+                    required_bytes: self.capacity_bytes,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![self.capability()],
+                ..Default::default()
+            })
+            .await
+            .context("direct CreateVolume")?
+            .into_inner()
+            .volume
+            .context("CreateVolume returned no volume")
+    }
+
+    async fn delete(&self, channel: &Channel, volume: csi::Volume) -> anyhow::Result<()> {
+        csi::controller_client::ControllerClient::new(channel.clone())
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: volume.volume_id,
+                ..Default::default()
+            })
+            .await
+            .context("direct DeleteVolume")?;
+        Ok(())
+    }
+
+    /// NodeStage + NodePublish at the bridge's paths for `name` under `base`. The CO makes
+    /// the staging directory (CSI spec): done before, and not timed, by the callers.
+    async fn stage_publish(
+        &self,
+        channel: &Channel,
+        volume: &csi::Volume,
+        base: &Path,
+        name: &str,
+    ) -> anyhow::Result<()> {
+        let mut node = csi::node_client::NodeClient::new(channel.clone());
+        let staging = base.join(".staging").join(name).display().to_string();
+        if self.stage {
+            node.node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: volume.volume_id.clone(),
+                staging_target_path: staging.clone(),
+                volume_capability: Some(self.capability()),
+                volume_context: volume.volume_context.clone(),
+                ..Default::default()
+            })
+            .await
+            .context("direct NodeStageVolume")?;
+        }
+        node.node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            staging_target_path: if self.stage { staging } else { String::new() },
+            target_path: base.join(name).display().to_string(),
+            volume_capability: Some(self.capability()),
+            volume_context: volume.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .context("direct NodePublishVolume")?;
+        Ok(())
+    }
+
+    /// NodeUnpublish + NodeUnstage, the reverse of `stage_publish`.
+    async fn unpublish_unstage(
+        &self,
+        channel: &Channel,
+        volume: &csi::Volume,
+        base: &Path,
+        name: &str,
+    ) -> anyhow::Result<()> {
+        let mut node = csi::node_client::NodeClient::new(channel.clone());
+        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            target_path: base.join(name).display().to_string(),
+        })
+        .await
+        .context("direct NodeUnpublishVolume")?;
+        if self.stage {
+            node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: volume.volume_id.clone(),
+                staging_target_path: base.join(".staging").join(name).display().to_string(),
+            })
+            .await
+            .context("direct NodeUnstageVolume")?;
+        }
+        Ok(())
+    }
+
     /// CreateVolume once, then `rounds` × (NodeStage + NodePublish) and (NodeUnpublish +
     /// NodeUnstage), each pair timed as one: the driver's own cost of a first Attach and a
     /// last Detach, with the bridge's paths (`<base>/.staging/<x>`, `<base>/<x>`).
@@ -173,84 +263,68 @@ impl DirectCsi {
         name: &str,
         rounds: usize,
     ) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
-        use csi::controller_client::ControllerClient;
-        use csi::node_client::NodeClient;
         client_runtime().block_on(async {
             let channel = unix_channel(&self.socket).await?;
-            let mut controller = ControllerClient::new(channel.clone());
-            let mut node = NodeClient::new(channel);
-            let volume = controller
-                .create_volume(csi::CreateVolumeRequest {
-                    name: name.into(),
-                    capacity_range: (self.capacity_bytes > 0).then_some(csi::CapacityRange {
-                        required_bytes: self.capacity_bytes,
-                        limit_bytes: 0,
-                    }),
-                    volume_capabilities: vec![self.capability()],
-                    ..Default::default()
-                })
-                .await
-                .context("direct CreateVolume")?
-                .into_inner()
-                .volume
-                .context("CreateVolume returned no volume")?;
-            let staging = base.join(".staging").join(name);
-            let target = base.join(name);
+            let volume = self.create(&channel, name).await?;
             let (mut attach, mut detach) = (Vec::new(), Vec::new());
             for _ in 0..rounds {
-                // The CO makes the staging directory and the target's parent (CSI spec).
-                std::fs::create_dir_all(&staging)?;
+                std::fs::create_dir_all(base.join(".staging").join(name))?;
                 let t = Instant::now();
-                if self.stage {
-                    node.node_stage_volume(csi::NodeStageVolumeRequest {
-                        volume_id: volume.volume_id.clone(),
-                        staging_target_path: staging.display().to_string(),
-                        volume_capability: Some(self.capability()),
-                        volume_context: volume.volume_context.clone(),
-                        ..Default::default()
-                    })
-                    .await
-                    .context("direct NodeStageVolume")?;
-                }
-                node.node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: volume.volume_id.clone(),
-                    staging_target_path: if self.stage {
-                        staging.display().to_string()
-                    } else {
-                        String::new()
-                    },
-                    target_path: target.display().to_string(),
-                    volume_capability: Some(self.capability()),
-                    volume_context: volume.volume_context.clone(),
-                    ..Default::default()
-                })
-                .await
-                .context("direct NodePublishVolume")?;
+                self.stage_publish(&channel, &volume, base, name).await?;
                 attach.push(t.elapsed().as_nanos() as i64);
                 let t = Instant::now();
-                node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                    volume_id: volume.volume_id.clone(),
-                    target_path: target.display().to_string(),
-                })
-                .await
-                .context("direct NodeUnpublishVolume")?;
-                if self.stage {
-                    node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                        volume_id: volume.volume_id.clone(),
-                        staging_target_path: staging.display().to_string(),
-                    })
-                    .await
-                    .context("direct NodeUnstageVolume")?;
-                }
+                self.unpublish_unstage(&channel, &volume, base, name)
+                    .await?;
                 detach.push(t.elapsed().as_nanos() as i64);
             }
-            controller
-                .delete_volume(csi::DeleteVolumeRequest {
-                    volume_id: volume.volume_id,
-                    ..Default::default()
-                })
-                .await
-                .context("direct DeleteVolume")?;
+            self.delete(&channel, volume).await?;
+            Ok((attach, detach))
+        })
+    }
+
+    /// The driver's own cost of the concurrent figure: NodeStage + NodePublish of every
+    /// name at once over one channel (as the bridge's client multiplexes them), then the
+    /// reverse. Returns the two wall times.
+    pub fn all_at_once(
+        &self,
+        base: &Path,
+        names: &[String],
+    ) -> anyhow::Result<(Duration, Duration)> {
+        client_runtime().block_on(async {
+            let channel = unix_channel(&self.socket).await?;
+            let mut volumes = Vec::new();
+            for name in names {
+                std::fs::create_dir_all(base.join(".staging").join(name))?;
+                volumes.push((self.create(&channel, name).await?, name.clone()));
+            }
+            let volumes = std::sync::Arc::new(volumes);
+            let run = |undo: bool| {
+                let mut tasks = tokio::task::JoinSet::new();
+                for i in 0..volumes.len() {
+                    let (this, channel, volumes) = (self.clone(), channel.clone(), volumes.clone());
+                    let base = base.to_path_buf();
+                    tasks.spawn(async move {
+                        let (volume, name) = &volumes[i];
+                        if undo {
+                            this.unpublish_unstage(&channel, volume, &base, name).await
+                        } else {
+                            this.stage_publish(&channel, volume, &base, name).await
+                        }
+                    });
+                }
+                async move {
+                    let t = Instant::now();
+                    while let Some(done) = tasks.join_next().await {
+                        done??;
+                    }
+                    Ok::<_, anyhow::Error>(t.elapsed())
+                }
+            };
+            let attach = run(false).await?;
+            let detach = run(true).await?;
+            for (volume, _) in volumes.iter() {
+                self.delete(&channel, volume.clone()).await?;
+            }
             Ok((attach, detach))
         })
     }
