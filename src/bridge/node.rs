@@ -26,7 +26,7 @@ use super::{
     HookKind, blocking,
 };
 use crate::mount::ops;
-use crate::store::journal::{HolderChange, JournalError};
+use crate::store::journal::{HOLDER_LOG_LIMIT, HolderChange, JournalError};
 use crate::store::{NodeJournal, NodeRecord, Step};
 
 /// Which optional calls Attach makes for this driver.
@@ -153,6 +153,29 @@ impl Bridge {
         }
     }
 
+    /// Records a holder change on the hot path: one appended line when it changes the
+    /// holders, and a fold of the log into the record (without fsync, like the log) once the
+    /// log passes its limit. Never a CSI call.
+    fn record_holder_change(
+        &self,
+        record: &mut NodeRecord,
+        change: &HolderChange,
+    ) -> Result<(), BridgeError> {
+        let mut holders = record.holders.clone();
+        change.apply(&mut holders);
+        if holders == record.holders {
+            return Ok(());
+        }
+        let log_size = self
+            .node_journal()
+            .append_holder(&record.volume_id, change)?;
+        record.holders = holders;
+        if log_size > HOLDER_LOG_LIMIT {
+            self.node_journal().save(record, false)?;
+        }
+        Ok(())
+    }
+
     /// Cube Attach.
     pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {
         let volume_id = req.volume_id.clone();
@@ -178,11 +201,7 @@ impl Bridge {
                 if caller.is_gone() {
                     return Err(BridgeError::CallerGone);
                 }
-                let mut holders = record.holders.clone();
-                change.apply(&mut holders);
-                if holders != record.holders {
-                    self.node_journal().append_holder(&req.volume_id, &change)?;
-                }
+                self.record_holder_change(&mut record, &change)?;
                 tracing::debug!(ref_count = req.ref_count, "already mounted");
                 return Ok(attached(&record, &req.volume_id));
             }
@@ -513,12 +532,10 @@ impl Bridge {
                     let mut holders = record.holders.clone();
                     change.apply(&mut holders);
                     if req.ref_count > 0 || !holders.is_empty() {
-                        if holders != record.holders {
-                            self.node_journal().append_holder(&req.volume_id, &change)?;
-                        }
+                        self.record_holder_change(&mut record, &change)?;
                         tracing::debug!(
                             ref_count = req.ref_count,
-                            namespaces = holders.len(),
+                            namespaces = record.holders.len(),
                             "other sandboxes still hold the volume"
                         );
                         return Ok(());

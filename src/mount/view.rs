@@ -146,21 +146,66 @@ impl MountView {
         resolved
     }
 
-    /// Whether `path` is a mount point in this view. Blocking.
+    /// Whether `path` is a mount point in this view. Blocking (plain reads of /proc in the
+    /// common cases; may fork the namespace reader).
     pub fn visibility_blocking(
         &self,
         path: &Path,
         timeout: Duration,
     ) -> std::io::Result<Visibility> {
+        let verdict = |mounted| {
+            if mounted {
+                Visibility::Mounted
+            } else {
+                Visibility::NotMounted
+            }
+        };
+        // O(1) first: ask the kernel whether the path is a mount root, in this namespace or,
+        // through /proc/<pid>/root, in the one a cached process lives in. Parents are
+        // resolved here first, so no symlink is followed out of that namespace.
+        let asked = match self.resolve() {
+            Resolved::Unchecked => return Ok(Visibility::Unchecked),
+            Resolved::Own => mountinfo::is_mount_root(&self.resolved_parent(path, false))?,
+            Resolved::Namespace(file) => match self.live_cached_pid(file) {
+                Some(pid) => {
+                    let inside = PathBuf::from(format!("/proc/{pid}/root"))
+                        .join(self.resolved_parent(path, false).strip_prefix("/").unwrap_or(path));
+                    let answer = mountinfo::is_mount_root(&inside)?;
+                    // The pid may have been reused while we asked.
+                    answer.filter(|_| self.live_cached_pid(file) == Some(pid))
+                }
+                None => None,
+            },
+        };
+        if let Some(mounted) = asked
+            && (mounted || !self.resolved_parent_changed(path))
+        {
+            return Ok(verdict(mounted));
+        }
+        // The mount table, when the kernel cannot say or no process is known to live in
+        // the namespace yet.
         let Some(text) = self.mountinfo(timeout)? else {
             return Ok(Visibility::Unchecked);
         };
         let check = |fresh| mountinfo::is_mount_point_in(&text, &self.resolved_parent(path, fresh));
-        Ok(if check(false) || check(true) {
-            Visibility::Mounted
-        } else {
-            Visibility::NotMounted
-        })
+        Ok(verdict(check(false) || check(true)))
+    }
+
+    /// The cached process, if it still lives in the namespace bound at `file`.
+    fn live_cached_pid(&self, file: &Path) -> Option<u32> {
+        let pid = self.cached_pid.load(Ordering::Relaxed);
+        if pid == 0 {
+            return None;
+        }
+        let namespace = namespace_inode(file)?;
+        (process_namespace_inode(pid) == Some(namespace)).then_some(pid)
+    }
+
+    /// Whether resolving `path`'s parent afresh gives another path than the cached one (a
+    /// base-dir symlink changed): a "not mounted" must then be asked again.
+    fn resolved_parent_changed(&self, path: &Path) -> bool {
+        let cached = self.resolved_parent(path, false);
+        self.resolved_parent(path, true) != cached
     }
 }
 

@@ -25,6 +25,10 @@ use serde::{Deserialize, Serialize};
 
 use super::fsutil::{remove_durable, sync_dir, write_atomic};
 
+/// A holder log longer than this is folded into its record at the next change: every hook
+/// reads the log, so it must stay short however long a volume stays mounted.
+pub const HOLDER_LOG_LIMIT: u64 = 4096;
+
 /// The on-disk format of a record; bumped on incompatible change. Format 1 (holders as a
 /// flat set of `namespace/sandbox`) is still read.
 pub const JOURNAL_FORMAT: u32 = 2;
@@ -325,11 +329,14 @@ impl NodeJournal {
     }
 
     /// Records one holder change cheaply: one appended line, no fsync, no rewrite.
+    /// Returns the log's size afterwards, so that the caller can fold a long log into the
+    /// record (`save`) before reading it costs more than rewriting it.
     pub fn append_holder(
         &self,
         volume_id: &str,
         change: &HolderChange,
-    ) -> Result<(), JournalError> {
+    ) -> Result<u64, JournalError> {
+        use std::io::Seek;
         let log = self.holder_log(volume_id);
         let mut file = std::fs::OpenOptions::new()
             .append(true)
@@ -338,7 +345,9 @@ impl NodeJournal {
             .open(&log)
             .map_err(Self::io(&log))?;
         file.write_all(change.to_line().as_bytes())
-            .map_err(Self::io(&log))
+            .map_err(Self::io(&log))?;
+        // Appending left the offset at the end: that is the size.
+        file.stream_position().map_err(Self::io(&log))
     }
 
     /// Forgets `volume_id` (after a complete teardown).
