@@ -384,13 +384,37 @@ impl Bridge {
         })
         .await?;
 
-        if let Some(node_id) = plan.controller_publish_node
-            && record.controller_publish != Step::Done
-        {
-            check_caller(caller)?;
+        // One durable write before the first mutating call: every step this Attach makes is
+        // recorded as uncertain at once (a step that never ran is undone by an idempotent
+        // inverse call, as CSI requires of drivers). That is what a crash or a power loss
+        // needs; the record is refined without waiting for the disk once the calls answer.
+        let controller_publish_node = plan
+            .controller_publish_node
+            .filter(|_| record.controller_publish != Step::Done);
+        let previous_stage = record.stage;
+        if let Some(node_id) = &controller_publish_node {
             record.node_id = node_id.clone();
             record.controller_publish = Step::Uncertain;
-            self.save(hook, record, true).await?;
+        }
+        if plan.stage {
+            record.staging_path = Some(paths.staging.clone());
+            record.stage = Step::Uncertain;
+        }
+        record.publish = Step::Uncertain;
+        check_caller(caller)?;
+        self.save(hook, record, true).await?;
+        if plan.stage {
+            // The CO creates the staging directory (CSI spec); the driver the target. Only
+            // now that the record names it, so that a crash never strands it.
+            let staging = paths.staging.clone();
+            blocking(move || {
+                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))
+            })
+            .await?;
+        }
+
+        if let Some(node_id) = controller_publish_node {
+            check_caller(caller)?;
             let call = ControllerPublish {
                 csi_volume_id: record.csi_volume_id.clone(),
                 node_id,
@@ -408,17 +432,6 @@ impl Bridge {
 
         if plan.stage {
             check_caller(caller)?;
-            let previous = record.stage;
-            record.staging_path = Some(paths.staging.clone());
-            record.stage = Step::Uncertain;
-            self.save(hook, record, true).await?;
-            // The CO creates the staging directory (CSI spec); the driver the target. Only
-            // now that the record names it, so that a crash never strands it.
-            let staging = paths.staging.clone();
-            blocking(move || {
-                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))
-            })
-            .await?;
             let call = Stage {
                 csi_volume_id: record.csi_volume_id.clone(),
                 staging_path: paths.staging.clone(),
@@ -430,12 +443,11 @@ impl Bridge {
             faults::point(hook, When::Before, "NodeStageVolume");
             let reply = self.node.stage(&call, deadline).await;
             faults::point(hook, When::After, "NodeStageVolume");
-            self.step_result(&mut record.stage, previous, reply).await?;
+            self.step_result(&mut record.stage, previous_stage, reply)
+                .await?;
         }
 
         check_caller(caller)?;
-        record.publish = Step::Uncertain;
-        self.save(hook, record, true).await?;
         let call = Publish {
             csi_volume_id: record.csi_volume_id.clone(),
             target_path: paths.target.clone(),
@@ -450,7 +462,6 @@ impl Bridge {
         faults::point(hook, When::After, "NodePublishVolume");
         self.step_result(&mut record.publish, Step::Absent, reply)
             .await?;
-        self.save(hook, record, false).await?;
 
         if self.visibility(&paths.target, deadline).await? == Visibility::NotMounted {
             return Err(BridgeError::NotVisible {
@@ -579,10 +590,11 @@ impl Bridge {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         self.node_journal().mark_pending(&record.volume_id)?;
-        // Durably first: the record must say nobody holds the volume before anything is
-        // undone, or a crash half way would have reconciliation mount it again for the
-        // sandbox that was leaving.
-        self.save(hook, record, true).await?;
+        // First, the record must say nobody holds the volume before anything is undone, or
+        // a crash half way would have reconciliation mount it again for the sandbox that
+        // was leaving. (No fsync: a process crash keeps the page cache, and after a power
+        // loss the record is from an earlier boot and is torn down anyway.)
+        self.save(hook, record, false).await?;
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
         faults::point(hook, When::Before, "journal");

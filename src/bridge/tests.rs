@@ -1054,6 +1054,13 @@ async fn the_holder_log_stays_bounded_however_long_a_volume_stays_mounted() {
         "the holder log grew to {longest} bytes"
     );
     let record = w.record("v").unwrap();
-    assert_eq!(record.holders["ns1"], BTreeSet::from(["holder".to_string()]));
-    assert!(w.fake.mutating_calls().len() == 1, "{:?}", w.fake.mutating_calls());
+    assert_eq!(
+        record.holders["ns1"],
+        BTreeSet::from(["holder".to_string()])
+    );
+    assert!(
+        w.fake.mutating_calls().len() == 1,
+        "{:?}",
+        w.fake.mutating_calls()
+    );
 }

@@ -222,7 +222,11 @@ mod tests {
             assert_eq!(is_mount_root(&dir.join("missing")).unwrap(), Some(false));
             let link = dir.join("link");
             std::os::unix::fs::symlink("/", &link).unwrap();
-            assert_eq!(is_mount_root(&link).unwrap(), Some(false), "a symlink is no mount");
+            assert_eq!(
+                is_mount_root(&link).unwrap(),
+                Some(false),
+                "a symlink is no mount"
+            );
         }
     }
 

@@ -168,8 +168,11 @@ impl MountView {
             Resolved::Own => mountinfo::is_mount_root(&self.resolved_parent(path, false))?,
             Resolved::Namespace(file) => match self.live_cached_pid(file) {
                 Some(pid) => {
-                    let inside = PathBuf::from(format!("/proc/{pid}/root"))
-                        .join(self.resolved_parent(path, false).strip_prefix("/").unwrap_or(path));
+                    let inside = PathBuf::from(format!("/proc/{pid}/root")).join(
+                        self.resolved_parent(path, false)
+                            .strip_prefix("/")
+                            .unwrap_or(path),
+                    );
                     let answer = mountinfo::is_mount_root(&inside)?;
                     // The pid may have been reused while we asked.
                     answer.filter(|_| self.live_cached_pid(file) == Some(pid))
