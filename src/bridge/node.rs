@@ -54,7 +54,7 @@ impl UndoSteps {
 }
 
 impl Bridge {
-    pub(crate) fn node_journal(&self) -> &NodeJournal {
+    pub fn node_journal(&self) -> &NodeJournal {
         self.journal
             .as_ref()
             .expect("node hooks are only routed to a bridge with the node role")
@@ -174,6 +174,67 @@ impl Bridge {
             self.node_journal().save(record, false)?;
         }
         Ok(())
+    }
+
+    /// Cube Attach, only if it is on the hot path: the volume is mounted and healthy, so
+    /// answering changes at most the holder log and there is nothing to undo. `None`: not
+    /// hot (or another process holds the volume's lock) — run `attach`. Never waits for a
+    /// lock, never calls the driver, never starts a thread: the forked hook answers here
+    /// before it forks its worker.
+    pub async fn attach_if_hot(&self, req: &AttachVolume) -> Option<Result<Attached, HookError>> {
+        self.hook_if(HookKind::Attach, &req.volume_id, async {
+            let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                return Ok(None);
+            };
+            let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
+            let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
+                return Ok(None);
+            };
+            let deadline = Deadline::after(self.config.timeouts.attach());
+            let hot = record.target_path == paths.target
+                && record.csi_volume_id == req.handle.csi_volume_id
+                && record.publish == Step::Done
+                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
+            if !hot {
+                return Ok(None);
+            }
+            let change = HolderChange::Attach {
+                namespace: req.namespace.clone(),
+                sandbox: req.sandbox_id.clone(),
+                first: req.ref_count == 0,
+            };
+            self.record_holder_change(&mut record, &change)?;
+            Ok(Some(attached(&record, &req.volume_id)))
+        })
+        .await
+    }
+
+    /// Cube Detach, only if it is on the hot path: other holders remain (or nothing is
+    /// recorded), so answering changes at most the holder log. `None`: run `detach`.
+    pub async fn detach_if_hot(&self, req: &DetachVolume) -> Option<Result<(), HookError>> {
+        self.hook_if(HookKind::Detach, &req.volume_id, async {
+            let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                return Ok(None);
+            };
+            let mut record = match self.node_journal().load(&req.volume_id) {
+                Ok(Some(record)) => record,
+                Ok(None) if req.ref_count > 0 || req.recorded.is_none() => return Ok(Some(())),
+                _ => return Ok(None),
+            };
+            let change = HolderChange::Detach {
+                namespace: req.namespace.clone(),
+                sandbox: req.sandbox_id.clone(),
+                last: req.ref_count == 0,
+            };
+            let mut holders = record.holders.clone();
+            change.apply(&mut holders);
+            if req.ref_count == 0 && holders.is_empty() {
+                return Ok(None);
+            }
+            self.record_holder_change(&mut record, &change)?;
+            Ok(Some(()))
+        })
+        .await
     }
 
     /// Cube Attach.

@@ -29,6 +29,41 @@ impl HookOutput {
     }
 }
 
+/// Answers a node hook on the hot path (a mounted volume's Attach, a Detach that leaves
+/// holders), where the only change is one line of the holder log and nothing would need
+/// undoing if Cube killed the process: then the process Cube started answers by itself,
+/// without forking a worker. `None`: the full hook must run (see cube::worker). Bad
+/// requests are answered here too (they change nothing).
+pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<HookOutput> {
+    use crate::config::MountViewSetting;
+    if !request.kind().is_node() {
+        return None;
+    }
+    // Only mount views checked by plain reads in this process: nothing here may start a
+    // thread, since the worker is forked afterwards.
+    if matches!(config.node.mount_view, MountViewSetting::Namespace(_)) {
+        return None;
+    }
+    let checked = match hooks::check(request.clone(), config) {
+        Ok(checked) => checked,
+        Err(error) => return Some(failure(&error)),
+    };
+    let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
+    let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
+    // Work an earlier, killed hook left behind is finished by a worker after it answers:
+    // while any is marked, every hook takes that path.
+    if !bridge.node_journal().pending().ok()?.is_empty() {
+        return None;
+    }
+    Some(match hooks::run_if_hot(&bridge, &checked).await? {
+        Ok(reply) => HookOutput {
+            stdout: reply_json(reply).to_string(),
+            success: true,
+        },
+        Err(error) => failure(&error),
+    })
+}
+
 /// Runs one hook with a bridge opened for just that hook's role. `answered` receives the
 /// output as soon as it is known; what follows (finishing node operations that an earlier,
 /// killed hook abandoned) no longer concerns the caller.
