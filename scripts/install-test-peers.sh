@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # install-test-peers.sh — build the Go test peers of cube-csi-bridge's
 # end-to-end tests (tests/cube_callers.rs): cubeclient (tests/peers/cubeclient,
-# a Cube-like caller that drives the bridge) and csi-mock (the Kubernetes CSI
+# a Cube-like caller that drives the bridge), csi-mock (the Kubernetes CSI
 # mock driver, cmd/mock-driver of csi-test v4.2.0, a `tool` of tests/peers'
-# go.mod), with a cache, and print the directory that holds them as the LAST
-# line of stdout.
+# go.mod) and grpcurl (v1.9.4, the `tool` of tests/peers/grpcurl/go.mod, for
+# tests/any_grpc_client.rs), with a cache, and print the directory that holds
+# them as the LAST line of stdout.
 # Everything else goes to stderr. Run as root (CI does); idempotent; safe to
 # run concurrently (a lock serialises builds).
 #
@@ -36,9 +37,11 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 peers=$repo/tests/peers
 proto=$repo/proto/cube/v1/volumeplugin.proto
 cache_root=${CUBE_CSI_BRIDGE_PEERS_DIR:-/var/cache/cube-csi-bridge-test-peers}
-bins=(cubeclient csi-mock)
+bins=(cubeclient csi-mock grpcurl)
 # csi-mock's package; its version is the one tests/peers/go.mod requires.
 csi_mock_pkg=github.com/kubernetes-csi/csi-test/v4/cmd/mock-driver
+# grpcurl's package; its version is the one tests/peers/grpcurl/go.mod requires.
+grpcurl_pkg=github.com/fullstorydev/grpcurl/cmd/grpcurl
 
 [ -f "$peers/go.mod" ] || die "missing $peers/go.mod"
 [ -f "$proto" ] || die "missing $proto"
@@ -92,6 +95,11 @@ else
 			-o "$tmp/bin/" ./cubeclient
 		go build -mod=readonly -trimpath -buildvcs=false \
 			-o "$tmp/bin/csi-mock" "$csi_mock_pkg"
+		cd grpcurl
+		grpcurl_version=$(go list -mod=readonly -f '{{.Module.Version}}' "$grpcurl_pkg")
+		go build -mod=readonly -trimpath -buildvcs=false \
+			-ldflags "-X main.version=$grpcurl_version" \
+			-o "$tmp/bin/grpcurl" "$grpcurl_pkg"
 	) >&2
 	# Smoke checks: cubeclient's usage errors exit 2, csi-mock's -help exits
 	# 0 listing its flags; anything else means a broken build.
@@ -102,11 +110,16 @@ else
 	help=$("$tmp/bin/csi-mock" -help 2>&1) || rc=$?
 	[ "$rc" = 0 ] && [[ $help == *-disable-attach* ]] ||
 		die "built csi-mock does not run (exit $rc)"
+	rc=0
+	help=$("$tmp/bin/grpcurl" -help 2>&1) || rc=$?
+	[ "$rc" = 0 ] && [[ $help == *-authority* ]] ||
+		die "built grpcurl does not run (exit $rc)"
 	csi_mock_mod=$(cd "$peers" && go list -mod=readonly -f '{{.Module.Path}}@{{.Module.Version}}' "$csi_mock_pkg")
 	{
 		echo "key=$key"
 		echo "go=$goversion"
 		echo "csi-mock=$csi_mock_pkg from $csi_mock_mod"
+		echo "grpcurl=$grpcurl_pkg from $(cd "$peers/grpcurl" && go list -mod=readonly -f '{{.Module.Path}}@{{.Module.Version}}' "$grpcurl_pkg")"
 		echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 	} >"$tmp/BUILD-INFO"
 	touch "$tmp/.complete"

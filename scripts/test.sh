@@ -6,13 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The Go Cube-like caller (tests/cube_callers.rs), built once and cached.
+# The Go Cube-like caller (tests/cube_callers.rs), csi-mock and grpcurl, built once and cached.
 if ! command -v go >/dev/null 2>&1; then
     echo "scripts/test.sh: Go is needed to build the test peers in tests/peers" >&2
     exit 1
 fi
 CUBE_CSI_BRIDGE_PEERS_BIN="$(bash scripts/install-test-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_PEERS_BIN
+
+# The Python grpcio client (tests/any_grpc_client.rs), in a venv built once and cached.
+CUBE_CSI_BRIDGE_PYTHON_BIN="$(bash scripts/install-python-peers.sh | tail -n 1)"
+export CUBE_CSI_BRIDGE_PYTHON_BIN
 
 # The real CSI drivers (csi-driver-host-path, csi-driver-nfs), built offline from the pinned
 # release sources in ../shared/peers and cached (tests/real_drivers.rs, the benchmarks).
@@ -33,9 +37,11 @@ export CUBE_CSI_BRIDGE_OPS_BIN
 CUBE_CSI_BRIDGE_FUZZ_BIN="$(bash scripts/install-fuzz-tools.sh | tail -n 1)"
 
 cargo fmt --check
-cargo clippy --locked --all-targets -- -D warnings
+cargo clippy --locked --all-targets --all-features -- -D warnings
 # Licences, bans and sources of Cargo.lock (deny.toml; advisories: see there).
 bash scripts/check-deps.sh "$CUBE_CSI_BRIDGE_OPS_BIN"
-cargo test --locked
+# The fault-injection points are compiled in for the tests only: the crash matrix
+# (tests/crash_matrix.rs) needs them and fails in CI without them.
+cargo test --locked --features fault-injection
 # Each fuzz target (the parsers of what Cube and operators hand the bridge) for 20 s.
 bash scripts/fuzz.sh "$CUBE_CSI_BRIDGE_FUZZ_BIN"

@@ -24,7 +24,12 @@ pub fn init(format: LogFormat, default_level: &str) {
         // Colour only for a person at a terminal: journald and Cube (which shows a failed
         // hook's stderr as its error message) get plain text.
         .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false);
+        .with_target(false)
+        // A log line that cannot be written is dropped: the default reports it with
+        // eprintln!, which panics when stderr is a pipe nobody reads any more (a binary
+        // hook's worker after Cube killed the process it started), and a hook must never
+        // die half way for a log line.
+        .log_internal_errors(false);
     let result = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),

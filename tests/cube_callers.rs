@@ -9,222 +9,73 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::Duration;
 
+use common::callers::{
+    CubeCaller, CubeError, GoCaller, attach_request, create_request, detach_request, peers_bin,
+};
+use common::cube_peers::{BaseDir, CubeletNs};
 use common::fake_driver::{Behavior, Caps};
-use common::{BRIDGE, MODES, Mode, World};
+use common::{MODES, Mode, World};
 use cube_csi_bridge::mount::MountTable;
+use cube_csi_bridge::proto::cube::v1 as pb;
 use tonic::Code;
 
-const PEERS_BIN_ENV: &str = "CUBE_CSI_BRIDGE_PEERS_BIN";
-const PEERS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
-/// Upper bound for one cubeclient call (the bridge's own budgets are 20 s in tests).
-const CALL_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The directory holding cubeclient, or `None` (test skipped) when not configured.
-fn peers_bin() -> Option<PathBuf> {
-    let dir = std::env::var_os(PEERS_BIN_ENV).filter(|v| !v.is_empty())?;
-    let dir = PathBuf::from(dir);
-    assert!(
-        dir.join("cubeclient").is_file(),
-        "{PEERS_BIN_ENV}={} has no cubeclient: run scripts/install-test-peers.sh",
-        dir.display()
-    );
-    Some(dir)
-}
-
-/// Skips the test unless root and the Go peers are built; yields the peers' bin dir.
+/// Skips the test unless root and the Go peers are built (fails it in CI); yields the
+/// peers' bin dir.
 macro_rules! require_root_and_peers {
     () => {{
         require_root!();
         match peers_bin() {
             Some(dir) => dir,
-            None => {
-                eprintln!(
-                    "skipped: {PEERS_BIN_ENV} is not set (the dir holding cubeclient; \
-                     see scripts/install-test-peers.sh)"
-                );
-                return;
-            }
+            None => return,
         }
     }};
 }
 
-/// A failed hook as cubeclient reports it.
-#[derive(Debug)]
-struct Failure {
-    /// The message Cube would log.
-    error: String,
-    /// rpc: the gRPC code name.
-    code: Option<String>,
-    /// binary: the hook's exit code.
-    exit_code: Option<i64>,
-    /// binary: the hook's raw stdout.
-    stdout: Option<String>,
+/// The Go caller's hooks, spelled as these tests use them.
+async fn create(cube: &GoCaller, volume_id: &str) -> Result<pb::CreateResponse, CubeError> {
+    cube.create(create_request(volume_id)).await
 }
 
-#[derive(Debug)]
-struct Attached {
-    host_path: PathBuf,
-    metadata: HashMap<String, String>,
+async fn attach(
+    cube: &GoCaller,
+    base_dir: &Path,
+    sandbox: &str,
+    volume_id: &str,
+    ref_count: i64,
+    private_data: &str,
+) -> Result<pb::AttachResponse, CubeError> {
+    cube.attach(attach_request(
+        "default",
+        base_dir,
+        sandbox,
+        volume_id,
+        ref_count,
+        private_data,
+    ))
+    .await
 }
 
-/// Cube, as far as the bridge can tell: cubeclient in rpc or binary mode.
-struct Cube {
-    client: PathBuf,
-    mode: Mode,
-    socket: PathBuf,
-    config: PathBuf,
+async fn detach(
+    cube: &GoCaller,
+    sandbox: &str,
+    volume_id: &str,
+    answer: &pb::AttachResponse,
+    ref_count: i64,
+) -> Result<(), CubeError> {
+    cube.detach(detach_request(
+        "default",
+        sandbox,
+        volume_id,
+        ref_count,
+        &answer.metadata,
+    ))
+    .await
 }
 
-impl Cube {
-    fn new(bin: &Path, w: &World) -> Cube {
-        Cube {
-            client: bin.join("cubeclient"),
-            mode: w.mode,
-            socket: w.socket(),
-            config: w.config_path.clone(),
-        }
-    }
-
-    /// Runs one hook; `Ok` is cubeclient's success object.
-    async fn call(&self, op: &[&str]) -> Result<serde_json::Value, Failure> {
-        let mut cmd = tokio::process::Command::new(&self.client);
-        match self.mode {
-            // The bare socket path, as Cube's plugin config holds it.
-            Mode::Rpc => cmd.arg("rpc").arg("--target").arg(&self.socket),
-            // The forked hook inherits cubeclient's environment, as it would Cubelet's.
-            Mode::Binary => cmd
-                .arg("binary")
-                .arg("--path")
-                .arg(BRIDGE)
-                .env("CUBE_CSI_BRIDGE_CONFIG", &self.config),
-        };
-        cmd.args(op)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let out = tokio::time::timeout(CALL_TIMEOUT, cmd.output())
-            .await
-            .unwrap_or_else(|_| panic!("cubeclient {:?} {op:?} hung", self.mode))
-            .expect("cubeclient runs");
-        let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let context = || {
-            format!(
-                "cubeclient {:?} {op:?}: stdout {stdout:?}, stderr {stderr}",
-                self.mode
-            )
-        };
-        assert_eq!(stdout.lines().count(), 1, "one line: {}", context());
-        let value: serde_json::Value = serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", context()));
-        match out.status.code() {
-            Some(0) => Ok(value),
-            Some(1) => {
-                let text = |k: &str| value.get(k).and_then(|v| v.as_str()).map(str::to_string);
-                let failure = Failure {
-                    error: text("error").unwrap_or_default(),
-                    code: text("code"),
-                    exit_code: value.get("exit_code").and_then(|v| v.as_i64()),
-                    stdout: text("stdout"),
-                };
-                assert!(
-                    !failure.error.is_empty(),
-                    "failure without error: {}",
-                    context()
-                );
-                Err(failure)
-            }
-            _ => panic!(
-                "cubeclient usage error or crash ({}): {}",
-                out.status,
-                context()
-            ),
-        }
-    }
-
-    async fn create(&self, volume_id: &str) -> Result<(String, String), Failure> {
-        let out = self
-            .call(&["create", "--volume-id", volume_id, "--name", volume_id])
-            .await?;
-        let field = |k: &str| out[k].as_str().expect("string field").to_string();
-        Ok((field("token"), field("private_data")))
-    }
-
-    async fn destroy(&self, volume_id: &str) -> Result<(), Failure> {
-        self.call(&["destroy", "--volume-id", volume_id])
-            .await
-            .map(|_| ())
-    }
-
-    async fn attach(
-        &self,
-        base_dir: &Path,
-        sandbox: &str,
-        volume_id: &str,
-        ref_count: i64,
-        private_data: &str,
-    ) -> Result<Attached, Failure> {
-        let (ref_count, base) = (ref_count.to_string(), base_dir.display().to_string());
-        let mut op = vec![
-            "attach",
-            "--sandbox-id",
-            sandbox,
-            "--namespace",
-            "default",
-            "--volume-id",
-            volume_id,
-            "--ref-count",
-            &ref_count,
-            "--volume-base-dir",
-            &base,
-        ];
-        if !private_data.is_empty() {
-            op.extend(["--private-data", private_data]);
-        }
-        let out = self.call(&op).await?;
-        let metadata = out["metadata"]
-            .as_object()
-            .expect("metadata is an object")
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_str().expect("string value").to_string()))
-            .collect();
-        Ok(Attached {
-            host_path: PathBuf::from(out["host_path"].as_str().expect("host_path")),
-            metadata,
-        })
-    }
-
-    async fn detach(
-        &self,
-        sandbox: &str,
-        volume_id: &str,
-        ref_count: i64,
-        metadata: &HashMap<String, String>,
-    ) -> Result<(), Failure> {
-        let ref_count = ref_count.to_string();
-        let metadata = serde_json::to_string(&metadata.iter().collect::<BTreeMap<_, _>>()).unwrap();
-        self.call(&[
-            "detach",
-            "--sandbox-id",
-            sandbox,
-            "--namespace",
-            "default",
-            "--volume-id",
-            volume_id,
-            "--ref-count",
-            &ref_count,
-            "--metadata",
-            &metadata,
-        ])
-        .await
-        .map(|_| ())
-    }
+fn mounted_at(answer: &pb::AttachResponse) -> &Path {
+    Path::new(&answer.host_path)
 }
 
 /// Asserts what the fake driver was asked to change since the last check, and forgets it.
@@ -236,19 +87,21 @@ fn expect_calls(w: &World, expected: &[&str], what: &str) {
 /// The full Cube lifecycle of one volume shared by two sandboxes, through cubeclient.
 async fn whole_lifecycle(bin: &Path, mode: Mode) {
     let w = World::start(mode, Caps::staging(), "").await;
-    let cube = Cube::new(bin, &w);
+    let cube = w.go_caller(bin);
 
-    let (token, private_data) = cube.create("vol-1").await.unwrap();
+    let pb::CreateResponse {
+        token,
+        private_data,
+    } = create(&cube, "vol-1").await.unwrap();
     assert_eq!(token, "");
     assert!(!private_data.is_empty());
     expect_calls(&w, &["CreateVolume"], "create");
 
-    let a = cube
-        .attach(&w.base_dir, "sb-a", "vol-1", 0, &private_data)
+    let a = attach(&cube, &w.base_dir, "sb-a", "vol-1", 0, &private_data)
         .await
         .unwrap();
     let host_path = w.base_dir.join("fake-vol-1");
-    assert_eq!(a.host_path, host_path);
+    assert_eq!(mounted_at(&a), host_path);
     assert!(w.mounts().contains(&host_path), "host_path is mounted");
     expect_calls(
         &w,
@@ -259,29 +112,28 @@ async fn whole_lifecycle(bin: &Path, mode: Mode) {
     let volume_dir = w.driver.volume_dir(&csi_volume_id);
     assert!(volume_dir.is_dir(), "{}", volume_dir.display());
 
-    let b = cube
-        .attach(&w.base_dir, "sb-b", "vol-1", 1, &private_data)
+    let b = attach(&cube, &w.base_dir, "sb-b", "vol-1", 1, &private_data)
         .await
         .unwrap();
-    assert_eq!(b.host_path, host_path);
+    assert_eq!(mounted_at(&b), host_path);
     expect_calls(&w, &[], "second holder");
 
     // Sandbox A writes, sandbox B reads: one volume.
-    std::fs::write(a.host_path.join("f.txt"), "from sb-a").unwrap();
+    std::fs::write(mounted_at(&a).join("f.txt"), "from sb-a").unwrap();
     assert_eq!(
-        std::fs::read_to_string(b.host_path.join("f.txt")).unwrap(),
+        std::fs::read_to_string(mounted_at(&b).join("f.txt")).unwrap(),
         "from sb-a"
     );
 
-    cube.detach("sb-b", "vol-1", 1, &b.metadata).await.unwrap();
+    detach(&cube, "sb-b", "vol-1", &b, 1).await.unwrap();
     expect_calls(&w, &[], "detach with another holder left");
     assert!(w.mounts().contains(&host_path), "still mounted for sb-a");
     assert_eq!(
-        std::fs::read_to_string(a.host_path.join("f.txt")).unwrap(),
+        std::fs::read_to_string(mounted_at(&a).join("f.txt")).unwrap(),
         "from sb-a"
     );
 
-    cube.detach("sb-a", "vol-1", 0, &a.metadata).await.unwrap();
+    detach(&cube, "sb-a", "vol-1", &a, 0).await.unwrap();
     expect_calls(
         &w,
         &["NodeUnpublishVolume", "NodeUnstageVolume"],
@@ -299,19 +151,16 @@ async fn whole_lifecycle(bin: &Path, mode: Mode) {
         "the data stays in the volume"
     );
 
-    let again = cube
-        .attach(&w.base_dir, "sb-c", "vol-1", 0, &private_data)
+    let again = attach(&cube, &w.base_dir, "sb-c", "vol-1", 0, &private_data)
         .await
         .unwrap();
-    assert_eq!(again.host_path, host_path);
+    assert_eq!(mounted_at(&again), host_path);
     expect_calls(&w, &["NodeStageVolume", "NodePublishVolume"], "re-attach");
     assert_eq!(
-        std::fs::read_to_string(again.host_path.join("f.txt")).unwrap(),
+        std::fs::read_to_string(mounted_at(&again).join("f.txt")).unwrap(),
         "from sb-a"
     );
-    cube.detach("sb-c", "vol-1", 0, &again.metadata)
-        .await
-        .unwrap();
+    detach(&cube, "sb-c", "vol-1", &again, 0).await.unwrap();
     expect_calls(
         &w,
         &["NodeUnpublishVolume", "NodeUnstageVolume"],
@@ -319,7 +168,11 @@ async fn whole_lifecycle(bin: &Path, mode: Mode) {
     );
     assert_eq!(w.mounts(), Vec::<PathBuf>::new());
 
-    cube.destroy("vol-1").await.unwrap();
+    cube.destroy(pb::DestroyRequest {
+        volume_id: "vol-1".into(),
+    })
+    .await
+    .unwrap();
     expect_calls(&w, &["DeleteVolume"], "destroy");
     assert!(!volume_dir.exists(), "the driver deleted the volume");
     assert_eq!(w.journal_records(), 0);
@@ -338,12 +191,12 @@ async fn go_binary_caller_drives_forked_hooks_through_a_whole_lifecycle() {
 }
 
 /// The failure as Cube would see it (rpc: status; binary: exit code and stdout object).
-fn assert_failure(mode: Mode, f: &Failure, code: Code, needles: &[&str]) {
+fn assert_failure(mode: Mode, f: &CubeError, code: Code, needles: &[&str]) {
     for needle in needles {
-        assert!(f.error.contains(needle), "{mode:?}: {needle:?} in {f:?}");
+        assert!(f.message.contains(needle), "{mode:?}: {needle:?} in {f:?}");
     }
     match mode {
-        Mode::Rpc => assert_eq!(f.code.as_deref(), Some(format!("{code:?}").as_str())),
+        Mode::Rpc => assert_eq!(f.code, Some(code), "{f:?}"),
         Mode::Binary => {
             assert!(f.exit_code.is_some_and(|c| c > 0), "{f:?}");
             // The hook's own stdout is one JSON object with the error too.
@@ -377,14 +230,13 @@ async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() 
     let bin = require_root_and_peers!();
     for mode in MODES {
         let w = World::start(mode, Caps::staging(), "").await;
-        let cube = Cube::new(&bin, &w);
-        let (_, private_data) = cube.create("bad").await.unwrap();
+        let cube = w.go_caller(&bin);
+        let private_data = create(&cube, "bad").await.unwrap().private_data;
         w.driver.clear_calls();
 
         // Sandbox creation with a handle the bridge never issued, or none at all.
         for bad in ["not-a-handle", ""] {
-            let err = cube
-                .attach(&w.base_dir, "sb", "bad", 0, bad)
+            let err = attach(&cube, &w.base_dir, "sb", "bad", 0, bad)
                 .await
                 .unwrap_err();
             assert_failure(mode, &err, Code::InvalidArgument, &["private_data"]);
@@ -398,8 +250,7 @@ async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() 
             "NodePublishVolume",
             [Behavior::Fail(Code::Internal, "mount: wrong fs type")],
         );
-        let err = cube
-            .attach(&w.base_dir, "sb", "bad", 0, &private_data)
+        let err = attach(&cube, &w.base_dir, "sb", "bad", 0, &private_data)
             .await
             .unwrap_err();
         assert_failure(
@@ -417,186 +268,15 @@ async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() 
         assert!(!w.base_dir.join("fake-bad").exists(), "no host_path");
 
         // Cube retries the sandbox later: it works and cleans up.
-        let ok = cube
-            .attach(&w.base_dir, "sb", "bad", 0, &private_data)
+        let ok = attach(&cube, &w.base_dir, "sb", "bad", 0, &private_data)
             .await
             .unwrap();
-        cube.detach("sb", "bad", 0, &ok.metadata).await.unwrap();
+        detach(&cube, "sb", "bad", &ok, 0).await.unwrap();
         assert_nothing_left(&w, &[]);
     }
 }
 
 // --- simulated Cubelet mount namespace ------------------------------------------------
-
-/// Runs a helper script from tests/peers; panics with its output on failure.
-fn peer_script(script: &str, args: &[&Path]) -> String {
-    let out = std::process::Command::new("sh")
-        .arg(Path::new(PEERS_DIR).join(script))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("sh runs");
-    assert!(
-        out.status.success(),
-        "{script} {args:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// The volume base dir's own bind mount in the host: shared (mounts made below it reach
-/// the Cubelet namespace) or private (they do not).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BaseDir {
-    Shared,
-    Private,
-}
-
-/// A simulated Cubelet namespace (cubelet-ns.sh) plus the base dir's bind mount; both are
-/// undone on drop, so declare it after the `World` whose base dir it binds.
-struct CubeletNs {
-    dir: tempfile::TempDir,
-    base: PathBuf,
-    base_bound: bool,
-    started: bool,
-    pid: u32,
-}
-
-impl CubeletNs {
-    /// Where the namespace file of a namespace started in `dir` will be.
-    fn nsfile_in(dir: &Path) -> PathBuf {
-        dir.join("cubeletmnt/mnt")
-    }
-
-    fn nsfile(&self) -> PathBuf {
-        Self::nsfile_in(self.dir.path())
-    }
-
-    fn pidfile(&self) -> PathBuf {
-        self.dir.path().join("cubelet.pid")
-    }
-
-    /// Binds `base` onto itself as `propagation`, then starts the namespace (which copies
-    /// the host's mounts as one-way slaves).
-    fn start(dir: tempfile::TempDir, base: &Path, propagation: BaseDir) -> CubeletNs {
-        std::fs::create_dir_all(base).unwrap();
-        let mut ns = CubeletNs {
-            dir,
-            base: base.to_path_buf(),
-            base_bound: false,
-            started: false,
-            pid: 0,
-        };
-        let cmd = match propagation {
-            BaseDir::Shared => "make",
-            BaseDir::Private => "private",
-        };
-        let bound = peer_script("shared-dir.sh", &[Path::new(cmd), base]);
-        ns.base_bound = bound == "bound";
-        assert!(
-            ns.base_bound,
-            "{} was already a mount point",
-            base.display()
-        );
-        let shared = std::process::Command::new("sh")
-            .arg(Path::new(PEERS_DIR).join("shared-dir.sh"))
-            .args([Path::new("check"), base])
-            .status()
-            .unwrap()
-            .success();
-        assert_eq!(shared, propagation == BaseDir::Shared);
-
-        ns.started = true;
-        peer_script(
-            "cubelet-ns.sh",
-            &[Path::new("start"), &ns.nsfile(), &ns.pidfile()],
-        );
-        ns.pid = std::fs::read_to_string(ns.pidfile())
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
-        assert_eq!(
-            inode(&ns.nsfile()),
-            inode(Path::new(&format!("/proc/{}/ns/mnt", ns.pid))),
-            "the ns file is bound to the holder's namespace"
-        );
-        assert_ne!(
-            inode(&ns.nsfile()),
-            inode(Path::new("/proc/self/ns/mnt")),
-            "a namespace of its own"
-        );
-        ns
-    }
-
-    /// The namespace's mount table, read as the bridge reads it.
-    fn table(&self) -> MountTable {
-        MountTable::read(Some(self.pid)).expect("the holder is alive")
-    }
-
-    /// Mount points at or below the base dir, inside the namespace.
-    fn mounts_under_base(&self) -> Vec<PathBuf> {
-        let mut v: Vec<_> = self
-            .table()
-            .under(&self.base)
-            .map(Path::to_path_buf)
-            .collect();
-        v.sort();
-        v
-    }
-
-    /// Reads a file through the namespace, as a sandbox would see it.
-    fn read_inside(&self, path: &Path) -> String {
-        let out = std::process::Command::new("nsenter")
-            .arg(format!("--mount={}", self.nsfile().display()))
-            .arg("cat")
-            .arg(path)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    fn assert_mounted_inside(&self, path: &Path, what: &str) {
-        assert!(
-            self.table().is_mount_point(path),
-            "{what}: {} is not a mount point in the Cubelet namespace; there: {:?}",
-            path.display(),
-            self.mounts_under_base()
-        );
-    }
-}
-
-impl Drop for CubeletNs {
-    fn drop(&mut self) {
-        // Best effort and quiet: a failing test must still clean up everything.
-        let run = |script: &str, args: &[&Path]| {
-            let _ = std::process::Command::new("sh")
-                .arg(Path::new(PEERS_DIR).join(script))
-                .args(args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        };
-        if self.started {
-            run(
-                "cubelet-ns.sh",
-                &[Path::new("stop"), &self.nsfile(), &self.pidfile()],
-            );
-        }
-        if self.base_bound {
-            run("shared-dir.sh", &[Path::new("release"), &self.base]);
-        }
-    }
-}
 
 /// Asserts that the namespace, its file and the base dir's bind are gone.
 fn assert_cleaned_up(ns: CubeletNs) {
@@ -633,37 +313,37 @@ async fn host_paths_are_mount_points_in_the_cubelet_namespace_when_attach_return
             World::start_with_mount_view(mode, Caps::staging(), "", &nsfile.display().to_string())
                 .await;
         let ns = CubeletNs::start(ns_dir, &w.base_dir, BaseDir::Shared);
-        let cube = Cube::new(&bin, &w);
-        let (_, pd1) = cube.create("v1").await.unwrap();
-        let (_, pd2) = cube.create("v2").await.unwrap();
+        let cube = w.go_caller(&bin);
+        let pd1 = create(&cube, "v1").await.unwrap().private_data;
+        let pd2 = create(&cube, "v2").await.unwrap().private_data;
         w.driver.clear_calls();
 
-        let a = cube
-            .attach(&w.base_dir, "sb-a", "v1", 0, &pd1)
+        let a = attach(&cube, &w.base_dir, "sb-a", "v1", 0, &pd1)
             .await
             .unwrap();
-        ns.assert_mounted_inside(&a.host_path, "first attach of v1");
+        ns.assert_mounted_inside(mounted_at(&a), "first attach of v1");
         expect_calls(&w, &["NodeStageVolume", "NodePublishVolume"], "attach v1");
-        let b = cube
-            .attach(&w.base_dir, "sb-b", "v1", 1, &pd1)
+        let b = attach(&cube, &w.base_dir, "sb-b", "v1", 1, &pd1)
             .await
             .unwrap();
-        ns.assert_mounted_inside(&b.host_path, "second holder of v1");
-        let c = cube
-            .attach(&w.base_dir, "sb-a", "v2", 0, &pd2)
+        ns.assert_mounted_inside(mounted_at(&b), "second holder of v1");
+        let c = attach(&cube, &w.base_dir, "sb-a", "v2", 0, &pd2)
             .await
             .unwrap();
-        ns.assert_mounted_inside(&c.host_path, "attach of v2");
-        assert_ne!(a.host_path, c.host_path);
+        ns.assert_mounted_inside(mounted_at(&c), "attach of v2");
+        assert_ne!(mounted_at(&a), mounted_at(&c));
 
         // What a sandbox started by Cubelet would see: the volume's data.
-        std::fs::write(a.host_path.join("hello"), "from the host").unwrap();
-        assert_eq!(ns.read_inside(&b.host_path.join("hello")), "from the host");
+        std::fs::write(mounted_at(&a).join("hello"), "from the host").unwrap();
+        assert_eq!(
+            ns.read_inside(&mounted_at(&b).join("hello")),
+            "from the host"
+        );
 
-        cube.detach("sb-b", "v1", 1, &b.metadata).await.unwrap();
-        ns.assert_mounted_inside(&a.host_path, "v1 still held by sb-a");
-        cube.detach("sb-a", "v1", 0, &a.metadata).await.unwrap();
-        cube.detach("sb-a", "v2", 0, &c.metadata).await.unwrap();
+        detach(&cube, "sb-b", "v1", &b, 1).await.unwrap();
+        ns.assert_mounted_inside(mounted_at(&a), "v1 still held by sb-a");
+        detach(&cube, "sb-a", "v1", &a, 0).await.unwrap();
+        detach(&cube, "sb-a", "v2", &c, 0).await.unwrap();
         // Unmounts propagate too: the namespace is left with the base dir alone.
         assert_eq!(
             ns.mounts_under_base(),
@@ -689,12 +369,11 @@ async fn attach_fails_and_rolls_back_when_the_mount_does_not_propagate() {
             World::start_with_mount_view(mode, Caps::staging(), "", &nsfile.display().to_string())
                 .await;
         let ns = CubeletNs::start(ns_dir, &w.base_dir, BaseDir::Private);
-        let cube = Cube::new(&bin, &w);
-        let (_, private_data) = cube.create("np").await.unwrap();
+        let cube = w.go_caller(&bin);
+        let private_data = create(&cube, "np").await.unwrap().private_data;
         w.driver.clear_calls();
 
-        let err = cube
-            .attach(&w.base_dir, "sb", "np", 0, &private_data)
+        let err = attach(&cube, &w.base_dir, "sb", "np", 0, &private_data)
             .await
             .unwrap_err();
         let host_path = w.base_dir.join("fake-np");

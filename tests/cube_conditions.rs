@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::callers::{Hook, attach_request};
 use common::fake_driver::{Behavior, Caps};
 use common::{BRIDGE, MODES, Mode, World};
 use cube_csi_bridge::csi::Endpoint;
@@ -129,30 +130,14 @@ async fn a_binary_attach_killed_by_cube_is_rolled_back() {
         "NodePublishVolume",
         [Behavior::Delay(Duration::from_secs(3))],
     );
-    let base = w.base_dir.display().to_string();
-    let mut hook = tokio::process::Command::new(BRIDGE)
-        .args([
-            "--op",
-            "attach",
-            "--sandbox-id",
-            "sb",
-            "--namespace",
-            "default",
-            "--volume-id",
-            "killed",
-            "--ref-count",
-            "0",
-            "--volume-base-dir",
-            &base,
-            "--private-data",
-            &created.private_data,
-        ])
-        .env("CUBE_CSI_BRIDGE_CONFIG", &w.config_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut hook = w.binary_caller().spawn(&Hook::Attach(attach_request(
+        "default",
+        &w.base_dir,
+        "sb",
+        "killed",
+        0,
+        &created.private_data,
+    )));
     tokio::time::sleep(Duration::from_secs(1)).await;
     // What Go's exec.CommandContext does at the deadline: SIGKILL the process it started.
     hook.start_kill().unwrap();
@@ -412,4 +397,55 @@ async fn with_mount_checks_off_the_last_detach_succeeds() {
             .unwrap_or_else(|e| panic!("{mode:?}: {}", e.message));
         assert!(nothing_left(&w, "unchecked"), "{mode:?}: {:?}", w.mounts());
     }
+}
+
+/// A binary-only deployment has no daemon to sweep: a forked Create whose worker is killed
+/// after CreateVolume is reclaimed by a later forked controller hook.
+#[tokio::test(flavor = "multi_thread")]
+async fn forked_controller_hooks_sweep_an_abandoned_create() {
+    require_root!();
+    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 2\n\
+                 [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
+    let w = World::start(Mode::Binary, Caps::default(), extra).await;
+    w.driver.script(
+        "CreateVolume",
+        [Behavior::Delay(Duration::from_millis(800))],
+    );
+    let mut front = tokio::process::Command::new(BRIDGE)
+        .args(["--op", "create", "--volume-id", "leak", "--name", "leak"])
+        .env("CUBE_CSI_BRIDGE_CONFIG", &w.config_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Kill the worker itself (the front's child), then the front: nothing undoes it.
+    let pid = front.id().unwrap();
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    for child in children.split_whitespace() {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.parse().unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    front.start_kill().unwrap();
+    let _ = front.wait().await;
+    // The record says creating; the driver may or may not have made the volume.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    w.driver.clear_calls();
+    // Any later forked controller hook sweeps (here a Destroy of another volume).
+    w.destroy("unrelated").await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(15), || {
+            w.driver.mutating_calls() == ["CreateVolume", "DeleteVolume"]
+                && !w.driver.volume_dir("fake-cube-leak").exists()
+        })
+        .await,
+        "the abandoned create was not reclaimed: calls {:?}",
+        w.driver.mutating_calls()
+    );
+    // Cube can create the same name again afterwards.
+    w.create("leak").await.unwrap();
+    w.destroy("leak").await.unwrap();
 }

@@ -675,3 +675,77 @@ fn bridge_security_context_values_are_merged_over_the_chart_defaults() {
         "{image}"
     );
 }
+
+/// Metrics are off by default (the host-path example); switched on (the nfs example does),
+/// each bridge serves /metrics on its side's port
+/// (node: metrics.port, controller: port + 1), a Service per side selects the pods, and the
+/// ServiceMonitor appears only when asked for.
+#[test]
+fn metrics_are_exposed_only_when_enabled() {
+    let helm = require_helm!();
+    let nfs = example("values-nfs.yaml");
+    let off = manifests(&helm.render(&["-f", &example("values-hostpath.yaml")]));
+    assert!(
+        !off.iter()
+            .any(|o| o["kind"] == "Service" || o["kind"] == "ServiceMonitor"),
+        "metrics objects rendered by default"
+    );
+    let lint = helm.run(&[
+        "lint",
+        "--strict",
+        CHART,
+        "--set",
+        "metrics.enabled=true",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+    ]);
+    assert!(lint.success, "{}{}", lint.stdout, lint.stderr);
+    for monitor in [false, true] {
+        let rendered = helm.render(&[
+            "-f",
+            &nfs,
+            "--set",
+            "metrics.enabled=true",
+            "--set",
+            &format!("metrics.serviceMonitor.enabled={monitor}"),
+        ]);
+        for (key, side, port) in [
+            ("node.toml", "node", 9808),
+            ("controller.toml", "controller", 9809),
+        ] {
+            let text = block_scalar(&rendered, key).unwrap();
+            let config = Config::parse(&text, Path::new(key)).unwrap();
+            assert_eq!(
+                config.metrics.listen,
+                Some(format!("0.0.0.0:{port}").parse().unwrap()),
+                "{key}"
+            );
+            let objects = manifests(&rendered);
+            let bridge = container(pod_spec(&objects, side), "bridge");
+            assert_eq!(bridge["ports"][0]["containerPort"], port, "{side}");
+            let service = objects
+                .iter()
+                .find(|o| {
+                    o["kind"] == "Service"
+                        && o["metadata"]["labels"]["app.kubernetes.io/component"] == side
+                })
+                .unwrap_or_else(|| panic!("no {side} metrics Service"));
+            assert_eq!(service["spec"]["ports"][0]["port"], port);
+            assert_eq!(
+                service["spec"]["selector"]["app.kubernetes.io/component"],
+                side
+            );
+        }
+        let monitors = manifests(&rendered)
+            .into_iter()
+            .filter(|o| o["kind"] == "ServiceMonitor")
+            .count();
+        assert_eq!(monitors, usize::from(monitor));
+    }
+    let bad = helm.template(&["--set", "metrics.volumeStatsIntervalSecs=2"]);
+    assert!(
+        !bad.success && bad.stderr.contains("volumeStatsIntervalSecs"),
+        "{}",
+        bad.stderr
+    );
+}

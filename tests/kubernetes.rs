@@ -335,7 +335,7 @@ async fn storage_class_reuse_and_crd_store_shared_by_two_bridges() {
             );
         }
     } else {
-        eprintln!("attach part skipped: it makes real mounts and needs root");
+        common::skip("the attach part makes real mounts and needs root");
     }
     b.destroy("vol-k8s-race").await.expect("destroy");
     assert!(
@@ -643,9 +643,7 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
         .map(std::path::PathBuf::from)
         .filter(|p| p.join("csi-mock").is_file())
     else {
-        eprintln!(
-            "skipped: CUBE_CSI_BRIDGE_PEERS_BIN has no csi-mock (scripts/install-test-peers.sh)"
-        );
+        common::skip("CUBE_CSI_BRIDGE_PEERS_BIN has no csi-mock (scripts/install-test-peers.sh)");
         return;
     };
     let api = ApiServer::start(&bin);
@@ -731,5 +729,174 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
             .await
             .unwrap()
             .is_none()
+    );
+}
+
+/// The StorageClass test once more, with the real csi-driver-nfs (`nfsplugin`, unmodified,
+/// in its namespace with the test-only mount.nfs helper: tests/common/real_drivers.rs) as
+/// the driver, the chart installed from its own csi-driver-nfs example, and the
+/// StorageClass written as csi-driver-nfs documents it (`server`, `share`, mountOptions,
+/// and the provisioner secret whose `mountOptions` it reads in DeleteVolume):
+/// Create → Attach → Detach → Destroy.
+#[tokio::test(flavor = "multi_thread")]
+async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() {
+    use common::cube_peers::{BaseDir, CubeletNs};
+    use common::real_drivers::{Bins, RealDriver, csi_volume_id};
+    use cube_csi_bridge::mount::MountTable;
+
+    const SERVER: &str = "nfs-server.default.svc.cluster.local";
+    let bin = require_k8s_peers!();
+    require_root!();
+    let Some(bins) = Bins::from_env() else {
+        return;
+    };
+    let api = ApiServer::start(&bin);
+    let admin = api.admin().await;
+    helm_install(
+        &api,
+        "cube-nfs",
+        NAMESPACE,
+        &[&Path::new(CHART_DIR).join("examples/values-nfs.yaml")],
+    );
+    create_secret(&admin, "mount-options", ("mountOptions", "nfsvers=4.1")).await;
+    let class: StorageClass = serde_json::from_value(serde_json::json!({
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": "nfs-csi"},
+        "provisioner": "nfs.csi.k8s.io",
+        "parameters": {
+            "server": SERVER,
+            "share": "/",
+            "csi.storage.k8s.io/provisioner-secret-name": "mount-options",
+            "csi.storage.k8s.io/provisioner-secret-namespace": "default",
+        },
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+        "allowVolumeExpansion": true,
+        "mountOptions": ["nfsvers=4.1"],
+    }))
+    .unwrap();
+    Api::<StorageClass>::all(admin.clone())
+        .create(&PostParams::default(), &class)
+        .await
+        .unwrap();
+    let controller_kubeconfig = api
+        .service_account_kubeconfig(
+            NAMESPACE,
+            &chart_service_account(&admin, "cube-nfs", "controller").await,
+        )
+        .await;
+    let node_kubeconfig = api
+        .service_account_kubeconfig(
+            NAMESPACE,
+            &chart_service_account(&admin, "cube-nfs", "node").await,
+        )
+        .await;
+
+    // The NFS server's export, the node's shared base dir and Cubelet namespace, and
+    // nfsplugin (dropped in reverse: the driver, then the namespace and every mount).
+    let dir = tempfile::Builder::new()
+        .prefix("ccb-k8s-nfs-")
+        .tempdir()
+        .unwrap();
+    let exports = dir.path().join("exports");
+    std::fs::create_dir_all(exports.join(SERVER)).unwrap();
+    let base = dir.path().join("volumes");
+    let ns_dir = tempfile::Builder::new()
+        .prefix("ccb-cubelet-")
+        .tempdir()
+        .unwrap();
+    let cubelet = CubeletNs::start(ns_dir, &base, BaseDir::Shared);
+    let driver = RealDriver::nfs(&bins.drivers, dir.path(), &exports, "node-1");
+    let nsfile = cubelet.nsfile().display().to_string();
+    let bridge = |mode, services, kubeconfig: &Path| {
+        let (kubeconfig, socket, nsfile) = (
+            kubeconfig.to_path_buf(),
+            driver.socket.clone(),
+            nsfile.clone(),
+        );
+        World::start_with_config(mode, Caps::default(), "", move |text| {
+            let text = text
+                .replacen("driver = \"fake\"", "driver = \"nfs\"", 1)
+                .replacen(
+                    "\nmount_view = \"self\"\n",
+                    &format!("\nmount_view = {}\n", toml::Value::String(nsfile)),
+                    1,
+                );
+            serving(services)(driver_at(&socket)(kubernetes_mode(&kubeconfig, "nfs-csi")(
+                text,
+            )))
+        })
+    };
+    let controller = bridge(Mode::Rpc, "controller", &controller_kubeconfig).await;
+    let node = bridge(Mode::Binary, "node", &node_kubeconfig).await;
+
+    let created = controller.create("vol-nfs-1").await.expect("create");
+    let csi_volume_id = csi_volume_id(&created.private_data);
+    assert!(
+        csi_volume_id.starts_with(&format!("{SERVER}#")),
+        "{csi_volume_id}"
+    );
+    let subdir = exports.join(SERVER).join("cube-vol-nfs-1");
+    assert!(subdir.is_dir(), "CreateVolume made {}", subdir.display());
+    let object = cube_volumes(admin.clone())
+        .get(&object_name("nfs", "vol-nfs-1"))
+        .await
+        .expect("a CubeVolume");
+    assert_eq!(object.data["spec"]["csiDriver"], "nfs.csi.k8s.io");
+    assert_eq!(object.data["spec"]["csiVolumeId"], csi_volume_id.as_str());
+
+    let attached = node
+        .attach_in(&base, "sb-1", "vol-nfs-1", 0, &created.private_data)
+        .await
+        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", driver.log_text()));
+    let host_path = base.join("nfs-vol-nfs-1");
+    assert_eq!(Path::new(&attached.host_path), host_path);
+    assert!(MountTable::read(None).unwrap().is_mount_point(&host_path));
+    cubelet.assert_mounted_inside(&host_path, "attached through the StorageClass");
+    std::fs::write(host_path.join("data"), "on nfs").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(subdir.join("data")).unwrap(),
+        "on nfs"
+    );
+    // The volume's NFS mount got the StorageClass's mountOptions.
+    let mounts = driver.nfs_mounts();
+    let publish = mounts
+        .iter()
+        .find(|m| m.1 == host_path)
+        .unwrap_or_else(|| panic!("no NFS mount of host_path: {mounts:?}"));
+    assert_eq!(publish.0, format!("{SERVER}:/cube-vol-nfs-1"));
+    assert!(
+        publish.2.split(',').any(|o| o == "nfsvers=4.1"),
+        "{publish:?}"
+    );
+
+    node.detach("sb-1", "vol-nfs-1", 0, &attached.metadata)
+        .await
+        .expect("detach");
+    assert!(!MountTable::read(None).unwrap().is_mount_point(&host_path));
+    assert_eq!(node.journal_records(), 0);
+
+    controller.destroy("vol-nfs-1").await.expect("destroy");
+    assert!(!subdir.exists(), "DeleteVolume removed the subdirectory");
+    assert!(
+        cube_volumes(admin)
+            .get_opt(&object_name("nfs", "vol-nfs-1"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // DeleteVolume mounted the share with the provisioner secret's mountOptions.
+    let share_mounts: Vec<_> = driver
+        .nfs_mounts()
+        .into_iter()
+        .filter(|m| m.0 == format!("{SERVER}:/"))
+        .collect();
+    assert!(
+        share_mounts.len() >= 2
+            && share_mounts
+                .last()
+                .is_some_and(|m| m.2.split(',').any(|o| o == "nfsvers=4.1")),
+        "CreateVolume's and DeleteVolume's share mounts: {share_mounts:?}"
     );
 }

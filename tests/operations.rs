@@ -235,7 +235,7 @@ fn cubeclient() -> Option<std::path::PathBuf> {
 async fn a_restart_under_socket_activation_fails_no_call() {
     require_root!();
     let Some(cubeclient) = cubeclient() else {
-        eprintln!("skipped: CUBE_CSI_BRIDGE_PEERS_BIN is not set");
+        common::skip("CUBE_CSI_BRIDGE_PEERS_BIN is not set (scripts/install-test-peers.sh)");
         return;
     };
     // The socket belongs to "systemd" (this test); the World starts no daemon of its own.

@@ -1,20 +1,78 @@
 //! Fault-injection points for the crash matrix (tests only).
 //!
 //! With the `fault-injection` feature, `CUBE_CSI_BRIDGE_CRASH_AT=<hook>:<before|after>:<step>`
-//! makes the process SIGKILL itself when it reaches that point, exactly as a `kill -9`
-//! at that instant would. Without the feature the points compile to nothing.
+//! makes the process SIGKILL itself when it first reaches that point, exactly as a
+//! `kill -9` at that instant would; `CUBE_CSI_BRIDGE_CRASH_MARK=<file>`, if set, receives
+//! `<pid> <point>` just before, so that a test can tell which process died where (a forked
+//! hook's worker is not the test's child). Without the feature the points compile to
+//! nothing.
+
+use super::HookKind;
+
+/// Every point a hook can reach: `(hook, when, step)`. tests/crash_matrix.rs crashes at
+/// each of them and checks this list against the `point` calls in the source; with the
+/// feature on, reaching a point missing here panics (so no test run can pass one by).
+pub const POINTS: &[(HookKind, When, &str)] = &{
+    use HookKind::*;
+    use When::*;
+    [
+        (Create, Before, "store"),
+        (Create, After, "store"),
+        (Create, Before, "CreateVolume"),
+        (Create, After, "CreateVolume"),
+        (Create, Before, "DeleteVolume"),
+        (Create, After, "DeleteVolume"),
+        (Destroy, Before, "store"),
+        (Destroy, After, "store"),
+        (Destroy, Before, "CreateVolume"),
+        (Destroy, After, "CreateVolume"),
+        (Destroy, Before, "DeleteVolume"),
+        (Destroy, After, "DeleteVolume"),
+        (Attach, Before, "journal"),
+        (Attach, After, "journal"),
+        (Attach, Before, "ControllerPublishVolume"),
+        (Attach, After, "ControllerPublishVolume"),
+        (Attach, Before, "NodeStageVolume"),
+        (Attach, After, "NodeStageVolume"),
+        (Attach, Before, "NodePublishVolume"),
+        (Attach, After, "NodePublishVolume"),
+        (Attach, Before, "NodeUnpublishVolume"),
+        (Attach, After, "NodeUnpublishVolume"),
+        (Attach, Before, "NodeUnstageVolume"),
+        (Attach, After, "NodeUnstageVolume"),
+        (Attach, Before, "ControllerUnpublishVolume"),
+        (Attach, After, "ControllerUnpublishVolume"),
+        (Detach, Before, "journal"),
+        (Detach, After, "journal"),
+        (Detach, Before, "NodeUnpublishVolume"),
+        (Detach, After, "NodeUnpublishVolume"),
+        (Detach, Before, "NodeUnstageVolume"),
+        (Detach, After, "NodeUnstageVolume"),
+        (Detach, Before, "ControllerUnpublishVolume"),
+        (Detach, After, "ControllerUnpublishVolume"),
+    ]
+};
+
+/// The name of a point, as `CUBE_CSI_BRIDGE_CRASH_AT` spells it.
+pub fn name(hook: HookKind, when: When, step: &str) -> String {
+    format!("{hook}:{}:{step}", when.as_str())
+}
 
 /// Marks a point of `hook` just before or after `step` (a CSI call name, `journal` or
 /// `store`).
 #[inline(always)]
-pub fn point(hook: super::HookKind, when: When, step: &str) {
+pub fn point(hook: HookKind, when: When, step: &str) {
     #[cfg(feature = "fault-injection")]
     {
+        assert!(
+            POINTS.contains(&(hook, when, step)),
+            "fault point {} is missing from faults::POINTS",
+            name(hook, when, step)
+        );
         if let Some(target) = crash_target()
-            && target == format!("{hook}:{}:{step}", when.as_str())
+            && target == name(hook, when, step)
         {
-            eprintln!("fault injection: crashing at {target}");
-            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+            crash(target);
         }
     }
     #[cfg(not(feature = "fault-injection"))]
@@ -44,4 +102,16 @@ fn crash_target() -> Option<&'static str> {
     TARGET
         .get_or_init(|| std::env::var("CUBE_CSI_BRIDGE_CRASH_AT").ok())
         .as_deref()
+}
+
+#[cfg(feature = "fault-injection")]
+fn crash(target: &str) {
+    use std::io::Write;
+    let line = format!("{} {target}\n", std::process::id());
+    if let Some(mark) = std::env::var_os("CUBE_CSI_BRIDGE_CRASH_MARK") {
+        let _ = std::fs::write(mark, &line);
+    }
+    // Not eprintln!: it panics when nobody reads stderr any more.
+    let _ = writeln!(std::io::stderr(), "fault injection: crashing at {target}");
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
 }

@@ -160,18 +160,36 @@ impl Bridge {
         self.roles
     }
 
-    /// The one place every hook starts and ends: a span, timing, and the outcome log.
+    /// The one place every hook starts and ends: a span, timing, the outcome log and the
+    /// metrics.
     async fn hook<T>(
         &self,
         hook: HookKind,
         volume_id: &str,
         work: impl Future<Output = Result<T, BridgeError>>,
     ) -> Result<T, HookError> {
+        self.hook_if(hook, volume_id, async { work.await.map(Some) })
+            .await
+            .expect("work that never declines always answers")
+    }
+
+    /// Like `hook`, for work that may decline (`Ok(None)`: it is not for this process to
+    /// do); a declined hook is neither logged nor counted.
+    async fn hook_if<T>(
+        &self,
+        hook: HookKind,
+        volume_id: &str,
+        work: impl Future<Output = Result<Option<T>, BridgeError>>,
+    ) -> Option<Result<T, HookError>> {
         let span = tracing::info_span!("hook", op = hook.as_str(), volume_id);
         async move {
             let started = Instant::now();
             tracing::debug!("hook started");
-            let result = work.await;
+            let result = match work.await {
+                Ok(None) => return None,
+                Ok(Some(answer)) => Ok(answer),
+                Err(error) => Err(error),
+            };
             let elapsed = started.elapsed();
             let elapsed_ms = elapsed.as_secs_f64() * 1e3;
             match &result {
@@ -182,11 +200,11 @@ impl Bridge {
                 .as_ref()
                 .map_or_else(BridgeError::kind, |_| "success");
             crate::metrics::hook(hook.as_str(), outcome, elapsed);
-            result.map_err(|error| HookError {
+            Some(result.map_err(|error| HookError {
                 hook,
                 volume_id: volume_id.to_string(),
                 error,
-            })
+            }))
         }
         .instrument(span)
         .await

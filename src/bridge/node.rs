@@ -26,7 +26,7 @@ use super::{
     HookKind, blocking,
 };
 use crate::mount::ops;
-use crate::store::journal::{HolderChange, JournalError};
+use crate::store::journal::{HOLDER_LOG_LIMIT, HolderChange, JournalError};
 use crate::store::{NodeJournal, NodeRecord, Step};
 
 /// Which optional calls Attach makes for this driver.
@@ -54,7 +54,7 @@ impl UndoSteps {
 }
 
 impl Bridge {
-    pub(crate) fn node_journal(&self) -> &NodeJournal {
+    pub fn node_journal(&self) -> &NodeJournal {
         self.journal
             .as_ref()
             .expect("node hooks are only routed to a bridge with the node role")
@@ -153,6 +153,90 @@ impl Bridge {
         }
     }
 
+    /// Records a holder change on the hot path: one appended line when it changes the
+    /// holders, and a fold of the log into the record (without fsync, like the log) once the
+    /// log passes its limit. Never a CSI call.
+    fn record_holder_change(
+        &self,
+        record: &mut NodeRecord,
+        change: &HolderChange,
+    ) -> Result<(), BridgeError> {
+        let mut holders = record.holders.clone();
+        change.apply(&mut holders);
+        if holders == record.holders {
+            return Ok(());
+        }
+        let log_size = self
+            .node_journal()
+            .append_holder(&record.volume_id, change)?;
+        record.holders = holders;
+        if log_size > HOLDER_LOG_LIMIT {
+            self.node_journal().save(record, false)?;
+        }
+        Ok(())
+    }
+
+    /// Cube Attach, only if it is on the hot path: the volume is mounted and healthy, so
+    /// answering changes at most the holder log and there is nothing to undo. `None`: not
+    /// hot (or another process holds the volume's lock) — run `attach`. Never waits for a
+    /// lock, never calls the driver, never starts a thread: the forked hook answers here
+    /// before it forks its worker.
+    pub async fn attach_if_hot(&self, req: &AttachVolume) -> Option<Result<Attached, HookError>> {
+        self.hook_if(HookKind::Attach, &req.volume_id, async {
+            let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                return Ok(None);
+            };
+            let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
+            let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
+                return Ok(None);
+            };
+            let deadline = Deadline::after(self.config.timeouts.attach());
+            let hot = record.target_path == paths.target
+                && record.csi_volume_id == req.handle.csi_volume_id
+                && record.publish == Step::Done
+                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
+            if !hot {
+                return Ok(None);
+            }
+            let change = HolderChange::Attach {
+                namespace: req.namespace.clone(),
+                sandbox: req.sandbox_id.clone(),
+                first: req.ref_count == 0,
+            };
+            self.record_holder_change(&mut record, &change)?;
+            Ok(Some(attached(&record, &req.volume_id)))
+        })
+        .await
+    }
+
+    /// Cube Detach, only if it is on the hot path: other holders remain (or nothing is
+    /// recorded), so answering changes at most the holder log. `None`: run `detach`.
+    pub async fn detach_if_hot(&self, req: &DetachVolume) -> Option<Result<(), HookError>> {
+        self.hook_if(HookKind::Detach, &req.volume_id, async {
+            let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                return Ok(None);
+            };
+            let mut record = match self.node_journal().load(&req.volume_id) {
+                Ok(Some(record)) => record,
+                Ok(None) if req.ref_count > 0 || req.recorded.is_none() => return Ok(Some(())),
+                _ => return Ok(None),
+            };
+            let change = HolderChange::Detach {
+                namespace: req.namespace.clone(),
+                sandbox: req.sandbox_id.clone(),
+                last: req.ref_count == 0,
+            };
+            let mut holders = record.holders.clone();
+            change.apply(&mut holders);
+            if req.ref_count == 0 && holders.is_empty() {
+                return Ok(None);
+            }
+            self.record_holder_change(&mut record, &change)?;
+            Ok(Some(()))
+        })
+        .await
+    }
+
     /// Cube Attach.
     pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {
         let volume_id = req.volume_id.clone();
@@ -178,11 +262,7 @@ impl Bridge {
                 if caller.is_gone() {
                     return Err(BridgeError::CallerGone);
                 }
-                let mut holders = record.holders.clone();
-                change.apply(&mut holders);
-                if holders != record.holders {
-                    self.node_journal().append_holder(&req.volume_id, &change)?;
-                }
+                self.record_holder_change(&mut record, &change)?;
                 tracing::debug!(ref_count = req.ref_count, "already mounted");
                 return Ok(attached(&record, &req.volume_id));
             }
@@ -359,25 +439,43 @@ impl Bridge {
             .parent()
             .expect("target has a parent")
             .to_path_buf();
-        let staging = plan.stage.then(|| paths.staging.clone());
         blocking(move || {
             // Cubelet creates the base dir before Attach; do it too, for other callers.
-            ops::ensure_dir(&base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))?;
-            if let Some(staging) = staging {
-                // The CO creates the staging directory (CSI spec); the driver the target.
-                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))?;
-            }
-            Ok(())
+            ops::ensure_dir(&base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))
         })
         .await?;
 
-        if let Some(node_id) = plan.controller_publish_node
-            && record.controller_publish != Step::Done
-        {
-            check_caller(caller)?;
+        // One durable write before the first mutating call: every step this Attach makes is
+        // recorded as uncertain at once (a step that never ran is undone by an idempotent
+        // inverse call, as CSI requires of drivers). That is what a crash or a power loss
+        // needs; the record is refined without waiting for the disk once the calls answer.
+        let controller_publish_node = plan
+            .controller_publish_node
+            .filter(|_| record.controller_publish != Step::Done);
+        let previous_stage = record.stage;
+        if let Some(node_id) = &controller_publish_node {
             record.node_id = node_id.clone();
             record.controller_publish = Step::Uncertain;
-            self.save(hook, record, true).await?;
+        }
+        if plan.stage {
+            record.staging_path = Some(paths.staging.clone());
+            record.stage = Step::Uncertain;
+        }
+        record.publish = Step::Uncertain;
+        check_caller(caller)?;
+        self.save(hook, record, true).await?;
+        if plan.stage {
+            // The CO creates the staging directory (CSI spec); the driver the target. Only
+            // now that the record names it, so that a crash never strands it.
+            let staging = paths.staging.clone();
+            blocking(move || {
+                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))
+            })
+            .await?;
+        }
+
+        if let Some(node_id) = controller_publish_node {
+            check_caller(caller)?;
             let call = ControllerPublish {
                 csi_volume_id: record.csi_volume_id.clone(),
                 node_id,
@@ -395,10 +493,6 @@ impl Bridge {
 
         if plan.stage {
             check_caller(caller)?;
-            let previous = record.stage;
-            record.staging_path = Some(paths.staging.clone());
-            record.stage = Step::Uncertain;
-            self.save(hook, record, true).await?;
             let call = Stage {
                 csi_volume_id: record.csi_volume_id.clone(),
                 staging_path: paths.staging.clone(),
@@ -410,12 +504,11 @@ impl Bridge {
             faults::point(hook, When::Before, "NodeStageVolume");
             let reply = self.node.stage(&call, deadline).await;
             faults::point(hook, When::After, "NodeStageVolume");
-            self.step_result(&mut record.stage, previous, reply).await?;
+            self.step_result(&mut record.stage, previous_stage, reply)
+                .await?;
         }
 
         check_caller(caller)?;
-        record.publish = Step::Uncertain;
-        self.save(hook, record, true).await?;
         let call = Publish {
             csi_volume_id: record.csi_volume_id.clone(),
             target_path: paths.target.clone(),
@@ -430,7 +523,6 @@ impl Bridge {
         faults::point(hook, When::After, "NodePublishVolume");
         self.step_result(&mut record.publish, Step::Absent, reply)
             .await?;
-        self.save(hook, record, false).await?;
 
         if self.visibility(&paths.target, deadline).await? == Visibility::NotMounted {
             return Err(BridgeError::NotVisible {
@@ -512,12 +604,10 @@ impl Bridge {
                     let mut holders = record.holders.clone();
                     change.apply(&mut holders);
                     if req.ref_count > 0 || !holders.is_empty() {
-                        if holders != record.holders {
-                            self.node_journal().append_holder(&req.volume_id, &change)?;
-                        }
+                        self.record_holder_change(&mut record, &change)?;
                         tracing::debug!(
                             ref_count = req.ref_count,
-                            namespaces = holders.len(),
+                            namespaces = record.holders.len(),
                             "other sandboxes still hold the volume"
                         );
                         return Ok(());
@@ -561,6 +651,11 @@ impl Bridge {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         self.node_journal().mark_pending(&record.volume_id)?;
+        // First, the record must say nobody holds the volume before anything is undone, or
+        // a crash half way would have reconciliation mount it again for the sandbox that
+        // was leaving. (No fsync: a process crash keeps the page cache, and after a power
+        // loss the record is from an earlier boot and is torn down anyway.)
+        self.save(hook, record, false).await?;
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
         faults::point(hook, When::Before, "journal");
@@ -690,8 +785,14 @@ fn attached(record: &NodeRecord, volume_id: &str) -> Attached {
     }
 }
 
+/// Whether `path` exists. A filesystem that does not answer within a few seconds (a dead
+/// network mount) counts as "exists": the caller then treats the step as uncertain and
+/// asks the driver to undo it, rather than hanging the hook.
 async fn path_exists(path: &Path) -> bool {
-    tokio::fs::symlink_metadata(path).await.is_ok()
+    const PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+    tokio::time::timeout(PATIENCE, tokio::fs::symlink_metadata(path))
+        .await
+        .map_or(true, |found| found.is_ok())
 }
 
 /// Removes a directory the bridge or driver made, if it is empty and not mounted;

@@ -1037,6 +1037,34 @@ async fn destroy_refuses_to_hand_a_handle_to_another_driver() {
     assert_eq!(w.backend_volumes().len(), 1);
 }
 
+#[tokio::test]
+async fn the_holder_log_stays_bounded_however_long_a_volume_stays_mounted() {
+    let w = World::new(Fake::new(false, false));
+    w.attach("v", "ns1", "holder", 0).await.unwrap();
+    let log = w.dir.path().join("state/node/v.holders");
+    let mut longest = 0;
+    for n in 0..500 {
+        let sandbox = format!("sandbox-with-a-long-name-{n}");
+        w.attach("v", "ns1", &sandbox, 1).await.unwrap();
+        w.detach("v", "ns1", &sandbox, 1).await.unwrap();
+        longest = longest.max(std::fs::metadata(&log).map_or(0, |m| m.len()));
+    }
+    assert!(
+        longest <= crate::store::journal::HOLDER_LOG_LIMIT + 128,
+        "the holder log grew to {longest} bytes"
+    );
+    let record = w.record("v").unwrap();
+    assert_eq!(
+        record.holders["ns1"],
+        BTreeSet::from(["holder".to_string()])
+    );
+    assert!(
+        w.fake.mutating_calls().len() == 1,
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+}
+
 // ---------------------------------------------------------------- record integrity
 
 impl World {

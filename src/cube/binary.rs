@@ -29,6 +29,41 @@ impl HookOutput {
     }
 }
 
+/// Answers a node hook on the hot path (a mounted volume's Attach, a Detach that leaves
+/// holders), where the only change is one line of the holder log and nothing would need
+/// undoing if Cube killed the process: then the process Cube started answers by itself,
+/// without forking a worker. `None`: the full hook must run (see cube::worker). Bad
+/// requests are answered here too (they change nothing).
+pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<HookOutput> {
+    use crate::config::MountViewSetting;
+    if !request.kind().is_node() {
+        return None;
+    }
+    // Only mount views checked by plain reads in this process: nothing here may start a
+    // thread, since the worker is forked afterwards.
+    if matches!(config.node.mount_view, MountViewSetting::Namespace(_)) {
+        return None;
+    }
+    let checked = match hooks::check(request.clone(), config) {
+        Ok(checked) => checked,
+        Err(error) => return Some(failure(&error)),
+    };
+    let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
+    let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
+    // Work an earlier, killed hook left behind is finished by a worker after it answers:
+    // while any is marked, every hook takes that path.
+    if !bridge.node_journal().pending().ok()?.is_empty() {
+        return None;
+    }
+    Some(match hooks::run_if_hot(&bridge, &checked).await? {
+        Ok(reply) => HookOutput {
+            stdout: reply_json(reply).to_string(),
+            success: true,
+        },
+        Err(error) => failure(&error),
+    })
+}
+
 /// Runs one hook with a bridge opened for just that hook's role. `answered` receives the
 /// output as soon as it is known; what follows (finishing node operations that an earlier,
 /// killed hook abandoned) no longer concerns the caller.
@@ -67,6 +102,9 @@ pub async fn run(
         },
         Err(error) => failure(&error),
     });
+    if roles.controller {
+        sweep_if_due(&bridge).await;
+    }
     if roles.node {
         match bridge.reconcile_node(Scope::Abandoned).await {
             Ok(report) if !report.is_empty() => {
@@ -94,5 +132,42 @@ fn reply_json(reply: HookReply) -> serde_json::Value {
         HookReply::Create(r) => json!({ "token": r.token, "private_data": r.private_data }),
         HookReply::Attach(r) => json!({ "host_path": r.host_path, "metadata": r.metadata }),
         HookReply::Destroy(_) | HookReply::Detach(_) => json!({}),
+    }
+}
+
+/// Forked controller hooks are the only controller code a binary-only deployment runs, so
+/// after answering they also sweep abandoned Creates — at most once per
+/// `controller.sweep_interval_secs` across all processes (a stamp file, flocked, in the
+/// state dir), so that Cube's Creates do not each pay for it.
+async fn sweep_if_due(bridge: &crate::bridge::Bridge) {
+    let config = bridge.config();
+    let Some(interval) = config.controller.sweep_interval else {
+        return;
+    };
+    let stamp = config.state.dir.join("last-sweep");
+    let due = std::fs::metadata(&stamp)
+        .and_then(|m| m.modified())
+        .map_or(true, |at| at.elapsed().map_or(true, |age| age >= interval));
+    if !due {
+        return;
+    }
+    let Ok(Some(_turn)) = crate::store::fsutil::try_lock_exclusive(&stamp) else {
+        return;
+    };
+    // Stamped before sweeping: another process that finds the lock free meanwhile waits
+    // for the next interval rather than sweeping the same records again.
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&stamp)
+        .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+    match bridge
+        .sweep_abandoned_creates(config.controller.abandoned_create_after)
+        .await
+    {
+        Ok(report) if report.reclaimed + report.failed > 0 => {
+            tracing::info!(?report, "abandoned creates swept")
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "sweeping abandoned creates failed"),
     }
 }

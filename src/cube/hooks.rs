@@ -97,17 +97,36 @@ pub async fn run(
             bridge.destroy(req).await?;
             HookReply::Destroy(pb::DestroyResponse {})
         }
-        Checked::Attach(req) => {
-            let attached = bridge.attach(req, caller).await?;
-            HookReply::Attach(pb::AttachResponse {
-                host_path: attached.host_path.to_string_lossy().into_owned(),
-                metadata: attached.metadata,
-            })
-        }
+        Checked::Attach(req) => attach_reply(bridge.attach(req, caller).await?),
         Checked::Detach(req) => {
             bridge.detach(req).await?;
             HookReply::Detach(pb::DetachResponse {})
         }
+    })
+}
+
+/// Runs a checked Attach or Detach only if it is on the hot path (see
+/// `Bridge::attach_if_hot`); `None` for anything else.
+pub async fn run_if_hot(
+    bridge: &Bridge,
+    request: &Checked,
+) -> Option<Result<HookReply, HookError>> {
+    match request {
+        Checked::Attach(req) => Some(bridge.attach_if_hot(req).await?.map(attach_reply)),
+        Checked::Detach(req) => Some(
+            bridge
+                .detach_if_hot(req)
+                .await?
+                .map(|()| HookReply::Detach(pb::DetachResponse {})),
+        ),
+        Checked::Create(_) | Checked::Destroy(_) => None,
+    }
+}
+
+fn attach_reply(attached: crate::bridge::Attached) -> HookReply {
+    HookReply::Attach(pb::AttachResponse {
+        host_path: attached.host_path.to_string_lossy().into_owned(),
+        metadata: attached.metadata,
     })
 }
 

@@ -2,6 +2,7 @@
 //! the forked binary hook, request validation, and the one mapping of errors to what
 //! Cube sees.
 
+pub mod authority;
 pub mod binary;
 pub mod errors;
 pub mod health;

@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
 
+use super::authority::fix_incoming;
 use super::listener::{Incoming, ListenError, PeerPolicy, UnixSocket};
 use super::service::CubeService;
 use crate::bridge::reconcile::Scope;
@@ -160,8 +161,12 @@ impl Daemon {
                 .add_optional_service(node)
         };
         let UnixSocket { listener, file } = unix;
-        let unix_server = router()
-            .serve_with_incoming_shutdown(Incoming::new(listener, policy.clone()), stopped());
+        // grpc-core and grpc-java clients send the socket path as :authority, which h2
+        // refuses; the shim rewrites it to what grpc-go sends (see cube/authority.rs).
+        let unix_server = router().serve_with_incoming_shutdown(
+            fix_incoming(Incoming::new(listener, policy.clone())),
+            stopped(),
+        );
         let tcp_server = async {
             match tcp {
                 Some(listener) => {

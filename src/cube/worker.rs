@@ -23,6 +23,17 @@ use crate::config::Config;
 /// Runs `request` in a worker process and returns its output. Must be called while the
 /// process is still single-threaded (before any runtime starts).
 pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
+    // The hot paths are answered here, without a worker: they change one line of the
+    // holder log and leave nothing to undo.
+    if let Some(answer) = runtime().block_on(binary::answer_if_hot(&config, &request)) {
+        return answer;
+    }
+    if !single_threaded() {
+        // Forking a multi-threaded process is not safe: run here instead (a SIGKILL is then
+        // left to the next hook or the daemon's reconciliation).
+        tracing::warn!("more than one thread before forking the worker; running the hook in place");
+        return run_here(config, request);
+    }
     let pipes = (|| Ok::<_, nix::Error>((pipe()?, pipe()?, pipe()?)))();
     let Ok(((answer_r, answer_w), (log_r, log_w), (alive_r, alive_w))) = pipes else {
         // No pipes, no worker: run here (a SIGKILL is then left to reconciliation).
@@ -45,6 +56,11 @@ pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
             output
         }
     }
+}
+
+/// Whether this process has one thread (the precondition of forking it).
+fn single_threaded() -> bool {
+    std::fs::read_dir("/proc/self/task").is_ok_and(|tasks| tasks.count() == 1)
 }
 
 fn run_here(config: Config, request: HookRequest) -> HookOutput {

@@ -1,10 +1,17 @@
-//! A small but real CSI driver built into the program, for the demo: each volume is a
-//! subdirectory of a data directory; NodeStage bind-mounts it at the staging path and
-//! NodePublish bind-mounts the staging path at the target.
+//! A small but real CSI driver built into the program: each volume is a subdirectory of a
+//! data directory; NodeStage bind-mounts it at the staging path and NodePublish bind-mounts
+//! the staging path (or, without staging, the volume) at the target.
+//!
+//! It serves the demo and, as the test double, the project's tests: a [`Profile`] sets what
+//! it advertises and how it names things, and it can record every call and react to the
+//! next calls of a method as scripted (fail, or answer late).
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::mount::ops;
 use crate::proto::csi::v1 as csi;
@@ -12,22 +19,120 @@ use csi::controller_server::{Controller, ControllerServer};
 use csi::identity_server::{Identity, IdentityServer};
 use csi::node_server::{Node, NodeServer};
 
-/// The driver's CSI name.
+/// The demo driver's CSI name.
 pub const DRIVER_NAME: &str = "local.csi.cube-csi-bridge";
 
-/// Volumes as subdirectories of `data_dir`.
+/// What the driver advertises, and how it names volumes.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    /// GetPluginInfo's name.
+    pub name: String,
+    /// NodeGetInfo's node id.
+    pub node_id: String,
+    /// A volume's CSI id is this prefix and its CreateVolume name.
+    pub volume_id_prefix: String,
+    /// The volume_context CreateVolume returns.
+    pub volume_context: BTreeMap<String, String>,
+    /// Node STAGE_UNSTAGE_VOLUME.
+    pub stage: bool,
+    /// Controller PUBLISH_UNPUBLISH_VOLUME.
+    pub controller_publish: bool,
+    /// Advertise CONTROLLER_SERVICE but answer UNIMPLEMENTED to controller calls (a
+    /// node-only deployment of a driver whose controller runs elsewhere).
+    pub controller_unreachable: bool,
+    /// Keep every call for [`LocalDirDriver::calls`] (tests; the list only grows).
+    pub record_calls: bool,
+}
+
+impl Profile {
+    /// The demo's driver: stages, no ControllerPublish, the CreateVolume name is the id.
+    pub fn demo(node_id: &str) -> Self {
+        Self {
+            name: DRIVER_NAME.into(),
+            node_id: node_id.into(),
+            volume_id_prefix: String::new(),
+            volume_context: BTreeMap::new(),
+            stage: true,
+            controller_publish: false,
+            controller_unreachable: false,
+            record_calls: false,
+        }
+    }
+}
+
+/// One scripted reaction, consumed by the next call of its method.
+#[derive(Debug, Clone)]
+pub enum Behavior {
+    Fail(Code, &'static str),
+    /// Sleep, then behave normally (the call is dropped if the client gives up).
+    Delay(Duration),
+}
+
+/// One recorded call.
+#[derive(Debug, Clone, Default)]
+pub struct Call {
+    pub method: &'static str,
+    pub volume_id: String,
+    pub node_id: String,
+    pub target_path: String,
+    pub staging_target_path: String,
+    pub publish_context: BTreeMap<String, String>,
+    pub secrets: BTreeMap<String, String>,
+    pub parameters: BTreeMap<String, String>,
+    pub mount_flags: Vec<String>,
+}
+
+/// Calls that change state (discovery calls are recorded too but filtered here).
+pub const MUTATING: &[&str] = &[
+    "CreateVolume",
+    "DeleteVolume",
+    "ControllerPublishVolume",
+    "ControllerUnpublishVolume",
+    "NodeStageVolume",
+    "NodeUnstageVolume",
+    "NodePublishVolume",
+    "NodeUnpublishVolume",
+];
+
+#[derive(Debug, Default)]
+struct State {
+    calls: Vec<Call>,
+    script: HashMap<&'static str, VecDeque<Behavior>>,
+    /// (CSI volume id, node id) pairs ControllerPublished and not yet unpublished.
+    controller_published: BTreeSet<(String, String)>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    profile: Profile,
+    data_dir: PathBuf,
+    state: Mutex<State>,
+}
+
+/// Volumes as subdirectories of a data directory; clones share state.
 #[derive(Debug, Clone)]
 pub struct LocalDirDriver {
-    data_dir: PathBuf,
-    node_id: String,
+    inner: Arc<Inner>,
 }
 
 impl LocalDirDriver {
+    /// The demo's driver on `data_dir` (which must exist).
     pub fn new(data_dir: &Path, node_id: &str) -> Self {
+        Self::with_profile(data_dir, Profile::demo(node_id))
+    }
+
+    pub fn with_profile(data_dir: &Path, profile: Profile) -> Self {
         Self {
-            data_dir: data_dir.to_path_buf(),
-            node_id: node_id.to_string(),
+            inner: Arc::new(Inner {
+                profile,
+                data_dir: data_dir.to_path_buf(),
+                state: Mutex::default(),
+            }),
         }
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.inner.profile
     }
 
     /// The three CSI services, ready to add to a tonic server.
@@ -45,10 +150,71 @@ impl LocalDirDriver {
         )
     }
 
+    /// Queues reactions for the next calls of `method`.
+    pub fn script(&self, method: &'static str, behaviors: impl IntoIterator<Item = Behavior>) {
+        let mut state = self.state();
+        state.script.entry(method).or_default().extend(behaviors);
+    }
+
+    /// The calls recorded so far (empty unless the profile records them).
+    pub fn calls(&self) -> Vec<Call> {
+        self.state().calls.clone()
+    }
+
+    /// Forgets recorded calls (the script is kept).
+    pub fn clear_calls(&self) {
+        self.state().calls.clear();
+    }
+
+    /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
+    pub fn controller_published(&self) -> Vec<(String, String)> {
+        self.state().controller_published.iter().cloned().collect()
+    }
+
+    /// Where the data of CSI volume `id` lives (whether or not it exists).
+    pub fn data_path(&self, id: &str) -> PathBuf {
+        self.inner.data_dir.join(id)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A test that panicked while holding the lock must not hide its own failure.
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records `call` (if the profile says so) and applies the next scripted reaction.
+    async fn enter(&self, call: Call) -> Result<(), Status> {
+        let behavior = {
+            let mut state = self.state();
+            let method = call.method;
+            if self.inner.profile.record_calls {
+                state.calls.push(call);
+            }
+            state.script.get_mut(method).and_then(VecDeque::pop_front)
+        };
+        match behavior {
+            None => Ok(()),
+            Some(Behavior::Fail(code, message)) => Err(Status::new(code, message)),
+            Some(Behavior::Delay(d)) => {
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+        }
+    }
+
+    fn controller_reachable(&self) -> Result<(), Status> {
+        if self.inner.profile.controller_unreachable {
+            return Err(Status::unimplemented("this endpoint serves the node only"));
+        }
+        Ok(())
+    }
+
     /// The data directory of a volume id, refusing ids that are not plain names.
     fn volume_dir(&self, id: &str) -> Result<PathBuf, Status> {
         let plain = !id.is_empty()
-            && id.len() <= 128
+            && id.len() <= 255
             && id
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
@@ -57,7 +223,7 @@ impl LocalDirDriver {
                 "volume id {id:?} is not a plain name"
             )));
         }
-        Ok(self.data_dir.join(id))
+        Ok(self.data_path(id))
     }
 }
 
@@ -86,14 +252,30 @@ fn is_mounted(path: &Path) -> Result<bool, Status> {
         .map_err(internal)
 }
 
+fn map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn mount_flags(cap: Option<&csi::VolumeCapability>) -> Vec<String> {
+    match cap.and_then(|c| c.access_type.as_ref()) {
+        Some(csi::volume_capability::AccessType::Mount(m)) => m.mount_flags.clone(),
+        _ => Vec::new(),
+    }
+}
+
 #[tonic::async_trait]
 impl Identity for LocalDirDriver {
     async fn get_plugin_info(
         &self,
         _: Request<csi::GetPluginInfoRequest>,
     ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+        self.enter(Call {
+            method: "GetPluginInfo",
+            ..Default::default()
+        })
+        .await?;
         Ok(Response::new(csi::GetPluginInfoResponse {
-            name: DRIVER_NAME.into(),
+            name: self.inner.profile.name.clone(),
             vendor_version: env!("CARGO_PKG_VERSION").into(),
             manifest: Default::default(),
         }))
@@ -104,6 +286,11 @@ impl Identity for LocalDirDriver {
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         use csi::plugin_capability::{Service, Type, service::Type as S};
+        self.enter(Call {
+            method: "GetPluginCapabilities",
+            ..Default::default()
+        })
+        .await?;
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
             capabilities: vec![csi::PluginCapability {
                 r#type: Some(Type::Service(Service {
@@ -117,6 +304,11 @@ impl Identity for LocalDirDriver {
         &self,
         _: Request<csi::ProbeRequest>,
     ) -> Result<Response<csi::ProbeResponse>, Status> {
+        self.enter(Call {
+            method: "Probe",
+            ..Default::default()
+        })
+        .await?;
         Ok(Response::new(csi::ProbeResponse { ready: Some(true) }))
     }
 }
@@ -128,12 +320,23 @@ impl Controller for LocalDirDriver {
         _: Request<csi::ControllerGetCapabilitiesRequest>,
     ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
         use csi::controller_service_capability::{Rpc, Type, rpc::Type as R};
+        self.enter(Call {
+            method: "ControllerGetCapabilities",
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        let mut caps = vec![R::CreateDeleteVolume];
+        if self.inner.profile.controller_publish {
+            caps.push(R::PublishUnpublishVolume);
+        }
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: vec![csi::ControllerServiceCapability {
-                r#type: Some(Type::Rpc(Rpc {
-                    r#type: R::CreateDeleteVolume as i32,
-                })),
-            }],
+            capabilities: caps
+                .into_iter()
+                .map(|c| csi::ControllerServiceCapability {
+                    r#type: Some(Type::Rpc(Rpc { r#type: c as i32 })),
+                })
+                .collect(),
         }))
     }
 
@@ -142,12 +345,34 @@ impl Controller for LocalDirDriver {
         request: Request<csi::CreateVolumeRequest>,
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let req = request.into_inner();
-        // Idempotent by name: the name is the id.
-        let dir = self.volume_dir(required(&req.name, "name")?)?;
+        self.enter(Call {
+            method: "CreateVolume",
+            volume_id: req.name.clone(),
+            secrets: map(&req.secrets),
+            parameters: map(&req.parameters),
+            mount_flags: mount_flags(req.volume_capabilities.first()),
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        // Idempotent by name: the id is derived from the name.
+        let id = format!(
+            "{}{}",
+            self.inner.profile.volume_id_prefix,
+            required(&req.name, "name")?
+        );
+        let dir = self.volume_dir(&id)?;
         ops::ensure_dir(&dir, 0o777).map_err(internal)?;
         Ok(Response::new(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
-                volume_id: req.name,
+                volume_id: id,
+                volume_context: self
+                    .inner
+                    .profile
+                    .volume_context
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
                 capacity_bytes: 0,
                 ..Default::default()
             }),
@@ -158,13 +383,72 @@ impl Controller for LocalDirDriver {
         &self,
         request: Request<csi::DeleteVolumeRequest>,
     ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
-        let dir = self.volume_dir(required(&request.get_ref().volume_id, "volume_id")?)?;
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "DeleteVolume",
+            volume_id: req.volume_id.clone(),
+            secrets: map(&req.secrets),
+            ..Default::default()
+        })
+        .await?;
+        let dir = self.volume_dir(required(&req.volume_id, "volume_id")?)?;
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(internal(e)),
         }
         Ok(Response::new(csi::DeleteVolumeResponse {}))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        request: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "ControllerPublishVolume",
+            volume_id: req.volume_id.clone(),
+            node_id: req.node_id.clone(),
+            secrets: map(&req.secrets),
+            ..Default::default()
+        })
+        .await?;
+        if !self.inner.profile.controller_publish {
+            return Err(Status::unimplemented("no PUBLISH_UNPUBLISH_VOLUME"));
+        }
+        let volume = required(&req.volume_id, "volume_id")?;
+        let node = required(&req.node_id, "node_id")?;
+        if !self.volume_dir(volume)?.is_dir() {
+            return Err(Status::not_found(format!("no volume {volume}")));
+        }
+        self.state()
+            .controller_published
+            .insert((volume.to_string(), node.to_string()));
+        Ok(Response::new(csi::ControllerPublishVolumeResponse {
+            publish_context: HashMap::from([("device".to_string(), format!("/dev/fake-{node}"))]),
+        }))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        request: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "ControllerUnpublishVolume",
+            volume_id: req.volume_id.clone(),
+            node_id: req.node_id.clone(),
+            secrets: map(&req.secrets),
+            ..Default::default()
+        })
+        .await?;
+        if !self.inner.profile.controller_publish {
+            return Err(Status::unimplemented("no PUBLISH_UNPUBLISH_VOLUME"));
+        }
+        self.state()
+            .controller_published
+            .remove(&(req.volume_id.clone(), req.node_id.clone()));
+        Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
     }
 }
 
@@ -175,8 +459,23 @@ impl Node for LocalDirDriver {
         request: Request<csi::NodeStageVolumeRequest>,
     ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
         let req = request.into_inner();
+        self.enter(Call {
+            method: "NodeStageVolume",
+            volume_id: req.volume_id.clone(),
+            staging_target_path: req.staging_target_path.clone(),
+            publish_context: map(&req.publish_context),
+            secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
+            ..Default::default()
+        })
+        .await?;
         let source = self.volume_dir(required(&req.volume_id, "volume_id")?)?;
         let staging = PathBuf::from(required(&req.staging_target_path, "staging_target_path")?);
+        if !staging.is_dir() {
+            return Err(Status::failed_precondition(
+                "the CO must create the staging path",
+            ));
+        }
         if !source.is_dir() {
             return Err(Status::not_found(format!(
                 "volume {} does not exist",
@@ -193,10 +492,15 @@ impl Node for LocalDirDriver {
         &self,
         request: Request<csi::NodeUnstageVolumeRequest>,
     ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
-        let staging = PathBuf::from(required(
-            &request.get_ref().staging_target_path,
-            "staging_target_path",
-        )?);
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "NodeUnstageVolume",
+            volume_id: req.volume_id.clone(),
+            staging_target_path: req.staging_target_path.clone(),
+            ..Default::default()
+        })
+        .await?;
+        let staging = PathBuf::from(required(&req.staging_target_path, "staging_target_path")?);
         blocking(move || ops::unmount(&staging)).await?;
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
     }
@@ -206,11 +510,34 @@ impl Node for LocalDirDriver {
         request: Request<csi::NodePublishVolumeRequest>,
     ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
         let req = request.into_inner();
-        let staging = PathBuf::from(required(&req.staging_target_path, "staging_target_path")?);
+        self.enter(Call {
+            method: "NodePublishVolume",
+            volume_id: req.volume_id.clone(),
+            target_path: req.target_path.clone(),
+            staging_target_path: req.staging_target_path.clone(),
+            publish_context: map(&req.publish_context),
+            secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
+            ..Default::default()
+        })
+        .await?;
         let target = PathBuf::from(required(&req.target_path, "target_path")?);
-        if !is_mounted(&staging)? {
-            return Err(Status::failed_precondition("volume is not staged"));
-        }
+        let source = if self.inner.profile.stage {
+            let staging = PathBuf::from(required(&req.staging_target_path, "staging_target_path")?);
+            if !is_mounted(&staging)? {
+                return Err(Status::failed_precondition("volume is not staged"));
+            }
+            staging
+        } else {
+            let dir = self.volume_dir(required(&req.volume_id, "volume_id")?)?;
+            if !dir.is_dir() {
+                return Err(Status::not_found(format!(
+                    "volume {} does not exist",
+                    req.volume_id
+                )));
+            }
+            dir
+        };
         if is_mounted(&target)? {
             return Ok(Response::new(csi::NodePublishVolumeResponse {}));
         }
@@ -218,7 +545,7 @@ impl Node for LocalDirDriver {
         blocking(move || {
             // The CO makes the target's parent; the driver makes the target (CSI spec).
             ops::create_dir_exact(&target, 0o755)?;
-            ops::bind_mount(&staging, &target, read_only)
+            ops::bind_mount(&source, &target, read_only)
         })
         .await?;
         Ok(Response::new(csi::NodePublishVolumeResponse {}))
@@ -228,7 +555,15 @@ impl Node for LocalDirDriver {
         &self,
         request: Request<csi::NodeUnpublishVolumeRequest>,
     ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
-        let target = PathBuf::from(required(&request.get_ref().target_path, "target_path")?);
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "NodeUnpublishVolume",
+            volume_id: req.volume_id.clone(),
+            target_path: req.target_path.clone(),
+            ..Default::default()
+        })
+        .await?;
+        let target = PathBuf::from(required(&req.target_path, "target_path")?);
         blocking(move || {
             ops::unmount(&target)?;
             ops::remove_dir_if_empty(&target).map(|_| ())
@@ -242,12 +577,22 @@ impl Node for LocalDirDriver {
         _: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
         use csi::node_service_capability::{Rpc, Type, rpc::Type as R};
-        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
-            capabilities: vec![csi::NodeServiceCapability {
+        self.enter(Call {
+            method: "NodeGetCapabilities",
+            ..Default::default()
+        })
+        .await?;
+        let capabilities = if self.inner.profile.stage {
+            vec![csi::NodeServiceCapability {
                 r#type: Some(Type::Rpc(Rpc {
                     r#type: R::StageUnstageVolume as i32,
                 })),
-            }],
+            }]
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
+            capabilities,
         }))
     }
 
@@ -255,8 +600,13 @@ impl Node for LocalDirDriver {
         &self,
         _: Request<csi::NodeGetInfoRequest>,
     ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        self.enter(Call {
+            method: "NodeGetInfo",
+            ..Default::default()
+        })
+        .await?;
         Ok(Response::new(csi::NodeGetInfoResponse {
-            node_id: self.node_id.clone(),
+            node_id: self.inner.profile.node_id.clone(),
             ..Default::default()
         }))
     }

@@ -67,6 +67,40 @@ impl MountTable {
     }
 }
 
+/// Whether `path` is the root of a mount, asked of the kernel in O(1) (`statx`'s
+/// STATX_ATTR_MOUNT_ROOT, Linux 5.8+), without following a symlink at `path` itself and
+/// without revalidating cached attributes (a dead network mount does not hang it).
+/// `Ok(None)` when the kernel cannot say; the caller then reads the mount table.
+pub fn is_mount_root(path: &Path) -> std::io::Result<Option<bool>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
+    let flags =
+        nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
+    // SAFETY: c_path is NUL-terminated and buf is a zeroed statx the kernel fills.
+    let rc = unsafe {
+        nix::libc::statx(
+            nix::libc::AT_FDCWD,
+            c_path.as_ptr(),
+            flags,
+            nix::libc::STATX_TYPE,
+            buf.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        let error = std::io::Error::last_os_error();
+        return match error.raw_os_error() {
+            Some(nix::libc::ENOENT) | Some(nix::libc::ENOTDIR) => Ok(Some(false)),
+            Some(nix::libc::ENOSYS) | Some(nix::libc::EINVAL) => Ok(None),
+            _ => Err(error),
+        };
+    }
+    // SAFETY: statx returned 0, so the kernel filled the buffer.
+    let stx = unsafe { buf.assume_init() };
+    let bit = nix::libc::STATX_ATTR_MOUNT_ROOT as u64;
+    Ok((stx.stx_attributes_mask & bit != 0).then_some(stx.stx_attributes & bit != 0))
+}
+
 /// Whether `path` is a mount point in mountinfo `text`, without building a table (the
 /// hot Attach path asks exactly this).
 pub fn is_mount_point_in(text: &str, path: &Path) -> bool {
@@ -171,6 +205,29 @@ mod tests {
         );
         let missing = Path::new("/nonexistent-parent/leaf");
         assert_eq!(resolve_parent(missing), missing);
+    }
+
+    #[test]
+    fn the_kernel_says_which_paths_are_mount_roots() {
+        // Kernels older than 5.8 cannot say; then there is nothing to compare.
+        if let Some(root) = is_mount_root(Path::new("/")).unwrap() {
+            assert!(root);
+            let tmp = tempfile::tempdir().unwrap();
+            let table = MountTable::read(None).unwrap();
+            let dir = tmp.path().canonicalize().unwrap();
+            assert_eq!(
+                is_mount_root(&dir).unwrap(),
+                Some(table.is_mount_point(&dir))
+            );
+            assert_eq!(is_mount_root(&dir.join("missing")).unwrap(), Some(false));
+            let link = dir.join("link");
+            std::os::unix::fs::symlink("/", &link).unwrap();
+            assert_eq!(
+                is_mount_root(&link).unwrap(),
+                Some(false),
+                "a symlink is no mount"
+            );
+        }
     }
 
     #[test]

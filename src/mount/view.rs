@@ -34,6 +34,8 @@ pub struct MountView {
     setting: MountViewSetting,
     /// The binary hook: Cubelet forks it inside its own namespace already.
     forked_by_cube: bool,
+    /// Cubelet's namespace file, for `auto`.
+    cubelet_file: PathBuf,
     /// A process last seen living in the namespace, to read its mountinfo without forking.
     cached_pid: AtomicU32,
     /// Resolved parents of checked paths (mountinfo lists resolved paths; base dirs may
@@ -54,6 +56,7 @@ impl MountView {
         Self {
             setting: setting.clone(),
             forked_by_cube,
+            cubelet_file: PathBuf::from(CUBELET_MOUNT_NS),
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
         }
@@ -65,7 +68,7 @@ impl MountView {
             MountViewSetting::Own => Resolved::Own,
             MountViewSetting::Auto if self.forked_by_cube => Resolved::Own,
             MountViewSetting::Auto => {
-                let file = Path::new(CUBELET_MOUNT_NS);
+                let file = self.cubelet_file.as_path();
                 if namespace_inode(file).is_some() {
                     Resolved::Namespace(file)
                 } else {
@@ -143,21 +146,69 @@ impl MountView {
         resolved
     }
 
-    /// Whether `path` is a mount point in this view. Blocking.
+    /// Whether `path` is a mount point in this view. Blocking (plain reads of /proc in the
+    /// common cases; may fork the namespace reader).
     pub fn visibility_blocking(
         &self,
         path: &Path,
         timeout: Duration,
     ) -> std::io::Result<Visibility> {
+        let verdict = |mounted| {
+            if mounted {
+                Visibility::Mounted
+            } else {
+                Visibility::NotMounted
+            }
+        };
+        // O(1) first: ask the kernel whether the path is a mount root, in this namespace or,
+        // through /proc/<pid>/root, in the one a cached process lives in. Parents are
+        // resolved here first, so no symlink is followed out of that namespace.
+        let asked = match self.resolve() {
+            Resolved::Unchecked => return Ok(Visibility::Unchecked),
+            Resolved::Own => mountinfo::is_mount_root(&self.resolved_parent(path, false))?,
+            Resolved::Namespace(file) => match self.live_cached_pid(file) {
+                Some(pid) => {
+                    let inside = PathBuf::from(format!("/proc/{pid}/root")).join(
+                        self.resolved_parent(path, false)
+                            .strip_prefix("/")
+                            .unwrap_or(path),
+                    );
+                    let answer = mountinfo::is_mount_root(&inside)?;
+                    // The pid may have been reused while we asked.
+                    answer.filter(|_| self.live_cached_pid(file) == Some(pid))
+                }
+                None => None,
+            },
+        };
+        if let Some(mounted) = asked
+            && (mounted || !self.resolved_parent_changed(path))
+        {
+            return Ok(verdict(mounted));
+        }
+        // The mount table, when the kernel cannot say or no process is known to live in
+        // the namespace yet.
         let Some(text) = self.mountinfo(timeout)? else {
             return Ok(Visibility::Unchecked);
         };
         let check = |fresh| mountinfo::is_mount_point_in(&text, &self.resolved_parent(path, fresh));
-        Ok(if check(false) || check(true) {
-            Visibility::Mounted
-        } else {
-            Visibility::NotMounted
-        })
+        Ok(verdict(check(false) || check(true)))
+    }
+
+    /// The cached process, if it still lives in the namespace bound at `file`.
+    fn live_cached_pid(&self, file: &Path) -> Option<u32> {
+        let pid = self.cached_pid.load(Ordering::Relaxed);
+        if pid == 0 {
+            return None;
+        }
+        let namespace = namespace_inode(file)?;
+        (process_namespace_inode(pid) == Some(namespace)).then_some(pid)
+    }
+
+    /// Whether resolving `path`'s parent afresh gives another path than the cached one (a
+    /// base-dir symlink changed): a "not mounted" must then be asked again.
+    fn resolved_parent_changed(&self, path: &Path) -> bool {
+        let cached = self.resolved_parent(path, false);
+        self.resolved_parent(path, true) != cached
     }
 }
 
@@ -182,6 +233,7 @@ impl MountCheck for MountView {
         let view = MountView {
             setting: self.setting.clone(),
             forked_by_cube: self.forked_by_cube,
+            cubelet_file: self.cubelet_file.clone(),
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
         };
@@ -332,6 +384,53 @@ mod tests {
         }
         let forked = MountView::new(&MountViewSetting::Auto, true);
         assert_eq!(forked.describe(), "this process's mount namespace");
+    }
+
+    /// Needs root (bind-mounts a namespace file); skipped otherwise, run as root in CI.
+    #[tokio::test]
+    async fn auto_starts_following_cubelets_namespace_when_its_file_appears() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("mnt");
+        std::fs::write(&file, "").unwrap();
+        let mut view = MountView::new(&MountViewSetting::Auto, false);
+        view.cubelet_file = file.clone();
+        // Cubelet has not started: the daemon checks its own namespace.
+        assert_eq!(view.describe(), "this process's mount namespace");
+        // Cubelet starts: its namespace (here a private one) is bound at the file.
+        let mut cubelet = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sleep", "30"])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let ns = format!("/proc/{}/ns/mnt", cubelet.id());
+        let bound = std::process::Command::new("mount")
+            .args(["--bind", &ns])
+            .arg(&file)
+            .status()
+            .unwrap();
+        assert!(bound.success());
+        assert!(
+            view.describe().contains(&file.display().to_string()),
+            "{}",
+            view.describe()
+        );
+        // A mount made here now is judged by Cubelet's namespace, which does not see it.
+        let (source, probe) = (tmp.path().join("src"), tmp.path().join("probe"));
+        std::fs::create_dir(&source).unwrap();
+        std::fs::create_dir(&probe).unwrap();
+        crate::mount::ops::bind_mount(&source, &probe, false).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let seen = view.visibility(&probe, &deadline).await.unwrap();
+        crate::mount::ops::unmount(&probe).unwrap();
+        let _ = std::process::Command::new("umount").arg(&file).status();
+        let _ = cubelet.kill();
+        let _ = cubelet.wait();
+        assert_eq!(seen, Visibility::NotMounted);
     }
 
     #[tokio::test]

@@ -76,6 +76,21 @@ impl EmbeddedStore {
     }
 
     fn check_format(&self, db: &redb::Database) -> Result<(), StoreError> {
+        // A read transaction answers for every file but a new one: no write, no sync.
+        let stored = {
+            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            match txn.open_table(META) {
+                Ok(meta) => meta
+                    .get(FORMAT_KEY)
+                    .map_err(|e| self.err(e))?
+                    .map(|v| v.value()),
+                Err(redb::TableError::TableDoesNotExist(_)) => None,
+                Err(e) => return Err(self.err(e)),
+            }
+        };
+        if stored == Some(STORE_FORMAT) {
+            return Ok(());
+        }
         let txn = db.begin_write().map_err(|e| self.err(e))?;
         {
             let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;

@@ -28,7 +28,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> 
         .open(&tmp)?;
     file.write_all(bytes)?;
     if durable {
-        file.sync_all()?;
+        // The data and the size; the rename below is made durable by the directory's sync.
+        file.sync_data()?;
     }
     drop(file);
     if let Err(e) = std::fs::rename(&tmp, path) {
@@ -42,21 +43,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> 
 }
 
 /// Makes a directory's entries (creations, renames, removals) durable.
-pub fn sync_dir(dir: &Path) -> io::Result<()> {
+fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
-}
-
-/// Removes `path` durably; a missing file is success.
-pub fn remove_durable(path: &Path) -> io::Result<()> {
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    }
-    if let Some(dir) = path.parent() {
-        sync_dir(dir)?;
-    }
-    Ok(())
 }
 
 /// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.

@@ -23,7 +23,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::fsutil::{remove_durable, sync_dir, write_atomic};
+use super::fsutil::write_atomic;
+
+/// A holder log longer than this is folded into its record at the next change: every hook
+/// reads the log, so it must stay short however long a volume stays mounted.
+pub const HOLDER_LOG_LIMIT: u64 = 4096;
 
 /// The on-disk format of a record; bumped on incompatible change. Format 1 (holders as a
 /// flat set of `namespace/sandbox`) is still read.
@@ -325,11 +329,14 @@ impl NodeJournal {
     }
 
     /// Records one holder change cheaply: one appended line, no fsync, no rewrite.
+    /// Returns the log's size afterwards, so that the caller can fold a long log into the
+    /// record (`save`) before reading it costs more than rewriting it.
     pub fn append_holder(
         &self,
         volume_id: &str,
         change: &HolderChange,
-    ) -> Result<(), JournalError> {
+    ) -> Result<u64, JournalError> {
+        use std::io::Seek;
         let log = self.holder_log(volume_id);
         let mut file = std::fs::OpenOptions::new()
             .append(true)
@@ -338,13 +345,21 @@ impl NodeJournal {
             .open(&log)
             .map_err(Self::io(&log))?;
         file.write_all(change.to_line().as_bytes())
-            .map_err(Self::io(&log))
+            .map_err(Self::io(&log))?;
+        // Appending left the offset at the end: that is the size.
+        file.stream_position().map_err(Self::io(&log))
     }
 
-    /// Forgets `volume_id` (after a complete teardown).
+    /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
+    /// that comes back after a power loss is from an earlier boot, and tearing it down
+    /// again only repeats idempotent inverse calls.
     pub fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         let path = self.path(volume_id);
-        remove_durable(&path).map_err(Self::io(&path))?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Self::io(&path)(e)),
+        }
         let log = self.holder_log(volume_id);
         match std::fs::remove_file(&log) {
             Ok(()) => Ok(()),
@@ -387,7 +402,10 @@ impl NodeJournal {
             .mode(0o600)
             .open(&path)
             .map_err(Self::io(&path))?;
-        sync_dir(&self.pending).map_err(Self::io(&self.pending))
+        // No fsync: the marker only speeds up finding operations a killed process left
+        // (its record says the rest); after a power loss every record of the earlier boot
+        // is reconciled anyway.
+        Ok(())
     }
 
     /// The operation on `volume_id` ended with the volume settled or gone.

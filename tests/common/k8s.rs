@@ -28,18 +28,19 @@ pub fn k8s_bin() -> Option<PathBuf> {
     Some(dir)
 }
 
-/// Skips the test unless the Kubernetes peers are built; yields their bin dir.
+/// Skips the test unless the Kubernetes peers are built (fails it in CI); yields their bin
+/// dir.
 #[macro_export]
 macro_rules! require_k8s_peers {
     () => {
         match common::k8s::k8s_bin() {
             Some(dir) => dir,
             None => {
-                eprintln!(
-                    "skipped: {} is not set (the dir holding kube-apiserver, etcd and helm; \
-                     see scripts/install-k8s-peers.sh)",
+                common::skip(&format!(
+                    "{} is not set (the dir holding kube-apiserver, etcd and helm; see \
+                     scripts/install-k8s-peers.sh)",
                     common::k8s::K8S_BIN_ENV
-                );
+                ));
                 return;
             }
         }

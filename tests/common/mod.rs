@@ -1,34 +1,55 @@
 //! Test scaffolding: a fake CSI driver, the bridge started as Cube would use it (the
 //! `serve` daemon dialed over its socket, or the executable forked per hook with Cube's
-//! exact argv), and mount hygiene for tests that make real mounts.
+//! exact argv; both behind `callers::CubeCaller`, with the Go cubeclient as a third
+//! caller), and mount hygiene for tests that make real mounts.
 
 #![allow(dead_code)]
 
+pub mod callers;
+pub mod cube_peers;
 pub mod fake_driver;
 pub mod k8s;
+pub mod real_drivers;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cube_csi_bridge::csi::Endpoint;
+use callers::{BinaryCaller, CubeCaller, GoCaller, GoTransport, RpcCaller};
 use cube_csi_bridge::mount::{MountTable, ops};
 use cube_csi_bridge::proto::cube::v1 as pb;
 use fake_driver::{Caps, FakeDriver, Running};
-use pb::volume_controller_service_client::VolumeControllerServiceClient;
-use pb::volume_plugin_service_client::VolumePluginServiceClient;
+
+pub use callers::CubeError;
 
 pub const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
 /// The Cube driver name the tests register.
 pub const DRIVER: &str = "fake";
 
-/// Skips a test that needs root (real mounts) when not root.
+/// Whether the tests run in CI (`CI` set, as `CI=true bash .ci/run` does), where no test
+/// may skip itself.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// Reports why a test cannot run here. Outside CI it skips (the caller returns); in CI
+/// it fails: CI provides root and every peer, so a skip there would hide a lost test.
+pub fn skip(reason: &str) {
+    assert!(
+        !in_ci(),
+        "CI must run every test, but this one would be skipped: {reason}"
+    );
+    eprintln!("skipped: {reason}");
+}
+
+/// Skips a test that needs root (real mounts) when not root; fails it in CI.
 #[macro_export]
 macro_rules! require_root {
     () => {
         if !nix::unistd::Uid::effective().is_root() {
-            eprintln!("skipped: this test makes real mounts and needs root");
+            $crate::common::skip("this test makes real mounts and needs root");
             return;
         }
     };
@@ -45,14 +66,6 @@ pub enum Mode {
 
 pub const MODES: [Mode; 2] = [Mode::Rpc, Mode::Binary];
 
-/// A failed hook as Cube sees it.
-#[derive(Debug)]
-pub struct CubeError {
-    pub message: String,
-    /// The gRPC code (rpc mode only).
-    pub code: Option<tonic::Code>,
-}
-
 /// One test's world: temp dir, fake driver, bridge config, and (rpc mode) the daemon.
 pub struct World {
     pub mode: Mode,
@@ -62,7 +75,7 @@ pub struct World {
     pub config_path: PathBuf,
     pub base_dir: PathBuf,
     pub daemon: Option<tokio::process::Child>,
-    hook_logs: std::sync::Mutex<Vec<String>>,
+    hook_logs: Arc<Mutex<Vec<String>>>,
 }
 
 /// The config every test starts from; `extra` is appended (TOML tables).
@@ -135,6 +148,11 @@ impl World {
 
     /// Starts `cube-csi-bridge serve` and waits until its socket accepts connections.
     pub async fn start_daemon(&mut self) -> Result<(), String> {
+        self.start_daemon_with_env(&[]).await
+    }
+
+    /// [`World::start_daemon`] with extra environment (e.g. a fault-injection point).
+    pub async fn start_daemon_with_env(&mut self, env: &[(&str, &str)]) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -144,13 +162,16 @@ impl World {
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("RUST_LOG", "debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        for _ in 0..500 {
+        // Generous: a debug build on a loaded machine can take seconds to start.
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < until {
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(format!(
                     "daemon exited with {status}: {}",
@@ -163,11 +184,7 @@ impl World {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        Err("daemon did not listen within 5 s".into())
-    }
-
-    fn channel(&self) -> tonic::transport::Channel {
-        cube_csi_bridge::csi::client::channel(&Endpoint::Unix(self.socket()))
+        Err("daemon did not listen within 30 s".into())
     }
 
     /// Everything the bridge logged: the daemon's stderr and every forked hook's.
@@ -179,104 +196,51 @@ impl World {
         all
     }
 
-    /// Forks the executable exactly as Cube does and judges the result as Cube does:
-    /// exit 0 and the whole stdout one JSON object, with no non-empty `error`.
-    async fn fork(
-        &self,
-        argv: Vec<String>,
-    ) -> Result<serde_json::Map<String, serde_json::Value>, CubeError> {
-        let out = tokio::process::Command::new(BRIDGE)
-            .args(&argv)
-            .env("CUBE_CSI_BRIDGE_CONFIG", &self.config_path)
-            .env("RUST_LOG", "debug")
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .unwrap();
-        let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        self.hook_logs.lock().unwrap().push(stderr.clone());
-        // Exactly one JSON object, success or failure.
-        let object: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
-                panic!("stdout of {argv:?} is not one JSON object ({e}): {stdout:?}")
-            });
-        assert!(
-            stdout.trim_end().lines().count() == 1,
-            "one line of stdout: {stdout:?}"
-        );
-        let error = object
-            .get("error")
-            .and_then(|e| e.as_str())
-            .unwrap_or_default();
-        if out.status.success() {
-            assert!(error.is_empty(), "exit 0 with an error: {stdout}");
-            Ok(object)
-        } else {
-            assert!(
-                !error.is_empty(),
-                "non-zero exit without an error: {stdout}"
-            );
-            Err(CubeError {
-                message: error.to_string(),
-                code: None,
-            })
+    /// The caller of this world's mode: the rpc client, or the forked executable.
+    pub fn caller(&self) -> Box<dyn CubeCaller> {
+        match self.mode {
+            Mode::Rpc => Box::new(self.rpc_caller()),
+            Mode::Binary => Box::new(self.binary_caller()),
         }
     }
 
-    fn status(e: tonic::Status) -> CubeError {
-        CubeError {
-            message: e.message().to_string(),
-            code: Some(e.code()),
+    pub fn rpc_caller(&self) -> RpcCaller {
+        RpcCaller::new(&self.socket())
+    }
+
+    /// Forks the executable with this world's config; its stderr joins [`World::logs`].
+    pub fn binary_caller(&self) -> BinaryCaller {
+        BinaryCaller {
+            logs: self.hook_logs.clone(),
+            ..BinaryCaller::new(&self.config_path)
         }
+    }
+
+    /// cubeclient (from `peers_bin`) in this world's mode.
+    pub fn go_caller(&self, peers_bin: &Path) -> GoCaller {
+        let transport = match self.mode {
+            Mode::Rpc => GoTransport::Rpc {
+                socket: self.socket(),
+            },
+            Mode::Binary => GoTransport::Binary {
+                config: self.config_path.clone(),
+            },
+        };
+        GoCaller::new(peers_bin, transport)
     }
 
     pub async fn create(&self, volume_id: &str) -> Result<pb::CreateResponse, CubeError> {
-        match self.mode {
-            Mode::Rpc => VolumeControllerServiceClient::new(self.channel())
-                .create(pb::CreateRequest {
-                    volume_id: volume_id.into(),
-                    name: volume_id.into(),
-                })
-                .await
-                .map(|r| r.into_inner())
-                .map_err(Self::status),
-            Mode::Binary => {
-                let argv = [
-                    "--op",
-                    "create",
-                    "--volume-id",
-                    volume_id,
-                    "--name",
-                    volume_id,
-                ];
-                let out = self
-                    .fork(argv.iter().map(|s| s.to_string()).collect())
-                    .await?;
-                Ok(pb::CreateResponse {
-                    token: out["token"].as_str().unwrap().into(),
-                    private_data: out["private_data"].as_str().unwrap().into(),
-                })
-            }
-        }
+        self.caller()
+            .create(callers::create_request(volume_id))
+            .await
     }
 
     pub async fn destroy(&self, volume_id: &str) -> Result<(), CubeError> {
-        match self.mode {
-            Mode::Rpc => VolumeControllerServiceClient::new(self.channel())
-                .destroy(pb::DestroyRequest {
-                    volume_id: volume_id.into(),
-                })
-                .await
-                .map(|_| ())
-                .map_err(Self::status),
-            Mode::Binary => {
-                let argv = ["--op", "destroy", "--volume-id", volume_id];
-                self.fork(argv.iter().map(|s| s.to_string()).collect())
-                    .await
-                    .map(|_| ())
-            }
-        }
+        self.caller()
+            .destroy(pb::DestroyRequest {
+                volume_id: volume_id.into(),
+            })
+            .await
     }
 
     pub async fn attach_in(
@@ -327,60 +291,15 @@ impl World {
         ref_count: i64,
         private_data: &str,
     ) -> Result<pb::AttachResponse, CubeError> {
-        let base = base_dir.display().to_string();
-        match self.mode {
-            Mode::Rpc => VolumePluginServiceClient::new(self.channel())
-                .attach(pb::AttachRequest {
-                    sandbox_id: sandbox.into(),
-                    namespace: namespace.into(),
-                    volume_id: volume_id.into(),
-                    volume_base_dir: base,
-                    ref_count,
-                    private_data: private_data.into(),
-                })
-                .await
-                .map(|r| r.into_inner())
-                .map_err(Self::status),
-            Mode::Binary => {
-                // Cubelet's order; --private-data only when non-empty.
-                let mut argv: Vec<String> = [
-                    "--op",
-                    "attach",
-                    "--sandbox-id",
-                    sandbox,
-                    "--namespace",
-                    namespace,
-                    "--volume-id",
-                    volume_id,
-                    "--ref-count",
-                    &ref_count.to_string(),
-                    "--volume-base-dir",
-                    &base,
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-                if !private_data.is_empty() {
-                    argv.extend(["--private-data".to_string(), private_data.to_string()]);
-                }
-                let out = self.fork(argv).await?;
-                let metadata = out["metadata"]
-                    .as_object()
-                    .expect("metadata is an object")
-                    .iter()
-                    .map(|(k, v)| {
-                        (
-                            k.clone(),
-                            v.as_str().expect("metadata values are strings").to_string(),
-                        )
-                    })
-                    .collect();
-                Ok(pb::AttachResponse {
-                    host_path: out["host_path"].as_str().unwrap().into(),
-                    metadata,
-                })
-            }
-        }
+        let request = callers::attach_request(
+            namespace,
+            base_dir,
+            sandbox,
+            volume_id,
+            ref_count,
+            private_data,
+        );
+        self.caller().attach(request).await
     }
 
     pub async fn attach(
@@ -414,41 +333,8 @@ impl World {
         ref_count: i64,
         metadata: &HashMap<String, String>,
     ) -> Result<(), CubeError> {
-        match self.mode {
-            Mode::Rpc => VolumePluginServiceClient::new(self.channel())
-                .detach(pb::DetachRequest {
-                    sandbox_id: sandbox.into(),
-                    namespace: namespace.into(),
-                    volume_id: volume_id.into(),
-                    metadata: metadata.clone(),
-                    ref_count,
-                })
-                .await
-                .map(|_| ())
-                .map_err(Self::status),
-            Mode::Binary => {
-                // Go's json.Marshal of a map: compact, sorted keys.
-                let sorted: std::collections::BTreeMap<_, _> = metadata.iter().collect();
-                let json = serde_json::to_string(&sorted).unwrap();
-                let argv = [
-                    "--op",
-                    "detach",
-                    "--sandbox-id",
-                    sandbox,
-                    "--namespace",
-                    namespace,
-                    "--volume-id",
-                    volume_id,
-                    "--ref-count",
-                    &ref_count.to_string(),
-                    "--metadata",
-                    &json,
-                ];
-                self.fork(argv.iter().map(|s| s.to_string()).collect())
-                    .await
-                    .map(|_| ())
-            }
-        }
+        let request = callers::detach_request(namespace, sandbox, volume_id, ref_count, metadata);
+        self.caller().detach(request).await
     }
 
     /// Mount points at or below the test's temp dir.

@@ -181,6 +181,12 @@ mount_flags = [{{ range $i, $f := $v.volume.mountFlags }}{{ if $i }}, {{ end }}{
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if $v.metrics.enabled }}
+
+[metrics]
+listen = {{ printf "0.0.0.0:%d" (include "cube-csi-bridge.metricsPort" (dict "root" .root "side" $side) | int) | toJson }}
+volume_stats_interval_secs = {{ ternary (int64 $v.metrics.volumeStatsIntervalSecs) 0 (eq $side "node") }}
+{{- end }}
 {{- with $v.timeouts }}
 
 [timeouts]
@@ -316,4 +322,19 @@ gets no token). The same three files the automatic mount would give.
 - name: kube-api-access
   mountPath: /var/run/secrets/kubernetes.io/serviceaccount
   readOnly: true
+{{- end }}
+
+{{/* The metrics port of one side (node: metrics.port, controller: metrics.port + 1). */}}
+{{- define "cube-csi-bridge.metricsPort" -}}
+{{- if eq .side "controller" }}{{ add (int .root.Values.metrics.port) 1 }}{{ else }}{{ int .root.Values.metrics.port }}{{ end }}
+{{- end }}
+
+{{/* The bridge container's metrics port, when metrics are on. */}}
+{{- define "cube-csi-bridge.metricsContainerPort" -}}
+{{- if .root.Values.metrics.enabled }}
+ports:
+  - name: metrics
+    containerPort: {{ include "cube-csi-bridge.metricsPort" . }}
+    protocol: TCP
+{{- end }}
 {{- end }}

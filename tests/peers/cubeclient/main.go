@@ -9,7 +9,9 @@
 //	cubeclient rpc --target <sock> detach --sandbox-id S --namespace N --volume-id ID \
 //	    --ref-count K [--metadata JSON]
 //	cubeclient binary --path <executable> <same op and flags>
-//	cubeclient loop --target <sock> ... (see loop.go)
+//	cubeclient loop --target <sock> ...     (attach/detach until a stop file; loop.go)
+//	cubeclient bench                        (benchmark phases on stdin; bench.go)
+//	cubeclient floor-plugin --listen <sock> (a trivial grpc-go plugin; bench.go)
 //
 // rpc prints {"token","private_data"} / {"host_path","metadata"} / {} on success
 // and {"error","code"} (exit 1) on a gRPC error. binary forks the executable with
@@ -43,7 +45,7 @@ func main() {
 
 func usage(format string, args ...any) int {
 	fmt.Fprintf(os.Stderr, "cubeclient: "+format+"\n", args...)
-	fmt.Fprintln(os.Stderr, "usage: cubeclient rpc --target SOCK OP [FLAGS] | cubeclient binary --path EXE OP [FLAGS]")
+	fmt.Fprintln(os.Stderr, "usage: cubeclient rpc --target SOCK OP [FLAGS] | cubeclient binary --path EXE OP [FLAGS] | cubeclient bench | cubeclient floor-plugin --listen SOCK")
 	return 2
 }
 
@@ -65,8 +67,13 @@ func run(args []string) int {
 	}
 	mode := args[0]
 	args = args[1:]
-	if mode == "loop" {
+	switch mode {
+	case "loop":
 		return runLoop(args)
+	case "bench":
+		return runBench(args)
+	case "floor-plugin":
+		return runFloorPlugin(args)
 	}
 	var g globals
 	// Mode options come before the op.

@@ -1,0 +1,923 @@
+//! The sections of the suite. Each starts what it needs (drivers, floors, bridge daemons),
+//! measures its figures and their baselines in interleaved rounds, stops everything, and
+//! returns its rows of the table. `profile` is the --profile mode.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use cube_csi_bridge::proto::csi::v1::volume_capability::access_mode::Mode as AccessMode;
+
+use crate::procs::Proc;
+use crate::report::{Row, Target, table};
+use crate::runner::{Call, Runner, Via};
+use crate::stats::{Summary, fmt_duration, fmt_kib};
+use crate::tonic_side::{DirectCsi, time_to_first_call, tonic_hop};
+use crate::world::{self, BridgeSpec, SECTIONS, Store, World};
+
+/// Runs every selected section and prints the table; false if a figure was not measured.
+pub fn run_all(world: &World) -> bool {
+    let started = Instant::now();
+    let header = world::machine();
+    let mut rows = Vec::new();
+    let mut ok = true;
+    for &section in SECTIONS {
+        if !world.options.runs(section) {
+            continue;
+        }
+        eprintln!("== {section}");
+        let t = Instant::now();
+        let result = match section {
+            "hot" => hot(world),
+            "first" => first(world),
+            "binary" => binary(world),
+            "concurrent" => concurrent(world),
+            "store" => store(world),
+            "kubernetes" => kubernetes(world),
+            "ready" => ready(world),
+            _ => unreachable!("SECTIONS lists every section"),
+        };
+        match result {
+            Ok(r) => rows.extend(r),
+            Err(e) => {
+                ok = false;
+                eprintln!("   {section} failed: {e:#}");
+                rows.push(Row::not_measured(section, format!("{e:#}")));
+            }
+        }
+        eprintln!("   {section} took {:.1} s", t.elapsed().as_secs_f64());
+    }
+    let s = world.sizes;
+    println!(
+        "cube-csi-bridge benchmarks ({}), {header}; load average at the end {}; {:.0} s in all",
+        if world.options.quick {
+            "--quick"
+        } else {
+            "full"
+        },
+        world::load_average(),
+        started.elapsed().as_secs_f64()
+    );
+    println!("bridge measured: {}", world.bridge_description());
+    println!(
+        "iterations: hot pairs {} (+{} warm-up) per target in {} interleaved rounds; \
+         first Attach {} (fake 0 ms) / {} (fake 10 ms) / {} (hostpath); binary pairs {}; \
+         {} rounds of 256; Create+Destroy pairs {} per store size; {} daemon starts\n",
+        s.hot_pairs,
+        s.warmup_pairs,
+        s.rounds,
+        s.first_fast,
+        s.first_slow,
+        s.first_hostpath,
+        s.binary_pairs,
+        s.concurrent_rounds,
+        s.create_destroy_pairs,
+        s.ready_runs
+    );
+    print!("{}", table(&rows));
+    ok
+}
+
+/// Attach/Detach samples of one target.
+#[derive(Debug, Default)]
+struct Pairs {
+    attach: Vec<i64>,
+    detach: Vec<i64>,
+}
+
+impl Pairs {
+    fn add(&mut self, (attach, detach): (Vec<i64>, Vec<i64>)) {
+        self.attach.extend(attach);
+        self.detach.extend(detach);
+    }
+}
+
+/// `n` hot pairs on one volume: Attach with ref_count 1 (another sandbox holds it) and
+/// the matching Detach with ref_count 1, each from a sandbox of its own.
+pub fn hot_calls(volume: &str, n: usize, base: &Path, tag: &str) -> Vec<Call> {
+    (0..n)
+        .flat_map(|i| {
+            let sandbox = format!("{tag}-{i}");
+            [
+                Call::attach(volume, &sandbox, 1, base),
+                Call::detach(volume, &sandbox, 1),
+            ]
+        })
+        .collect()
+}
+
+/// Runs alternating Attach/Detach calls; returns (attach, detach) samples.
+pub fn run_pairs(
+    runner: &mut Runner,
+    name: &str,
+    via: &Via,
+    calls: &[Call],
+) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+    let out = runner.run(name, via, 1, calls)?;
+    Ok((out.every(0, 2), out.every(1, 2)))
+}
+
+/// "1.24 ms (p99 2.10 ms, n 3000)".
+pub fn shown(s: &Summary) -> String {
+    format!(
+        "{} (p99 {}, n {})",
+        fmt_duration(s.median),
+        fmt_duration(s.p99),
+        s.n
+    )
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Rows judging a median against a baseline median (and, with `p99_limit`, a p99
+/// against the baseline's p99).
+fn judged_latency(
+    figure: &str,
+    measured: &Summary,
+    baseline_name: &str,
+    baseline: &Summary,
+    median_limit: Target,
+    p99_limit: Option<f64>,
+) -> Vec<Row> {
+    let mut rows = vec![Row::judged(
+        format!("{figure} — median"),
+        shown(measured),
+        format!("{baseline_name}: {}", shown(baseline)),
+        ms(measured.median),
+        ms(baseline.median),
+        median_limit,
+        "ms",
+    )];
+    if let Some(limit) = p99_limit {
+        rows.push(Row::judged(
+            format!("{figure} — p99"),
+            fmt_duration(measured.p99),
+            format!("{baseline_name} p99: {}", fmt_duration(baseline.p99)),
+            ms(measured.p99),
+            ms(baseline.p99),
+            Target::Ratio(limit),
+            "ms",
+        ));
+    }
+    rows
+}
+
+/// Hot Attach (volume already mounted) and Detach with holders left, over rpc, beside
+/// the floors of one gRPC hop.
+fn hot(world: &World) -> anyhow::Result<Vec<Row>> {
+    let s = world.sizes;
+    let (_go_floor, go_floor) = world.floor(true)?;
+    let (_tonic_floor, tonic_floor) = world.floor(false)?;
+    let (_fake, fake_socket) = world.fake_driver("hot-fake", 0, true)?;
+    let (_fake_bridge, fake_files) =
+        world.bridge(&BridgeSpec::new("hot-bridge-fake", &fake_socket))?;
+    let hostpath = world.hostpath_driver("hot-hostpath")?;
+    let hostpath_bridge = match &hostpath {
+        Some((_, socket)) => {
+            Some(world.bridge(&BridgeSpec::hostpath("hot-bridge-hostpath", socket))?)
+        }
+        None => None,
+    };
+
+    let floor_base = world.dir("floor-volumes")?;
+    // (label, where, base dir, is a bridge)
+    let mut targets = vec![
+        (
+            "grpc-go client → trivial grpc-go plugin",
+            Via::Socket(go_floor.clone()),
+            floor_base.clone(),
+            false,
+        ),
+        (
+            "grpc-go client → trivial tonic plugin",
+            Via::Socket(tonic_floor.clone()),
+            floor_base.clone(),
+            false,
+        ),
+        (
+            "bridge, fake driver",
+            Via::Socket(fake_files.socket.clone()),
+            fake_files.base_dir.clone(),
+            true,
+        ),
+    ];
+    if let Some((_, files)) = &hostpath_bridge {
+        targets.push((
+            "bridge, hostpath driver",
+            Via::Socket(files.socket.clone()),
+            files.base_dir.clone(),
+            true,
+        ));
+    }
+
+    let mut runner = world.runner()?;
+    for (label, via, base, bridge) in &targets {
+        if *bridge {
+            runner.run(
+                &format!("prime {label}"),
+                via,
+                1,
+                &[Call::create("hot"), Call::attach("hot", "holder", 0, base)],
+            )?;
+        }
+        runner.run(
+            &format!("warm-up {label}"),
+            via,
+            1,
+            &hot_calls("hot", s.warmup_pairs, base, "warm"),
+        )?;
+    }
+    tonic_hop(&tonic_floor, s.warmup_pairs)?;
+
+    let mut samples: Vec<Pairs> = targets.iter().map(|_| Pairs::default()).collect();
+    let mut bare_tonic = Pairs::default();
+    let per_round = s.hot_pairs / s.rounds;
+    for round in 0..s.rounds {
+        for ((label, via, base, _), pairs) in targets.iter().zip(&mut samples) {
+            let calls = hot_calls("hot", per_round, base, &format!("r{round}"));
+            pairs.add(run_pairs(
+                &mut runner,
+                &format!("hot {label} round {round}"),
+                via,
+                &calls,
+            )?);
+        }
+        bare_tonic.add(tonic_hop(&tonic_floor, per_round)?);
+    }
+    for (label, via, _, bridge) in &targets {
+        if *bridge {
+            runner.run(
+                &format!("release {label}"),
+                via,
+                1,
+                &[Call::detach("hot", "holder", 0), Call::destroy("hot")],
+            )?;
+        }
+    }
+
+    let floor_attach = Summary::of_ns(&samples[0].attach);
+    let floor_detach = Summary::of_ns(&samples[0].detach);
+    let floor_name = "trivial grpc-go plugin";
+    let mut rows = vec![
+        Row::judged(
+            "one gRPC hop: grpc-go client → trivial grpc-go plugin, Attach (the floor)",
+            shown(&floor_attach),
+            String::new(),
+            0.0,
+            0.0,
+            Target::Info,
+            "ms",
+        ),
+        Row::judged(
+            "one gRPC hop: grpc-go client → trivial tonic plugin, Attach",
+            shown(&Summary::of_ns(&samples[1].attach)),
+            format!("{floor_name}: {}", fmt_duration(floor_attach.median)),
+            ms(Summary::of_ns(&samples[1].attach).median),
+            ms(floor_attach.median),
+            Target::Info,
+            "ms",
+        ),
+        Row::judged(
+            "bare tonic unary call: tonic client → trivial tonic plugin, Attach",
+            shown(&Summary::of_ns(&bare_tonic.attach)),
+            format!("{floor_name}: {}", fmt_duration(floor_attach.median)),
+            ms(Summary::of_ns(&bare_tonic.attach).median),
+            ms(floor_attach.median),
+            Target::Info,
+            "ms",
+        ),
+    ];
+    for ((label, _, _, bridge), pairs) in targets.iter().zip(&samples) {
+        if !*bridge {
+            continue;
+        }
+        let driver = label.trim_start_matches("bridge, ");
+        rows.extend(judged_latency(
+            &format!("Attach, volume already mounted (ref_count 1), rpc, {driver}"),
+            &Summary::of_ns(&pairs.attach),
+            floor_name,
+            &floor_attach,
+            Target::Ratio(2.0),
+            Some(4.0),
+        ));
+        // Each pair adds and removes one holder of the same volume: a cost that grows with
+        // that history shows as a later round slower than the first.
+        let first_round = Summary::of_ns(&pairs.attach[..per_round]);
+        let last_round = Summary::of_ns(&pairs.attach[pairs.attach.len() - per_round..]);
+        rows.push(Row::judged(
+            format!("Attach, volume already mounted, rpc, {driver}: last round vs first round"),
+            format!(
+                "{} after {} pairs on the volume",
+                fmt_duration(last_round.median),
+                s.warmup_pairs + s.hot_pairs
+            ),
+            format!(
+                "first round: {} after {} pairs",
+                fmt_duration(first_round.median),
+                s.warmup_pairs + per_round
+            ),
+            ms(last_round.median),
+            ms(first_round.median),
+            Target::Info,
+            "ms",
+        ));
+        rows.extend(judged_latency(
+            &format!("Detach, ref_count 1 (holders left), rpc, {driver}"),
+            &Summary::of_ns(&pairs.detach),
+            floor_name,
+            &floor_detach,
+            Target::Ratio(2.0),
+            None,
+        ));
+    }
+    if hostpath.is_none() {
+        rows.push(Row::not_measured(
+            "Attach/Detach hot, rpc, hostpath driver",
+            "CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN is not set",
+        ));
+    }
+    Ok(rows)
+}
+
+/// One driver of the first-Attach section.
+struct FirstCase {
+    label: &'static str,
+    name: &'static str,
+    rounds: usize,
+}
+
+/// First Attach (stage + publish) and last Detach over rpc, beside the same CSI calls
+/// made directly against the driver.
+fn first(world: &World) -> anyhow::Result<Vec<Row>> {
+    let s = world.sizes;
+    let mut rows = Vec::new();
+    let cases = [
+        (
+            FirstCase {
+                label: "fake driver, 0 ms",
+                name: "first-fake0",
+                rounds: s.first_fast,
+            },
+            Some(0),
+        ),
+        (
+            FirstCase {
+                label: "fake driver, 10 ms per call",
+                name: "first-fake10",
+                rounds: s.first_slow,
+            },
+            Some(10),
+        ),
+        (
+            FirstCase {
+                label: "hostpath driver",
+                name: "first-hostpath",
+                rounds: s.first_hostpath,
+            },
+            None,
+        ),
+    ];
+    for (case, latency) in cases {
+        let (driver, spec, mode) = match latency {
+            Some(ms) => {
+                let (proc, socket) =
+                    world.fake_driver(&format!("{}-driver", case.name), ms, true)?;
+                let spec = BridgeSpec::new(case.name, &socket);
+                (proc, spec, AccessMode::MultiNodeMultiWriter)
+            }
+            None => match world.hostpath_driver(&format!("{}-driver", case.name))? {
+                Some((proc, socket)) => (
+                    proc,
+                    BridgeSpec::hostpath(case.name, &socket),
+                    AccessMode::SingleNodeMultiWriter,
+                ),
+                None => {
+                    rows.push(Row::not_measured(
+                        format!("first Attach, rpc, {}", case.label),
+                        "CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN is not set",
+                    ));
+                    continue;
+                }
+            },
+        };
+        let direct = DirectCsi {
+            socket: spec.csi_socket.clone(),
+            access_mode: mode,
+            capacity_bytes: spec.capacity_bytes as i64,
+            stage: true,
+        };
+        let (bridge, files) = world.bridge(&spec)?;
+        let direct_base = world.dir(&format!("{}/direct-volumes", case.name))?;
+        let mut runner = world.runner()?;
+        let via = Via::Socket(files.socket.clone());
+        let cycle = |n: usize| -> Vec<Call> {
+            (0..n)
+                .flat_map(|_| {
+                    [
+                        Call::attach("first", "sandbox", 0, &files.base_dir),
+                        Call::detach("first", "sandbox", 0),
+                    ]
+                })
+                .collect()
+        };
+        runner.run("create", &via, 1, &[Call::create("first")])?;
+        let warm = (case.rounds / 10).max(3);
+        run_pairs(&mut runner, "warm-up", &via, &cycle(warm))?;
+        direct.attach_detach(&direct_base, "direct", warm)?;
+        let (mut bridged, mut direct_pairs) = (Pairs::default(), Pairs::default());
+        for round in 0..s.rounds {
+            let n = case.rounds / s.rounds;
+            bridged.add(run_pairs(
+                &mut runner,
+                &format!("first {} round {round}", case.label),
+                &via,
+                &cycle(n),
+            )?);
+            direct_pairs.add(direct.attach_detach(&direct_base, "direct", n)?);
+        }
+        runner.run("destroy", &via, 1, &[Call::destroy("first")])?;
+        drop((runner, bridge, driver));
+
+        let direct_attach = Summary::of_ns(&direct_pairs.attach);
+        rows.extend(judged_latency(
+            &format!("first Attach (stage + publish), rpc, {}", case.label),
+            &Summary::of_ns(&bridged.attach),
+            "NodeStage + NodePublish direct",
+            &direct_attach,
+            Target::Plus(1.0),
+            None,
+        ));
+        let direct_detach = Summary::of_ns(&direct_pairs.detach);
+        rows.extend(judged_latency(
+            &format!("last Detach (unpublish + unstage), rpc, {}", case.label),
+            &Summary::of_ns(&bridged.detach),
+            "NodeUnpublish + NodeUnstage direct",
+            &direct_detach,
+            Target::Info,
+            None,
+        ));
+    }
+    Ok(rows)
+}
+
+/// The binary hook forked with Cube's argv on its fast paths, beside exec of /bin/true
+/// with the same argv.
+fn binary(world: &World) -> anyhow::Result<Vec<Row>> {
+    let s = world.sizes;
+    let (_driver, socket) = world.fake_driver("binary-driver", 0, true)?;
+    let files = world.bridge_files(&BridgeSpec::new("binary", &socket))?;
+    let hook = Via::Fork {
+        exe: world.bridge.clone(),
+        env: vec![format!("CUBE_CSI_BRIDGE_CONFIG={}", files.config.display())],
+        raw: false,
+    };
+    let floor = Via::Fork {
+        exe: "/bin/true".into(),
+        env: vec![],
+        raw: true,
+    };
+    let mut runner = world.runner()?;
+    runner.run(
+        "prime",
+        &hook,
+        1,
+        &[
+            Call::create("hot"),
+            Call::attach("hot", "holder", 0, &files.base_dir),
+        ],
+    )?;
+    let warm = s.warmup_pairs / 5;
+    run_pairs(
+        &mut runner,
+        "warm-up hook",
+        &hook,
+        &hot_calls("hot", warm, &files.base_dir, "warm"),
+    )?;
+    run_pairs(
+        &mut runner,
+        "warm-up true",
+        &floor,
+        &hot_calls("hot", warm, &files.base_dir, "warm"),
+    )?;
+    let (mut forked, mut trivial) = (Pairs::default(), Pairs::default());
+    for round in 0..s.rounds {
+        let calls = hot_calls(
+            "hot",
+            s.binary_pairs / s.rounds,
+            &files.base_dir,
+            &format!("r{round}"),
+        );
+        trivial.add(run_pairs(&mut runner, "exec /bin/true", &floor, &calls)?);
+        forked.add(run_pairs(&mut runner, "binary hook", &hook, &calls)?);
+    }
+    runner.run(
+        "release",
+        &hook,
+        1,
+        &[Call::detach("hot", "holder", 0), Call::destroy("hot")],
+    )?;
+    let mut rows = Vec::new();
+    for (figure, measured, base) in [
+        (
+            "binary hook, Attach, volume already mounted (ref_count 1), wall per call",
+            &forked.attach,
+            &trivial.attach,
+        ),
+        (
+            "binary hook, Detach, ref_count 1, wall per call",
+            &forked.detach,
+            &trivial.detach,
+        ),
+    ] {
+        let (m, b) = (Summary::of_ns(measured), Summary::of_ns(base));
+        rows.push(Row::judged(
+            format!("{figure} — median"),
+            shown(&m),
+            format!("exec /bin/true, same argv: {}", shown(&b)),
+            ms(m.median),
+            ms(b.median),
+            Target::Absolute(3.0),
+            "ms",
+        ));
+    }
+    Ok(rows)
+}
+
+/// 256 first Attaches of 256 volumes at once with a 10 ms driver, beside one alone.
+fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
+    const N: usize = 256;
+    let s = world.sizes;
+    let (_driver, socket) = world.fake_driver("concurrent-driver", 10, true)?;
+    let (_bridge, files) = world.bridge(&BridgeSpec::new("concurrent", &socket))?;
+    let via = Via::Socket(files.socket.clone());
+    let mut runner = world.runner()?;
+    // Attach needs no record in the controller store: the CSI handle comes in private_data.
+    let ids: Vec<String> = (0..N).map(|i| format!("c-{i:03}")).collect();
+    let attaches = ids
+        .iter()
+        .map(|id| Call::attach_handle(id, &format!("cube-{id}"), "sandbox", &files.base_dir))
+        .collect::<anyhow::Result<Vec<Call>>>()?;
+    let detaches: Vec<Call> = ids
+        .iter()
+        .map(|id| Call::detach(id, "sandbox", 0))
+        .collect();
+    let (mut single, mut walls, mut detach_walls) = (Pairs::default(), Vec::new(), Vec::new());
+    // One warm-up of each shape.
+    run_pairs(
+        &mut runner,
+        "warm-up single",
+        &via,
+        &[attaches[0].clone(), detaches[0].clone()],
+    )?;
+    runner.run("warm-up 256", &via, N, &attaches)?;
+    runner.run("warm-up 256 detach", &via, N, &detaches)?;
+    for round in 0..s.concurrent_rounds {
+        for _ in 0..3 {
+            single.add(run_pairs(
+                &mut runner,
+                "single",
+                &via,
+                &[attaches[0].clone(), detaches[0].clone()],
+            )?);
+        }
+        walls.push(
+            runner
+                .run(&format!("256 attaches round {round}"), &via, N, &attaches)?
+                .wall_ns,
+        );
+        detach_walls.push(
+            runner
+                .run(&format!("256 detaches round {round}"), &via, N, &detaches)?
+                .wall_ns,
+        );
+    }
+
+    // The driver's own share: the same calls made directly, all at once.
+    let direct = DirectCsi {
+        socket: socket.clone(),
+        access_mode: AccessMode::MultiNodeMultiWriter,
+        capacity_bytes: 0,
+        stage: true,
+    };
+    let direct_base = world.dir("concurrent/direct-volumes")?;
+    let direct_names: Vec<String> = (0..N).map(|i| format!("d-{i:03}")).collect();
+    let mut direct_walls = Vec::new();
+    for _ in 0..s.concurrent_rounds {
+        let (attach, _) = direct.all_at_once(&direct_base, &direct_names)?;
+        direct_walls.push(attach.as_nanos() as i64);
+    }
+    let direct_all = Summary::of_ns(&direct_walls);
+    let (one, all) = (Summary::of_ns(&single.attach), Summary::of_ns(&walls));
+    let (one_d, all_d) = (
+        Summary::of_ns(&single.detach),
+        Summary::of_ns(&detach_walls),
+    );
+    let spread = |v: &[i64]| {
+        let max = v.iter().max().copied().unwrap_or_default();
+        format!(
+            "(max {}, {} rounds)",
+            fmt_duration(Duration::from_nanos(max as u64)),
+            v.len()
+        )
+    };
+    Ok(vec![
+        Row::judged(
+            "256 first Attaches on 256 volumes at once, fake driver at 10 ms per call: total wall",
+            format!("{} {}", fmt_duration(all.median), spread(&walls)),
+            format!("one first Attach alone: {}", shown(&one)),
+            ms(all.median),
+            ms(one.median),
+            Target::Ratio(3.0),
+            "ms",
+        ),
+        Row::judged(
+            "the same 256 NodeStage + NodePublish made directly on the driver, at once: total wall",
+            format!(
+                "{} {}",
+                fmt_duration(direct_all.median),
+                spread(&direct_walls)
+            ),
+            format!(
+                "256 first Attaches through the bridge: {}",
+                fmt_duration(all.median)
+            ),
+            ms(direct_all.median),
+            ms(all.median),
+            Target::Info,
+            "ms",
+        ),
+        Row::judged(
+            "256 last Detaches at once, same volumes: total wall",
+            format!("{} {}", fmt_duration(all_d.median), spread(&detach_walls)),
+            format!("one last Detach alone: {}", shown(&one_d)),
+            ms(all_d.median),
+            ms(one_d.median),
+            Target::Info,
+            "ms",
+        ),
+    ])
+}
+
+/// Create + Destroy pairs on fresh volumes; returns (create, destroy) samples.
+fn create_destroy(
+    runner: &mut Runner,
+    via: &Via,
+    tag: &str,
+    n: usize,
+) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+    let calls: Vec<Call> = (0..n)
+        .flat_map(|i| {
+            let id = format!("{tag}-{i:05}");
+            [Call::create(&id), Call::destroy(&id)]
+        })
+        .collect();
+    run_pairs(runner, tag, via, &calls)
+}
+
+fn fill_ids(range: std::ops::Range<usize>) -> Vec<String> {
+    range.map(|i| format!("fill-{i:05}")).collect()
+}
+
+/// Rows comparing Create and Destroy medians at 10,000 stored volumes with 100.
+fn store_rows(store: &str, small: &Pairs, big: &Pairs) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (hook, s, b) in [
+        ("Create", &small.attach, &big.attach),
+        ("Destroy", &small.detach, &big.detach),
+    ] {
+        let (s, b) = (Summary::of_ns(s), Summary::of_ns(b));
+        rows.push(Row::judged(
+            format!("{hook}, {store} store, 10,000 volumes stored vs 100 — median"),
+            format!("{} at 10,000", shown(&b)),
+            format!("{} at 100", shown(&s)),
+            ms(b.median),
+            ms(s.median),
+            Target::Ratio(1.5),
+            "ms",
+        ));
+    }
+    rows
+}
+
+/// The embedded store from 100 to 10,000 volumes, and the daemon's memory idle and with
+/// 10,000 volumes stored and 1,000 attached (first Attaches through the fake driver's
+/// bind mounts, detached again afterwards).
+fn store(world: &World) -> anyhow::Result<Vec<Row>> {
+    const SMALL: usize = 100;
+    const BIG: usize = 10_000;
+    const ATTACHED: usize = 1_000;
+    let s = world.sizes;
+    let (_driver, socket) = world.fake_driver("store-driver", 0, true)?;
+    let (floor, _) = world.floor(false)?;
+    let (bridge, files) = world.bridge(&BridgeSpec::new("store", &socket))?;
+    std::thread::sleep(Duration::from_secs(s.idle_secs));
+    let idle = bridge.rss_kib()?;
+    let floor_idle = floor.rss_kib()?;
+    drop(floor);
+
+    let via = Via::Socket(files.socket.clone());
+    let mut runner = world.runner()?;
+    let creates = |ids: Vec<String>| ids.iter().map(|id| Call::create(id)).collect::<Vec<_>>();
+    runner.run("create 100", &via, 16, &creates(fill_ids(0..SMALL)))?;
+    create_destroy(&mut runner, &via, "warm", 20)?;
+    let mut small = Pairs::default();
+    small.add(create_destroy(
+        &mut runner,
+        &via,
+        "cd-small",
+        s.create_destroy_pairs,
+    )?);
+
+    // To 10,000 records (see seed.rs), plus one that the bridge then Destroys: proof
+    // that it reads the added records.
+    let store_file = files.state_dir.join("controller.redb");
+    let extra = fill_ids(BIG..BIG + 1).remove(0);
+    crate::seed::fill(
+        &store_file,
+        SMALL as u64,
+        "fill-00000",
+        &fill_ids(SMALL..BIG + 1),
+    )?;
+    runner.run("destroy an added record", &via, 1, &[Call::destroy(&extra)])?;
+    if crate::seed::holds(&store_file, &extra)? {
+        bail!("the bridge did not Destroy the added record of {extra}: seed.rs is out of date");
+    }
+    let stored_records = crate::seed::count(&store_file)?;
+    if stored_records != BIG as u64 {
+        bail!("the store holds {stored_records} records, expected {BIG}");
+    }
+    let mut big = Pairs::default();
+    big.add(create_destroy(
+        &mut runner,
+        &via,
+        "cd-big",
+        s.create_destroy_pairs,
+    )?);
+    let stored = bridge.rss_kib()?;
+
+    let attaches = fill_ids(0..ATTACHED)
+        .iter()
+        .map(|id| Call::attach_handle(id, &format!("cube-{id}"), "memory", &files.base_dir))
+        .collect::<anyhow::Result<Vec<Call>>>()?;
+    runner.run("attach 1,000", &via, 8, &attaches)?;
+    let loaded = bridge.rss_kib()?;
+    let peak = world::peak_kib(bridge.pid())?;
+    let detaches: Vec<Call> = fill_ids(0..ATTACHED)
+        .iter()
+        .map(|id| Call::detach(id, "memory", 0))
+        .collect();
+    runner.run("detach 1,000", &via, 8, &detaches)?;
+
+    let mut rows = store_rows("embedded", &small, &big);
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    rows.push(Row::judged(
+        "daemon resident memory, idle (VmRSS)",
+        fmt_kib(idle),
+        format!("trivial tonic plugin idle: {}", fmt_kib(floor_idle)),
+        mib(idle),
+        mib(floor_idle),
+        Target::Absolute(16.0),
+        "MiB",
+    ));
+    rows.push(Row::judged(
+        "daemon resident memory, 10,000 volumes stored, none attached",
+        fmt_kib(stored),
+        format!("idle: {}", fmt_kib(idle)),
+        mib(stored),
+        mib(idle),
+        Target::Info,
+        "MiB",
+    ));
+    rows.push(Row::judged(
+        "daemon resident memory, 10,000 volumes stored and 1,000 attached",
+        format!("{} (peak VmHWM {})", fmt_kib(loaded), fmt_kib(peak)),
+        format!("idle: {}", fmt_kib(idle)),
+        mib(loaded),
+        mib(idle),
+        Target::Absolute(48.0),
+        "MiB",
+    ));
+    Ok(rows)
+}
+
+/// The Kubernetes store (CubeVolume objects in a real kube-apiserver) from 100 to 10,000
+/// volumes; the store is filled straight through the API.
+fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
+    const SMALL: usize = 100;
+    const BIG: usize = 10_000;
+    let Some(bin) = &world.k8s else {
+        return Ok(vec![Row::not_measured(
+            "Create/Destroy, Kubernetes store",
+            "CUBE_CSI_BRIDGE_K8S_BIN is not set",
+        )]);
+    };
+    let s = world.sizes;
+    let api = crate::kube_api::ApiServer::start(bin, &world.dir("k8s")?)?;
+    let (_driver, socket) = world.fake_driver("kubernetes-driver", 0, false)?;
+    let spec = BridgeSpec {
+        services: "controller",
+        store: Store::Kubernetes {
+            kubeconfig: api.kubeconfig.clone(),
+        },
+        ..BridgeSpec::new("kubernetes", &socket)
+    };
+    let (_bridge, files) = world.bridge(&spec)?;
+    let via = Via::Socket(files.socket.clone());
+    let runtime = tokio::runtime::Runtime::new()?;
+    let client = runtime.block_on(api.client())?;
+    let fill = |range: std::ops::Range<usize>, parallel: usize| -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        runtime.block_on(crate::kube_api::fill(
+            &client,
+            world::DRIVER,
+            crate::fake_csi::NAME,
+            fill_ids(range),
+            parallel,
+        ))?;
+        Ok(t.elapsed())
+    };
+    let mut runner = world.runner()?;
+    fill(0..SMALL, 16)?;
+    create_destroy(&mut runner, &via, "warm", 20)?;
+    let mut small = Pairs::default();
+    small.add(create_destroy(
+        &mut runner,
+        &via,
+        "cd-small",
+        s.create_destroy_pairs,
+    )?);
+    let took = fill(SMALL..BIG, 32)?;
+    let stored = runtime.block_on(crate::kube_api::count(&client))?;
+    if stored != BIG {
+        bail!("the API server holds {stored} CubeVolumes, expected {BIG}");
+    }
+    let mut big = Pairs::default();
+    big.add(create_destroy(
+        &mut runner,
+        &via,
+        "cd-big",
+        s.create_destroy_pairs,
+    )?);
+    let mut rows = store_rows("Kubernetes", &small, &big);
+    rows.push(Row::judged(
+        "filling the Kubernetes store: 9,900 CubeVolumes written straight to the API, 32 at a time",
+        format!("{:.0} objects/s", (BIG - SMALL) as f64 / took.as_secs_f64()),
+        String::new(),
+        0.0,
+        0.0,
+        Target::Info,
+        "",
+    ));
+    Ok(rows)
+}
+
+/// From exec of `serve` to its first answered hook, beside a trivial tonic plugin.
+fn ready(world: &World) -> anyhow::Result<Vec<Row>> {
+    let s = world.sizes;
+    let (_driver, socket) = world.fake_driver("ready-driver", 0, true)?;
+    let files = world.bridge_files(&BridgeSpec::new("ready", &socket))?;
+    let floor_dir = world.dir("ready-floor")?;
+    let floor_socket = floor_dir.join("plugin.sock");
+    let start_bridge = || Proc::spawn("bridge ready", world.serve_command(&files), &files.log);
+    let start_floor = || {
+        let mut cmd = Command::new(&world.suite);
+        cmd.arg("tonic-floor").arg("--listen").arg(&floor_socket);
+        Proc::spawn("tonic floor", cmd, &floor_dir.join("plugin.log"))
+    };
+    let timeout = Duration::from_secs(30);
+    // The first start creates the state; later ones are restarts, as on a running host.
+    drop(time_to_first_call(start_bridge, &files.socket, timeout)?.1);
+    drop(time_to_first_call(start_floor, &floor_socket, timeout)?.1);
+    let (mut bridge, mut floor) = (Vec::new(), Vec::new());
+    for _ in 0..s.ready_runs {
+        let (t, proc) = time_to_first_call(start_bridge, &files.socket, timeout)?;
+        bridge.push(t);
+        drop(proc);
+        let (t, proc) = time_to_first_call(start_floor, &floor_socket, timeout)?;
+        floor.push(t);
+        drop(proc);
+    }
+    let (b, f) = (Summary::of(&bridge), Summary::of(&floor));
+    let max = |v: &[Duration]| fmt_duration(v.iter().max().copied().unwrap_or_default());
+    Ok(vec![Row::judged(
+        "daemon ready to accept calls after exec (spawn → first answered hook) — median",
+        format!(
+            "{} (max {}, n {})",
+            fmt_duration(b.median),
+            max(&bridge),
+            b.n
+        ),
+        format!(
+            "trivial tonic plugin: {} (max {})",
+            fmt_duration(f.median),
+            max(&floor)
+        ),
+        ms(b.median),
+        ms(f.median),
+        Target::Absolute(50.0),
+        "ms",
+    )])
+}

@@ -1,0 +1,452 @@
+//! The bridge in front of two CSI drivers someone else wrote, unmodified: csi-driver-host-path
+//! v1.18.0 (`hostpathplugin`: STAGE_UNSTAGE, bind mounts) and csi-driver-nfs v4.13.4
+//! (`nfsplugin`: no STAGE_UNSTAGE, `mount -t nfs`), built from the pinned release sources by
+//! scripts/install-real-drivers.sh. Cube is cubeclient (grpc-go, dialing the `serve` daemon
+//! as Cubelet and CubeMaster do, or forking the hook inside the simulated Cubelet mount
+//! namespace as Cubelet does), and every host_path is checked where Cubelet looks.
+//!
+//! This machine has no kernel NFS client, so nfsplugin runs in a mount namespace of its own
+//! in which `/sbin/mount.nfs` is a test-only helper (tests/peers/nfs-sbin/mount.nfs, set up by
+//! tests/peers/nfs-driver-ns.sh) that bind-mounts `SERVER:/PATH` from a local "export"
+//! directory. nfsplugin's code is not modified and the host's mount helpers are untouched;
+//! `nfs_helper_is_private_and_driver_mounts_reach_cubelet` proves both.
+//!
+//! Needs root, `CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN` and `CUBE_CSI_BRIDGE_PEERS_BIN` (set by
+//! scripts/test.sh); skips without them, except in CI (`CI=true`), where they must be set.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::real_drivers::{
+    DriverKind, NFS_MOUNT_FLAGS, NFS_SERVER, NFS_SHARE, NodeOptions, RealNode, csi_volume_id,
+};
+use common::{MODES, Mode};
+use cube_csi_bridge::mount::MountTable;
+
+const KINDS: [DriverKind; 2] = [DriverKind::HostPath, DriverKind::Nfs];
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
+/// Asserts host_path is a mount point in the host and in Cubelet's namespace.
+fn assert_attached(node: &RealNode, host_path: &Path, what: &str) {
+    assert!(
+        MountTable::read(None).unwrap().is_mount_point(host_path),
+        "{what}: {} is not mounted in the host\n{}",
+        host_path.display(),
+        node.logs()
+    );
+    node.cubelet().assert_mounted_inside(host_path, what);
+}
+
+/// create → attach (A, ref 0) → attach (B, ref 1) → A writes, B reads → detach (ref 1) →
+/// detach (ref 0) → attach again, the data is there → detach → destroy → the backend
+/// volume is gone → destroy again.
+async fn whole_lifecycle(node: &RealNode) {
+    let label = format!("{:?} {:?}", node.kind, node.mode);
+    let cube = node.cube();
+    let (token, private_data) = cube
+        .create("vol-1")
+        .await
+        .unwrap_or_else(|f| panic!("{label}: create: {f:?}\n{}", node.logs()));
+    assert_eq!(token, "");
+    let backend = node.backend_dir(&private_data);
+    assert!(
+        backend.is_dir(),
+        "{label}: the driver made {}",
+        backend.display()
+    );
+
+    let a = cube
+        .attach(&node.base_dir, "sb-a", "vol-1", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("{label}: attach A: {f:?}\n{}", node.logs()));
+    let host_path = node.host_path("vol-1");
+    assert_eq!(a.host_path, host_path, "{label}");
+    assert_attached(node, &host_path, &format!("{label}: first attach"));
+
+    let b = cube
+        .attach(&node.base_dir, "sb-b", "vol-1", 1, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("{label}: attach B: {f:?}\n{}", node.logs()));
+    assert_eq!(b.host_path, host_path, "{label}");
+    assert_attached(node, &host_path, &format!("{label}: second holder"));
+
+    // Sandbox A writes through host_path; sandbox B reads it where Cubelet looks.
+    std::fs::write(a.host_path.join("f.txt"), "from sb-a").unwrap();
+    assert_eq!(
+        node.cubelet().read_inside(&b.host_path.join("f.txt")),
+        "from sb-a",
+        "{label}"
+    );
+    assert_eq!(
+        read(&backend.join("f.txt")),
+        "from sb-a",
+        "{label}: on the backend"
+    );
+
+    cube.detach("sb-b", "vol-1", 1, &b.metadata)
+        .await
+        .unwrap_or_else(|f| panic!("{label}: detach B: {f:?}\n{}", node.logs()));
+    assert_attached(node, &host_path, &format!("{label}: still held by sb-a"));
+    assert_eq!(read(&a.host_path.join("f.txt")), "from sb-a", "{label}");
+
+    cube.detach("sb-a", "vol-1", 0, &a.metadata)
+        .await
+        .unwrap_or_else(|f| panic!("{label}: detach A: {f:?}\n{}", node.logs()));
+    node.assert_nothing_left("after the last detach");
+    assert!(!host_path.exists(), "{label}: host_path removed");
+    assert_eq!(
+        read(&backend.join("f.txt")),
+        "from sb-a",
+        "{label}: data kept"
+    );
+
+    let again = cube
+        .attach(&node.base_dir, "sb-c", "vol-1", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("{label}: attach again: {f:?}\n{}", node.logs()));
+    assert_attached(node, &again.host_path, &format!("{label}: attached again"));
+    assert_eq!(
+        node.cubelet().read_inside(&again.host_path.join("f.txt")),
+        "from sb-a",
+        "{label}: the file survived detach and re-attach"
+    );
+    cube.detach("sb-c", "vol-1", 0, &again.metadata)
+        .await
+        .unwrap_or_else(|f| panic!("{label}: detach again: {f:?}\n{}", node.logs()));
+    node.assert_nothing_left("after detaching again");
+
+    cube.destroy("vol-1")
+        .await
+        .unwrap_or_else(|f| panic!("{label}: destroy: {f:?}\n{}", node.logs()));
+    assert!(
+        !node.backend_has(&private_data, &backend),
+        "{label}: the driver deleted the volume ({})",
+        backend.display()
+    );
+    cube.destroy("vol-1")
+        .await
+        .unwrap_or_else(|f| panic!("{label}: destroy again: {f:?}\n{}", node.logs()));
+    node.assert_nothing_left("after destroy");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hostpathplugin_whole_lifecycle_through_both_transports() {
+    let bins = require_real_drivers!();
+    for mode in MODES {
+        let node = RealNode::start(&bins, DriverKind::HostPath, mode, NodeOptions::default()).await;
+        whole_lifecycle(&node).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nfsplugin_whole_lifecycle_through_both_transports() {
+    let bins = require_real_drivers!();
+    for mode in MODES {
+        let node = RealNode::start(&bins, DriverKind::Nfs, mode, NodeOptions::default()).await;
+        whole_lifecycle(&node).await;
+        // Every volume mount was nfsplugin's `mount -t nfs` of the volume's subdirectory,
+        // with the configured flags, run through the helper.
+        let mounts = node.driver().nfs_mounts();
+        let host_path = node.host_path("vol-1");
+        let publishes: Vec<_> = mounts.iter().filter(|m| m.1 == host_path).collect();
+        assert_eq!(publishes.len(), 2, "{mode:?}: two attaches: {mounts:?}");
+        for (spec, _, options) in publishes {
+            assert!(
+                spec.starts_with(&format!("{NFS_SERVER}:{NFS_SHARE}/")),
+                "{spec}"
+            );
+            for flag in NFS_MOUNT_FLAGS {
+                assert!(options.split(',').any(|o| o == flag), "{flag} in {options}");
+            }
+        }
+        // CreateVolume and DeleteVolume mounted the share itself.
+        let share = format!("{NFS_SERVER}:{NFS_SHARE}");
+        assert!(
+            mounts.iter().filter(|m| m.0 == share).count() >= 2,
+            "{mode:?}: nfsplugin's own share mounts: {mounts:?}"
+        );
+    }
+}
+
+/// The helper is visible to nfsplugin alone, and the driver's mounts still reach the host
+/// and the Cubelet namespace (the propagation the NFS tests rely on).
+#[tokio::test(flavor = "multi_thread")]
+async fn nfs_helper_is_private_and_driver_mounts_reach_cubelet() {
+    let bins = require_real_drivers!();
+    let node = RealNode::start(&bins, DriverKind::Nfs, Mode::Rpc, NodeOptions::default()).await;
+    let helper =
+        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/nfs-sbin/mount.nfs"))
+            .unwrap();
+    let in_driver_ns = std::process::Command::new("nsenter")
+        .arg(format!("--target={}", node.driver().pid()))
+        .arg("--mount")
+        .args(["cat", "/sbin/mount.nfs"])
+        .output()
+        .unwrap();
+    assert!(in_driver_ns.status.success(), "{in_driver_ns:?}");
+    assert_eq!(
+        in_driver_ns.stdout, helper,
+        "the driver's /sbin/mount.nfs is the helper"
+    );
+    // The host's own /sbin/mount.nfs (if it has one) is not the helper; nor is Cubelet's.
+    let host = std::fs::read("/sbin/mount.nfs").ok();
+    assert_ne!(
+        host.as_ref(),
+        Some(&helper),
+        "the host's /sbin/mount.nfs is untouched"
+    );
+    let in_cubelet = std::process::Command::new("nsenter")
+        .arg(format!("--mount={}", node.cubelet().nsfile().display()))
+        .args(["cat", "/sbin/mount.nfs"])
+        .output()
+        .unwrap();
+    assert_ne!(
+        in_cubelet.stdout, helper,
+        "Cubelet's namespace has no helper"
+    );
+
+    let cube = node.cube();
+    let (_, private_data) = cube.create("seen").await.expect("create");
+    let attached = cube
+        .attach(&node.base_dir, "sb", "seen", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("attach: {f:?}\n{}", node.logs()));
+    // The mount was made inside nfsplugin's namespace (the helper logged it there) ...
+    assert!(
+        node.driver()
+            .nfs_mounts()
+            .iter()
+            .any(|m| m.1 == attached.host_path),
+        "{:?}",
+        node.driver().nfs_mounts()
+    );
+    // ... and is a mount point in the host and in Cubelet's namespace, with the data.
+    assert_attached(
+        &node,
+        &attached.host_path,
+        "propagated from the driver's namespace",
+    );
+    std::fs::write(
+        node.backend_dir(&private_data).join("hello"),
+        "on the export",
+    )
+    .unwrap();
+    assert_eq!(
+        node.cubelet()
+            .read_inside(&attached.host_path.join("hello")),
+        "on the export"
+    );
+    cube.detach("sb", "seen", 0, &attached.metadata)
+        .await
+        .expect("detach");
+    node.assert_nothing_left("after detach");
+    cube.destroy("seen").await.expect("destroy");
+}
+
+/// Two Cube nodes, each with its own nfsplugin node instance and node-side bridge (one
+/// the daemon, one the forked hook), attach one NFS volume and see each other's writes.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_nodes_share_one_nfs_volume() {
+    let bins = require_real_drivers!();
+    let one = RealNode::start(&bins, DriverKind::Nfs, Mode::Rpc, NodeOptions::default()).await;
+    let two = RealNode::start(
+        &bins,
+        DriverKind::Nfs,
+        Mode::Binary,
+        NodeOptions {
+            services: "node",
+            node_id: "node-2",
+            exports: Some(one.exports.clone()),
+            ..NodeOptions::default()
+        },
+    )
+    .await;
+    let (cube_one, cube_two) = (one.cube(), two.cube());
+    let (_, private_data) = cube_one.create("shared").await.expect("create");
+
+    let on_one = cube_one
+        .attach(&one.base_dir, "sb-1", "shared", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("attach on node 1: {f:?}\n{}", one.logs()));
+    let on_two = cube_two
+        .attach(&two.base_dir, "sb-2", "shared", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("attach on node 2: {f:?}\n{}", two.logs()));
+    assert_ne!(on_one.host_path, on_two.host_path);
+    assert_attached(&one, &on_one.host_path, "node 1");
+    assert_attached(&two, &on_two.host_path, "node 2");
+
+    std::fs::write(on_one.host_path.join("one.txt"), "written on node 1").unwrap();
+    std::fs::write(on_two.host_path.join("two.txt"), "written on node 2").unwrap();
+    assert_eq!(
+        two.cubelet().read_inside(&on_two.host_path.join("one.txt")),
+        "written on node 1"
+    );
+    assert_eq!(
+        one.cubelet().read_inside(&on_one.host_path.join("two.txt")),
+        "written on node 2"
+    );
+
+    // Node 2 lets go; node 1 still has the volume and both files.
+    cube_two
+        .detach("sb-2", "shared", 0, &on_two.metadata)
+        .await
+        .expect("detach on node 2");
+    two.assert_nothing_left("node 2 detached");
+    assert_attached(&one, &on_one.host_path, "node 1 still attached");
+    assert_eq!(read(&on_one.host_path.join("two.txt")), "written on node 2");
+    cube_one
+        .detach("sb-1", "shared", 0, &on_one.metadata)
+        .await
+        .expect("detach on node 1");
+    one.assert_nothing_left("node 1 detached");
+
+    let backend = one.backend_dir(&private_data);
+    assert!(backend.join("one.txt").is_file() && backend.join("two.txt").is_file());
+    cube_one.destroy("shared").await.expect("destroy");
+    assert!(
+        !backend.exists(),
+        "the subdirectory is removed from the export"
+    );
+}
+
+/// A failed Attach against the real driver leaves nothing mounted, staged or journaled:
+/// a private_data the bridge never issued, and a driver that fails to publish (the
+/// volume's data directory is gone: hostpathplugin stages, then its bind mount fails;
+/// the NFS server has no such export path). Once the backend is repaired, Cube's retry
+/// works.
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_attach_against_real_drivers_leaves_nothing_behind() {
+    let bins = require_real_drivers!();
+    for kind in KINDS {
+        for mode in MODES {
+            let node = RealNode::start(&bins, kind, mode, NodeOptions::default()).await;
+            let label = format!("{kind:?} {mode:?}");
+            let cube = node.cube();
+            let (_, private_data) = cube.create("bad").await.expect("create");
+            let host_path = node.host_path("bad");
+
+            for bad in ["not-a-handle", ""] {
+                let err = cube
+                    .attach(&node.base_dir, "sb", "bad", 0, bad)
+                    .await
+                    .unwrap_err();
+                assert!(err.error.contains("private_data"), "{label}: {err:?}");
+                if mode == Mode::Rpc {
+                    assert_eq!(err.code.as_deref(), Some("InvalidArgument"), "{label}");
+                }
+                node.assert_nothing_left("bad private_data");
+                assert!(!host_path.exists(), "{label}: no host_path");
+            }
+
+            let backend = node.backend_dir(&private_data);
+            let parked = backend.with_extension("parked");
+            std::fs::rename(&backend, &parked).unwrap();
+            let err = cube
+                .attach(&node.base_dir, "sb", "bad", 0, &private_data)
+                .await
+                .unwrap_err();
+            assert!(
+                err.error.contains("NodePublishVolume"),
+                "{label}: names the CSI call: {err:?}"
+            );
+            assert!(
+                err.error.contains(&csi_volume_id(&private_data)) || err.error.contains("bad"),
+                "{label}: names the volume: {err:?}"
+            );
+            node.assert_nothing_left("failed publish");
+            assert!(!host_path.exists(), "{label}: no host_path");
+
+            std::fs::rename(&parked, &backend).unwrap();
+            let ok = cube
+                .attach(&node.base_dir, "sb", "bad", 0, &private_data)
+                .await
+                .unwrap_or_else(|f| panic!("{label}: retry: {f:?}\n{}", node.logs()));
+            assert_attached(&node, &ok.host_path, &format!("{label}: retried"));
+            cube.detach("sb", "bad", 0, &ok.metadata)
+                .await
+                .expect("detach");
+            node.assert_nothing_left("after the retry's detach");
+            cube.destroy("bad").await.expect("destroy");
+        }
+    }
+}
+
+/// The metrics endpoint, scraped while the real hostpathplugin serves: hook counters and
+/// CSI latency histograms move, and the driver's NodeGetVolumeStats reaches the gauges.
+#[tokio::test(flavor = "multi_thread")]
+async fn hostpathplugin_stats_and_hook_metrics_reach_the_metrics_endpoint() {
+    let bins = require_real_drivers!();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let options = NodeOptions {
+        extra_config: format!(
+            "[metrics]\nlisten = \"127.0.0.1:{port}\"\nvolume_stats_interval_secs = 5\n"
+        ),
+        ..NodeOptions::default()
+    };
+    let node = RealNode::start(&bins, DriverKind::HostPath, Mode::Rpc, options).await;
+    let cube = node.cube();
+    let (_, private_data) = cube.create("stats").await.unwrap();
+    let a = cube
+        .attach(&node.base_dir, "sb", "stats", 0, &private_data)
+        .await
+        .unwrap_or_else(|f| panic!("attach: {f:?}\n{}", node.logs()));
+    std::fs::write(a.host_path.join("data"), vec![7u8; 1 << 20]).unwrap();
+    let scrape = || async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.unwrap();
+        text
+    };
+    let gauge = "cube_csi_bridge_volume_capacity_bytes{volume_id=\"stats\"}";
+    let mut text = scrape().await;
+    for _ in 0..60 {
+        if text.contains(gauge) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        text = scrape().await;
+    }
+    for needle in [
+        gauge,
+        "cube_csi_bridge_volume_used_bytes{volume_id=\"stats\"}",
+        "cube_csi_bridge_volume_available_bytes{volume_id=\"stats\"}",
+        "cube_csi_bridge_volume_abnormal{volume_id=\"stats\"}",
+        "cube_csi_bridge_attached_volumes 1",
+        "cube_csi_bridge_volume_holders 1",
+        "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\"} 1",
+        "cube_csi_bridge_hook_calls_total{hook=\"create\",outcome=\"success\"} 1",
+        "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodeStageVolume\",code=\"Ok\"} 1",
+        "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodePublishVolume\",code=\"Ok\"} 1",
+        "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"NodeGetVolumeStats\",code=\"Ok\"}",
+    ] {
+        assert!(
+            text.contains(needle),
+            "{needle} missing:\n{text}\n{}",
+            node.logs()
+        );
+    }
+    cube.detach("sb", "stats", 0, &a.metadata).await.unwrap();
+    cube.destroy("stats").await.unwrap();
+    let text = scrape().await;
+    assert!(
+        text.contains("cube_csi_bridge_hook_calls_total{hook=\"detach\",outcome=\"success\"} 1"),
+        "{text}"
+    );
+}
