@@ -810,14 +810,24 @@ async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() 
     let driver = RealDriver::nfs(&bins.drivers, dir.path(), &exports, "node-1");
     let nsfile = cubelet.nsfile().display().to_string();
     let bridge = |mode, services, kubeconfig: &Path| {
-        let (kubeconfig, socket, nsfile) = (
+        let (kubeconfig, socket, nsfile, base_dir) = (
             kubeconfig.to_path_buf(),
             driver.socket.clone(),
             nsfile.clone(),
+            base.display().to_string(),
         );
         World::start_with_config(mode, Caps::default(), "", move |text| {
+            // Attach names the simulated Cubelet's base dir: the bridge allows only listed ones.
             let text = text
                 .replacen("driver = \"fake\"", "driver = \"nfs\"", 1)
+                .replacen(
+                    "allowed_base_dirs = [",
+                    &format!(
+                        "allowed_base_dirs = [{}, ",
+                        toml::Value::String(base_dir.clone())
+                    ),
+                    1,
+                )
                 .replacen(
                     "\nmount_view = \"self\"\n",
                     &format!("\nmount_view = {}\n", toml::Value::String(nsfile)),
