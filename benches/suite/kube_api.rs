@@ -71,7 +71,17 @@ impl ApiServer {
         );
         // The header goes through a file so that the token never shows in a process list.
         let header_file = self.dir.join("auth-header");
-        std::fs::write(&header_file, auth_header)?;
+        {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&header_file)?;
+            file.write_all(auth_header.as_bytes())?;
+        }
         // `quiet`: a failure is expected (polling) and says nothing on stderr.
         let curl = |args: &[&str], quiet: bool| -> anyhow::Result<bool> {
             let stderr = if quiet {

@@ -217,7 +217,7 @@ impl Runner {
 
 impl Drop for Runner {
     fn drop(&mut self) {
-        // Closing stdin ends the runner.
+        // It may be mid-phase after an error: stop it rather than wait for the phase.
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -434,16 +434,10 @@ impl Bridge {
         };
         let node_publish_secrets = self.settings.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();
-        let base = paths
-            .target
-            .parent()
-            .expect("target has a parent")
-            .to_path_buf();
-        blocking(move || {
-            // Cubelet creates the base dir before Attach; do it too, for other callers.
-            ops::ensure_dir(&base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))
-        })
-        .await?;
+        let base = paths.target.parent().expect("target has a parent");
+        // Cubelet creates the base dir before Attach; do it too, for other callers. (A
+        // mkdir on the local base dir: here, without a hop to a blocking thread.)
+        ops::ensure_dir(base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))?;
 
         // One durable write before the first mutating call: every step this Attach makes is
         // recorded as uncertain at once (a step that never ran is undone by an idempotent
@@ -467,11 +461,8 @@ impl Bridge {
         if plan.stage {
             // The CO creates the staging directory (CSI spec); the driver the target. Only
             // now that the record names it, so that a crash never strands it.
-            let staging = paths.staging.clone();
-            blocking(move || {
-                ops::ensure_dir(&staging, 0o750).map_err(|e| BridgeError::io("staging dir", e))
-            })
-            .await?;
+            ops::ensure_dir(&paths.staging, 0o750)
+                .map_err(|e| BridgeError::io("staging dir", e))?;
         }
 
         if let Some(node_id) = controller_publish_node {
@@ -659,13 +650,9 @@ impl Bridge {
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
         faults::point(hook, When::Before, "journal");
-        let (journal, id) = (self.node_journal().clone(), record.volume_id.clone());
-        blocking(move || {
-            journal.remove(&id)?;
-            journal.clear_pending(&id)?;
-            Ok(())
-        })
-        .await?;
+        // Two unlinks without fsync: no need for a blocking thread.
+        self.node_journal().remove(&record.volume_id)?;
+        self.node_journal().clear_pending(&record.volume_id)?;
         faults::point(hook, When::After, "journal");
         Ok(())
     }

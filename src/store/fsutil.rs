@@ -3,15 +3,16 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::fcntl::{Flock, FlockArg};
 
 /// Replaces `path` with `bytes` atomically: write a temp file beside it, rename over.
-/// With `durable`, the data and the rename are fsync'ed before returning, so the new
-/// content survives a crash or power loss.
-pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
+/// With `durable` (the syncer of `path`'s directory), the data and the rename are on disk
+/// before returning, so the new content survives a power loss.
+pub fn write_atomic(path: &Path, bytes: &[u8], durable: Option<&DirSync>) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::other(format!("{} has no parent", path.display())))?;
@@ -27,7 +28,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> 
         .mode(0o600)
         .open(&tmp)?;
     file.write_all(bytes)?;
-    if durable {
+    if durable.is_some() {
         // The data and the size; the rename below is made durable by the directory's sync.
         file.sync_data()?;
     }
@@ -36,15 +37,68 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> 
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    if durable {
-        sync_dir(dir)?;
+    if let Some(dir_sync) = durable {
+        dir_sync.sync()?;
     }
     Ok(())
 }
 
-/// Makes a directory's entries (creations, renames, removals) durable.
-fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
+/// Group commit of one directory's entries: threads that need their renames on disk at
+/// the same time share one fsync of the directory instead of each paying for their own
+/// (many first Attaches at once all rename a record in the journal directory).
+#[derive(Debug)]
+pub struct DirSync {
+    dir: PathBuf,
+    state: Mutex<SyncState>,
+    done: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncState {
+    /// Tickets handed out: each caller's renames happened before it took its ticket.
+    issued: u64,
+    /// Every ticket up to this one is covered by a completed fsync.
+    synced: u64,
+    /// An fsync is running (started after every ticket up to its own).
+    running: bool,
+}
+
+impl DirSync {
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            state: Mutex::new(SyncState::default()),
+            done: Condvar::new(),
+        }
+    }
+
+    /// Returns once an fsync of the directory that started after this call has finished.
+    pub fn sync(&self) -> io::Result<()> {
+        let mut state = self.state.lock().expect("directory sync poisoned");
+        state.issued += 1;
+        let ticket = state.issued;
+        loop {
+            if state.synced >= ticket {
+                return Ok(());
+            }
+            if !state.running {
+                // Lead: one fsync for every ticket issued so far.
+                state.running = true;
+                let covers = state.issued;
+                drop(state);
+                let result = File::open(&self.dir).and_then(|d| d.sync_all());
+                state = self.state.lock().expect("directory sync poisoned");
+                state.running = false;
+                if result.is_ok() {
+                    state.synced = state.synced.max(covers);
+                }
+                self.done.notify_all();
+                result?;
+                continue;
+            }
+            state = self.done.wait(state).expect("directory sync poisoned");
+        }
+    }
 }
 
 /// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.
@@ -100,6 +154,28 @@ pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn concurrent_durable_writes_share_directory_syncs_and_all_land() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sync = std::sync::Arc::new(DirSync::new(tmp.path()));
+        let threads: Vec<_> = (0..16)
+            .map(|i| {
+                let (sync, dir) = (sync.clone(), tmp.path().to_path_buf());
+                std::thread::spawn(move || {
+                    let path = dir.join(format!("r{i}"));
+                    write_atomic(&path, format!("{i}").as_bytes(), Some(&sync)).unwrap();
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        for i in 0..16 {
+            let text = std::fs::read_to_string(tmp.path().join(format!("r{i}"))).unwrap();
+            assert_eq!(text, i.to_string());
+        }
+        let state = sync.state.lock().unwrap();
+        assert_eq!((state.issued, state.synced, state.running), (16, 16, false));
+    }
 
     #[test]
     fn a_held_lock_times_out_then_is_taken_once_free() {

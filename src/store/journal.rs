@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::fsutil::write_atomic;
+use super::fsutil::{DirSync, write_atomic};
 
 /// A holder log longer than this is folded into its record at the next change: every hook
 /// reads the log, so it must stay short however long a volume stays mounted.
@@ -243,6 +243,8 @@ pub enum JournalError {
 pub struct NodeJournal {
     dir: PathBuf,
     pending: PathBuf,
+    /// Durable writes of this process share the directory's fsyncs.
+    dir_sync: std::sync::Arc<DirSync>,
 }
 
 impl NodeJournal {
@@ -253,6 +255,7 @@ impl NodeJournal {
         Ok(Self {
             dir: dir.to_path_buf(),
             pending,
+            dir_sync: std::sync::Arc::new(DirSync::new(dir)),
         })
     }
 
@@ -317,7 +320,7 @@ impl NodeJournal {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        write_atomic(&path, &bytes, durable).map_err(Self::io(&path))?;
+        write_atomic(&path, &bytes, durable.then_some(&*self.dir_sync)).map_err(Self::io(&path))?;
         // The record now holds every change the log had; replaying them again after a
         // crash right here would change nothing (see HolderChange::apply).
         let log = self.holder_log(&record.volume_id);
