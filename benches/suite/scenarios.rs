@@ -737,6 +737,7 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
     let extra = fill_ids(BIG..BIG + 1).remove(0);
     crate::seed::fill(
         &store_file,
+        world::DRIVER,
         SMALL as u64,
         "fill-00000",
         &fill_ids(SMALL..BIG + 1),

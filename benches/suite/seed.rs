@@ -3,16 +3,21 @@
 //! the figure needs 10,000 records in the store, not 10,000 Creates. So the suite Creates
 //! the first records through the bridge, then adds the rest in one transaction under the
 //! same flock the bridge takes, each a copy of a record the bridge itself wrote (only the
-//! volume id changed), and has the bridge Destroy one of them to prove it reads them.
+//! volume id changed, and the copy signed with the bridge's record key as the bridge signs
+//! its own: an unsigned or mis-signed record is refused by Destroy), and has the bridge
+//! Destroy one of them to prove it reads them.
 //!
 //! What this knows of the store's layout: the file `<state.dir>/controller.redb`, its lock
-//! file `controller.lock`, and a table `volumes` from volume id to record. Should that
+//! file `controller.lock`, the key `<state.dir>/record.key`, and a table `volumes` from
+//! volume id to record (a `VolumeRecord` as JSON). Should that
 //! change, the count check below fails the section loudly rather than measuring a store
 //! that does not hold what the figure says.
 
 use std::path::Path;
 
 use anyhow::{Context, bail};
+use cube_csi_bridge::bridge::integrity::FileKeySource;
+use cube_csi_bridge::store::VolumeRecord;
 use nix::fcntl::{Flock, FlockArg};
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 
@@ -54,8 +59,20 @@ pub fn holds(store: &Path, volume_id: &str) -> anyhow::Result<bool> {
 }
 
 /// Adds a copy of `template`'s record for each of `ids` (the volume id replaced wherever
-/// it appears), if the store holds exactly `expected` records now.
-pub fn fill(store: &Path, expected: u64, template: &str, ids: &[String]) -> anyhow::Result<()> {
+/// it appears, signed for Cube driver `driver`), if the store holds exactly `expected`
+/// records now.
+pub fn fill(
+    store: &Path,
+    driver: &str,
+    expected: u64,
+    template: &str,
+    ids: &[String],
+) -> anyhow::Result<()> {
+    let key_file = store.with_file_name("record.key");
+    let key = FileKeySource::new(&key_file)
+        .read_existing()
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .with_context(|| format!("no record key at {}", key_file.display()))?;
     locked(store, |db| {
         let txn = db.begin_write()?;
         {
@@ -76,7 +93,12 @@ pub fn fill(store: &Path, expected: u64, template: &str, ids: &[String]) -> anyh
             let record: serde_json::Value = serde_json::from_slice(&bytes)
                 .context("the bridge's records are no longer JSON; adapt benches/suite/seed.rs")?;
             for id in ids {
-                let copy = serde_json::to_vec(&replaced(&record, template, id))?;
+                let mut copy: VolumeRecord = serde_json::from_value(replaced(
+                    &record, template, id,
+                ))
+                .context("the bridge's records are no longer VolumeRecords; adapt seed.rs")?;
+                copy.integrity = Some(key.sign(driver, &copy));
+                let copy = serde_json::to_vec(&copy)?;
                 table.insert(id.as_str(), copy.as_slice())?;
             }
         }

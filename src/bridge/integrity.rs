@@ -177,7 +177,9 @@ impl FileKeySource {
         }
     }
 
-    fn read(&self) -> Result<Option<RecordKey>, BridgeError> {
+    /// The key if one has been made, without making one (tools that sign records the
+    /// bridge reads, such as the benchmark's store filler, use this).
+    pub fn read_existing(&self) -> Result<Option<RecordKey>, BridgeError> {
         let io = |e| BridgeError::io(format!("record key {}", self.path.display()), e);
         let meta = match std::fs::symlink_metadata(&self.path) {
             Ok(meta) => meta,
@@ -236,7 +238,7 @@ impl FileKeySource {
         match written {
             Ok(()) => Ok(LoadedKey { key, created: true }),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                let key = self.read()?.ok_or_else(|| {
+                let key = self.read_existing()?.ok_or_else(|| {
                     BridgeError::Precondition(format!(
                         "record key {} vanished while being made",
                         self.path.display()
@@ -256,7 +258,7 @@ impl FileKeySource {
 impl RecordKeySource for FileKeySource {
     async fn load(&self) -> Result<LoadedKey, BridgeError> {
         let me = self.clone();
-        super::blocking(move || match me.read()? {
+        super::blocking(move || match me.read_existing()? {
             Some(key) => Ok(LoadedKey {
                 key,
                 created: false,
