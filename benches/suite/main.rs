@@ -23,7 +23,7 @@ use std::process::ExitCode;
 
 const USAGE: &str = "\
 usage: cargo bench --bench suite -- [--quick] [--only SECTIONS] [--keep] [--profile DIR]
-                                    [--bridge EXE]
+                                    [--bridge EXE] [--work-dir DIR]
   --quick          fewer iterations (a minute or two instead of several)
   --only A,B       run only these sections: hot, first, binary, concurrent, store,
                    kubernetes, ready (default: all)
@@ -32,6 +32,8 @@ usage: cargo bench --bench suite -- [--quick] [--only SECTIONS] [--keep] [--prof
                    Attach/Detach, first Attach/Detach, Create/Destroy; perf of the hot
                    pairs), written into DIR
   --bridge EXE     measure this build of cube-csi-bridge instead of the one cargo built
+  --work-dir DIR   make the work directory (state, journal, locks) in DIR, not /var/tmp;
+                   a tmpfs there shows what durable writes cost
 Needs root (real mounts) and the peers scripts/bench.sh installs; see docs/benchmarks.md.";
 
 fn main() -> ExitCode {

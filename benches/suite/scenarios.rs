@@ -60,6 +60,7 @@ pub fn run_all(world: &World) -> bool {
         started.elapsed().as_secs_f64()
     );
     println!("bridge measured: {}", world.bridge_description());
+    println!("{}", world.work_dir_description());
     println!(
         "iterations: hot pairs {} (+{} warm-up) per target in {} interleaved rounds; \
          first Attach {} (fake 0 ms) / {} (fake 10 ms) / {} (hostpath); binary pairs {}; \

@@ -37,6 +37,9 @@ pub struct Options {
     pub profile: Option<PathBuf>,
     /// Another build of the bridge to measure (e.g. before and after a change).
     pub bridge: Option<PathBuf>,
+    /// Where the work directory (state, journal, locks, volumes) is made: /var/tmp unless
+    /// given. A tmpfs here measures the bridge without the cost of durable writes.
+    pub work_dir: Option<PathBuf>,
 }
 
 impl Options {
@@ -62,6 +65,10 @@ impl Options {
                 "--bridge" => {
                     let exe = it.next().ok_or("--bridge needs an executable")?;
                     o.bridge = Some(PathBuf::from(exe));
+                }
+                "--work-dir" => {
+                    let dir = it.next().ok_or("--work-dir needs a directory")?;
+                    o.work_dir = Some(PathBuf::from(dir));
                 }
                 "-h" | "--help" => return Err(String::new()),
                 other => return Err(format!("unknown argument {other:?}")),
@@ -167,9 +174,14 @@ impl World {
         if !cubeclient.is_file() {
             bail!("{} does not exist", cubeclient.display());
         }
+        let parent = options
+            .work_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/var/tmp"));
         let root = tempfile::Builder::new()
             .prefix("ccb-bench-")
-            .tempdir_in("/var/tmp")?;
+            .tempdir_in(&parent)
+            .with_context(|| format!("making the work directory in {}", parent.display()))?;
         let bridge = options
             .bridge
             .clone()
@@ -260,6 +272,14 @@ impl World {
     }
 
     /// Which bridge build is measured: its path, and the checkout it was built from.
+    /// Where the state lives, and on which file system (durable writes cost what that
+    /// file system makes them cost).
+    pub fn work_dir_description(&self) -> String {
+        let path = self.root.path().display().to_string();
+        let fs = command_line("stat", &["-f", "-c", "%T", &path]);
+        format!("work directory (state, journal, locks): {path} on {fs}")
+    }
+
     pub fn bridge_description(&self) -> String {
         if self.options.bridge.is_some() {
             return format!("{} (given with --bridge)", self.bridge.display());
