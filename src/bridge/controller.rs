@@ -247,16 +247,19 @@ impl Bridge {
 
     /// Records the intent to create (state Creating), or adopts the record another
     /// replica or an earlier attempt left for this volume, refreshing its age so that no
-    /// sweep takes it for abandoned while this Create works on it.
+    /// sweep takes it for abandoned while this Create works on it. The flag says whether
+    /// this call wrote the intent (no record existed before).
     async fn begin_create(
         &self,
         volume_id: &str,
         csi_name: &str,
         csi_driver: &str,
         deletion: Option<&DeletionPolicy>,
-    ) -> Result<VolumeRecord, BridgeError> {
+    ) -> Result<(VolumeRecord, bool), BridgeError> {
         for _ in 0..STORE_RACE_RETRIES {
-            let mut record = match self.controller_store().get(volume_id).await? {
+            let existing = self.controller_store().get(volume_id).await?;
+            let ours = existing.is_none();
+            let mut record = match existing {
                 Some(existing) => {
                     check_same_driver(&existing, csi_driver)?;
                     if existing.csi_name != csi_name {
@@ -268,7 +271,7 @@ impl Bridge {
                         )));
                     }
                     match existing.state {
-                        VolumeState::Created => return Ok(existing),
+                        VolumeState::Created => return Ok((existing, false)),
                         VolumeState::Deleting => return Err(being_reclaimed(volume_id)),
                         VolumeState::Creating => {}
                     }
@@ -291,7 +294,7 @@ impl Bridge {
                 },
             };
             match self.store_put(HookKind::Create, &mut record).await {
-                Ok(()) => return Ok(record),
+                Ok(()) => return Ok((record, ours)),
                 Err(BridgeError::Store(StoreError::Conflict { .. })) => continue,
                 Err(e) => return Err(e),
             }
@@ -368,7 +371,7 @@ impl Bridge {
 
             // Intent first: if the answer to CreateVolume is lost, Destroy (or the sweep)
             // can still find the volume by its name.
-            let record = self
+            let (record, intent_is_ours) = self
                 .begin_create(
                     &req.volume_id,
                     &csi_name,
@@ -383,9 +386,11 @@ impl Bridge {
             {
                 Ok(v) => v,
                 Err(error) => {
-                    // A final error means nothing was created: forget the intent (unless
-                    // the record is an earlier, finished create).
-                    if !error.is_uncertain_driver_error() && record.state == VolumeState::Creating {
+                    // A final error means this call created nothing: forget the intent if
+                    // this call wrote it. An earlier attempt's intent stays: its
+                    // CreateVolume may have made the volume, and only the record lets
+                    // Destroy or the sweep find it.
+                    if !error.is_uncertain_driver_error() && intent_is_ours {
                         match self.store_delete(HookKind::Create, &record).await {
                             Ok(()) | Err(StoreError::Conflict { .. }) => {}
                             Err(e) => return Err(e.into()),
@@ -401,6 +406,17 @@ impl Bridge {
                 volume_context: volume.volume_context.clone(),
                 controller_publish: caps.is_some_and(|c| c.publish_unpublish_volume),
             };
+            if volume.capacity_bytes != 0
+                && volume.capacity_bytes < required
+                && record.state == VolumeState::Created
+            {
+                // An earlier Create finished with this volume and Cube may be using it:
+                // refuse, but delete nothing.
+                return Err(BridgeError::Precondition(format!(
+                    "CSI volume {:?} was created with {} bytes, less than the {required} now                      configured (volume.capacity_bytes changed?); Destroy it to make a new one",
+                    volume.csi_volume_id, volume.capacity_bytes
+                )));
+            }
             let encoded = if volume.capacity_bytes != 0 && volume.capacity_bytes < required {
                 Err(format!(
                     "the driver created a volume of {} bytes, less than the {required} requested",

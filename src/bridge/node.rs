@@ -42,12 +42,16 @@ pub(crate) struct NodePlan {
 /// Which steps an undo reverses.
 #[derive(Debug, Clone, Copy)]
 struct UndoSteps {
+    /// NodeUnpublish: false only to keep a mount that other holders were using before a
+    /// failed Attach (the one target is shared by every holder).
+    publish: bool,
     controller_publish: bool,
     stage: bool,
 }
 
 impl UndoSteps {
     const ALL: UndoSteps = UndoSteps {
+        publish: true,
         controller_publish: true,
         stage: true,
     };
@@ -58,6 +62,13 @@ impl Bridge {
         self.journal
             .as_ref()
             .expect("node hooks are only routed to a bridge with the node role")
+    }
+
+    /// Whether `record` was written in an earlier boot of this host: its mounts and every
+    /// sandbox that held it died with that boot, and Cubelet has forgotten its counts, so
+    /// none of its holders may keep the volume attached.
+    pub(crate) fn is_from_earlier_boot(&self, record: &NodeRecord) -> bool {
+        !record.boot_id.is_empty() && record.boot_id != self.boot_id
     }
 
     /// Decides the calls Attach makes. `volume_needs_publish` comes from the volume's
@@ -194,6 +205,7 @@ impl Bridge {
             let hot = record.target_path == paths.target
                 && record.csi_volume_id == req.handle.csi_volume_id
                 && record.publish == Step::Done
+                && !self.is_from_earlier_boot(&record)
                 && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
             if !hot {
                 return Ok(None);
@@ -217,7 +229,7 @@ impl Bridge {
                 return Ok(None);
             };
             let mut record = match self.node_journal().load(&req.volume_id) {
-                Ok(Some(record)) => record,
+                Ok(Some(record)) if !self.is_from_earlier_boot(&record) => record,
                 Ok(None) if req.ref_count > 0 || req.recorded.is_none() => return Ok(Some(())),
                 _ => return Ok(None),
             };
@@ -277,6 +289,9 @@ impl Bridge {
             // Attach that dies half way was never answered, so nobody holds the volume
             // because of it, and reconciliation must undo it.
             let before = record.clone();
+            // A mount other holders use is theirs: a failure here must not unpublish it.
+            let mounted_before = before.is_held()
+                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
             record.boot_id = self.boot_id.clone();
             if record.since == 0 {
                 record.since = crate::store::controller::now_secs();
@@ -297,7 +312,10 @@ impl Bridge {
                 }
                 Err(error) => {
                     let rollback = Deadline::after(self.config.timeouts.rollback());
-                    match self.undo_attach(&mut record, &before, &change, &rollback).await {
+                    match self
+                        .undo_attach(&mut record, &before, mounted_before, &change, &rollback)
+                        .await
+                    {
                         Ok(()) => {
                             tracing::info!("partial attach undone");
                             crate::metrics::rollback("attach", "undone");
@@ -341,6 +359,17 @@ impl Bridge {
             .load_or_rebuild(&req.volume_id, &req.handle.csi_volume_id, paths, deadline)
             .await?;
         match existing {
+            Some(mut old) if self.is_from_earlier_boot(&old) => {
+                // What the record says was done before the reboot is undone first (a
+                // ControllerPublish outlives it; NodeUnstage lets the driver clean up), then
+                // the volume is attached afresh for this boot's sandboxes only.
+                tracing::info!(
+                    holders = ?old.holders,
+                    "tearing down an attachment from an earlier boot first (its sandboxes died with it)"
+                );
+                self.teardown(HookKind::Attach, &mut old, deadline).await?;
+                Ok(fresh())
+            }
             Some(record)
                 if record.target_path == paths.target
                     && record.csi_volume_id == req.handle.csi_volume_id =>
@@ -380,6 +409,7 @@ impl Bridge {
         &self,
         record: &mut NodeRecord,
         before: &NodeRecord,
+        mounted_before: bool,
         change: &HolderChange,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
@@ -400,9 +430,15 @@ impl Bridge {
             return self.teardown(HookKind::Attach, record, deadline).await;
         }
         let steps = UndoSteps {
+            publish: !mounted_before,
             controller_publish: before.controller_publish != Step::Done,
             stage: before.stage != Step::Done,
         };
+        if mounted_before && record.publish == Step::Absent {
+            // The failed call changed nothing, but the mount the others use is there.
+            record.publish = Step::Uncertain;
+        }
+        record.holders = others;
         self.undo_steps(HookKind::Attach, record, steps, deadline)
             .await?;
         self.save(HookKind::Attach, record, false).await
@@ -447,6 +483,8 @@ impl Bridge {
             .controller_publish_node
             .filter(|_| record.controller_publish != Step::Done);
         let previous_stage = record.stage;
+        let previous_controller_publish = record.controller_publish;
+        let previous_publish = record.publish;
         if let Some(node_id) = &controller_publish_node {
             record.node_id = node_id.clone();
             record.controller_publish = Step::Uncertain;
@@ -478,7 +516,11 @@ impl Bridge {
             let reply = self.controller.publish(&call, deadline).await;
             faults::point(hook, When::After, "ControllerPublishVolume");
             record.publish_context = self
-                .step_result(&mut record.controller_publish, Step::Absent, reply)
+                .step_result(
+                    &mut record.controller_publish,
+                    previous_controller_publish,
+                    reply,
+                )
                 .await?;
         }
 
@@ -512,7 +554,7 @@ impl Bridge {
         faults::point(hook, When::Before, "NodePublishVolume");
         let reply = self.node.publish(&call, deadline).await;
         faults::point(hook, When::After, "NodePublishVolume");
-        self.step_result(&mut record.publish, Step::Absent, reply)
+        self.step_result(&mut record.publish, previous_publish, reply)
             .await?;
 
         if self.visibility(&paths.target, deadline).await? == Visibility::NotMounted {
@@ -525,9 +567,10 @@ impl Bridge {
     }
 
     /// Records the outcome of a mutating call: Done on success. On failure a step that was
-    /// Done before this call stays Done (the earlier success stands); otherwise it is
-    /// Absent after a final error (nothing is in progress, per CSI) and still Uncertain
-    /// after a non-final one.
+    /// Done before this call stays Done (the earlier success stands), and one that was
+    /// Uncertain stays Uncertain (a final error says this call did nothing, not that the
+    /// earlier one did nothing); otherwise it is Absent after a final error (nothing is in
+    /// progress, per CSI) and still Uncertain after a non-final one.
     async fn step_result<T>(
         &self,
         step: &mut Step,
@@ -540,8 +583,8 @@ impl Bridge {
                 Ok(value)
             }
             Err(error) => {
-                if previous == Step::Done {
-                    *step = Step::Done;
+                if previous != Step::Absent {
+                    *step = previous;
                 } else if !error.is_uncertain() {
                     *step = Step::Absent;
                 }
@@ -591,6 +634,10 @@ impl Bridge {
                             journal_mount_dir = %record.target_path.display(),
                             "Detach metadata and node journal disagree; following the journal"
                         );
+                    }
+                    if self.is_from_earlier_boot(&record) {
+                        // Its holders died with the earlier boot.
+                        record.holders.clear();
                     }
                     let mut holders = record.holders.clone();
                     change.apply(&mut holders);
@@ -643,9 +690,11 @@ impl Bridge {
     ) -> Result<(), BridgeError> {
         self.node_journal().mark_pending(&record.volume_id)?;
         // First, the record must say nobody holds the volume before anything is undone, or
-        // a crash half way would have reconciliation mount it again for the sandbox that
-        // was leaving. (No fsync: a process crash keeps the page cache, and after a power
-        // loss the record is from an earlier boot and is torn down anyway.)
+        // a teardown cut short (a crash, a failed undo) would have reconciliation mount it
+        // again for holders that were leaving or stale. (No fsync: a process crash keeps the
+        // page cache, and after a power loss the record is from an earlier boot and is torn
+        // down anyway.)
+        record.holders.clear();
         self.save(hook, record, false).await?;
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
@@ -657,7 +706,8 @@ impl Bridge {
         Ok(())
     }
 
-    /// NodeUnpublish (always, when anything may be mounted), then the steps in `which`.
+    /// NodeUnpublish (when anything may be mounted, unless `which` keeps others' mount),
+    /// then the steps in `which`.
     async fn undo_steps(
         &self,
         hook: HookKind,
@@ -666,21 +716,23 @@ impl Bridge {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         let target = record.target_path.clone();
-        if record.publish.needs_undo()
-            || self.visibility(&target, deadline).await? != Visibility::NotMounted
-        {
-            faults::point(hook, When::Before, "NodeUnpublishVolume");
-            let reply = self
-                .node
-                .unpublish(&record.csi_volume_id, &target, deadline)
-                .await;
-            faults::point(hook, When::After, "NodeUnpublishVolume");
-            self.undo_result(reply, &target, "NodeUnpublishVolume", deadline)
-                .await?;
-            record.publish = Step::Absent;
-            self.save(hook, record, false).await?;
+        if which.publish {
+            if record.publish.needs_undo()
+                || self.visibility(&target, deadline).await? != Visibility::NotMounted
+            {
+                faults::point(hook, When::Before, "NodeUnpublishVolume");
+                let reply = self
+                    .node
+                    .unpublish(&record.csi_volume_id, &target, deadline)
+                    .await;
+                faults::point(hook, When::After, "NodeUnpublishVolume");
+                self.undo_result(reply, &target, "NodeUnpublishVolume", deadline)
+                    .await?;
+                record.publish = Step::Absent;
+                self.save(hook, record, false).await?;
+            }
+            remove_dir(&target, true, deadline).await?;
         }
-        remove_dir(&target, true, deadline).await?;
 
         if which.stage
             && let Some(staging) = record.staging_path.clone()

@@ -29,6 +29,9 @@ enum Fault {
     Slow(Duration),
     /// Succeed without doing anything (a driver that lies).
     Noop,
+    /// Do the work, then lose the answer (UNAVAILABLE): the call took effect although the
+    /// caller cannot know it. (CreateVolume only.)
+    LostAnswer,
 }
 
 #[derive(Debug, Default)]
@@ -39,6 +42,8 @@ struct DriverState {
     volumes: BTreeMap<String, String>,
     publish_contexts: Vec<BTreeMap<String, String>>,
     node_ids: Vec<String>,
+    /// Set by a scripted LostAnswer: the call in progress answers UNAVAILABLE after its work.
+    lose_answer: bool,
 }
 
 /// A driver and the mount table it changes.
@@ -119,6 +124,10 @@ impl Fake {
                 Ok(true)
             }
             Some(Fault::Noop) => Ok(false),
+            Some(Fault::LostAnswer) => {
+                self.state.lock().unwrap().lose_answer = true;
+                Ok(true)
+            }
             Some(Fault::Final) => Err(error(call, "Internal", 13, Finality::Final)),
             Some(Fault::Uncertain) => Err(error(call, "Unavailable", 14, Finality::Uncertain)),
             Some(Fault::NotFound) => Err(error(call, "NotFound", 5, Finality::Final)),
@@ -172,6 +181,14 @@ impl ControllerDriver for Fake {
             .entry(volume.name.clone())
             .or_insert_with(|| format!("handle-{next}"))
             .clone();
+        if std::mem::take(&mut s.lose_answer) {
+            return Err(error(
+                "CreateVolume",
+                "Unavailable",
+                14,
+                Finality::Uncertain,
+            ));
+        }
         Ok(CreatedVolume {
             csi_volume_id: id,
             volume_context: BTreeMap::from([("ctx".into(), "v".into())]),
@@ -772,6 +789,165 @@ async fn an_empty_or_corrupt_journal_record_is_rebuilt_not_fatal() {
     w.assert_clean("v");
 }
 
+impl World {
+    /// What a reboot leaves of `volume`: its record, stamped with an earlier boot, and
+    /// none of its mounts.
+    fn reboot(&self, volume: &str) {
+        let journal = self.bridge.node_journal();
+        let mut record = journal.load(volume).unwrap().unwrap();
+        record.boot_id = "an-earlier-boot".into();
+        journal.save(&record, true).unwrap();
+        self.fake.unmount_behind_our_back(&self.target(volume));
+        self.fake.unmount_behind_our_back(&self.staging(volume));
+    }
+}
+
+#[tokio::test]
+async fn after_a_reboot_the_earlier_boots_holders_do_not_pin_the_volume() {
+    let w = World::new(Fake::new(true, true));
+    w.attach("v", "ns1", "a", 0).await.unwrap();
+    w.attach("v", "ns2", "b", 0).await.unwrap();
+    w.reboot("v");
+    // Cubelet forgot its counts; only ns2 starts a sandbox again.
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "c", 0).await.unwrap();
+    assert!(w.fake.is_mounted(&w.target("v")));
+    let record = w.record("v").unwrap();
+    assert_eq!(
+        record.holders,
+        BTreeMap::from([("ns2".to_string(), BTreeSet::from(["c".to_string()]))]),
+        "holders of the earlier boot kept"
+    );
+    assert_eq!(record.boot_id, crate::store::journal::boot_id());
+    // What the earlier boot did is undone before the volume is attached afresh.
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume",
+            "ControllerPublishVolume",
+            "NodeStageVolume",
+            "NodePublishVolume"
+        ]
+    );
+    // The last holder of this boot leaving tears it down.
+    w.detach("v", "ns2", "c", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn after_a_reboot_an_attach_with_mount_checks_off_is_not_answered_as_hot() {
+    let mut fake = Fake::new(false, false);
+    fake.unchecked = true;
+    let w = World::with_config(fake, "mount_view = \"none\"\n");
+    w.attach("v", "ns1", "a", 0).await.unwrap();
+    w.reboot("v");
+    w.fake.clear_calls();
+    // Without a mount check only the boot id tells that the mount is gone.
+    assert!(
+        w.bridge
+            .attach_if_hot(&w.attach_req("v", "ns1", "b", 0))
+            .await
+            .is_none(),
+        "answered as hot"
+    );
+    w.attach("v", "ns1", "b", 0).await.unwrap();
+    assert!(w.fake.is_mounted(&w.target("v")));
+    assert!(
+        w.fake
+            .mutating_calls()
+            .contains(&"NodePublishVolume".to_string())
+    );
+    // A Detach of the earlier boot's sandbox is not answered as hot either.
+    w.reboot("v");
+    assert!(
+        w.bridge
+            .detach_if_hot(&DetachVolume {
+                sandbox_id: "b".into(),
+                namespace: "ns1".into(),
+                volume_id: "v".into(),
+                ref_count: 1,
+                recorded: None,
+            })
+            .await
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn a_teardown_cut_short_leaves_no_holder_for_reconciliation_to_remount() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // The mount is lost; Cubelet's count of ns1 restarted (s1 is stale), and the new
+    // sandbox's Attach fails, and so does the NodeUnstage of its rollback.
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    w.fake.script("NodePublishVolume", Fault::Final);
+    w.fake.script("NodeUnstageVolume", Fault::Final);
+    let err = w.attach("v", "ns1", "s2", 0).await.unwrap_err();
+    assert!(err.to_string().contains("NodeUnstageVolume"), "{err}");
+    assert!(!w.record("v").unwrap().is_held(), "stale holder kept");
+    // Reconciliation finishes the teardown rather than mounting it for nobody.
+    let report = w
+        .bridge
+        .reconcile_node(reconcile::Scope::Abandoned)
+        .await
+        .unwrap();
+    assert_eq!((report.rolled_back, report.repaired), (1, 0), "{report:?}");
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn a_failed_attach_keeps_the_mount_other_holders_use() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // An earlier repair left publish uncertain while the mount is there and in use.
+    let journal = w.bridge.node_journal();
+    let mut record = journal.load("v").unwrap().unwrap();
+    record.publish = crate::store::Step::Uncertain;
+    journal.save(&record, true).unwrap();
+    w.fake.clear_calls();
+    w.fake.script("NodePublishVolume", Fault::Final);
+    w.attach("v", "ns2", "s2", 0).await.unwrap_err();
+    assert!(
+        !w.fake
+            .mutating_calls()
+            .contains(&"NodeUnpublishVolume".to_string()),
+        "unmounted what ns1 uses: {:?}",
+        w.fake.mutating_calls()
+    );
+    assert!(w.fake.is_mounted(&w.target("v")));
+    let record = w.record("v").unwrap();
+    assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
+    assert!(!record.holders.contains_key("ns2"));
+    // The last holder's Detach still undoes everything.
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+#[tokio::test]
+async fn a_final_error_on_a_retried_controller_publish_keeps_it_uncertain() {
+    let w = World::new(Fake::new(false, true));
+    // ControllerPublish may have happened, and the rollback's ControllerUnpublish fails.
+    w.fake.script("ControllerPublishVolume", Fault::Uncertain);
+    w.fake.script("ControllerUnpublishVolume", Fault::Final);
+    w.attach("v", "ns", "s", 0).await.unwrap_err();
+    // The retry's ControllerPublish fails finally: that says nothing of the first one.
+    w.fake.clear_calls();
+    w.fake.script("ControllerPublishVolume", Fault::Final);
+    w.attach("v", "ns", "s", 0).await.unwrap_err();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "ControllerPublishVolume",
+            "NodeUnpublishVolume",
+            "ControllerUnpublishVolume"
+        ],
+        "the first ControllerPublish was never undone"
+    );
+    w.assert_clean("v");
+}
+
 #[tokio::test]
 async fn with_mount_checks_off_the_last_detach_still_succeeds() {
     let mut fake = Fake::new(true, false);
@@ -926,6 +1102,25 @@ async fn a_final_create_error_forgets_the_intent_an_uncertain_one_keeps_it() {
     w.fake.clear_calls();
     w.destroy("v").await.unwrap();
     assert_eq!(w.fake.mutating_calls(), ["CreateVolume", "DeleteVolume"]);
+    assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
+}
+
+#[tokio::test]
+async fn a_final_error_on_a_retried_create_keeps_the_earlier_attempts_intent() {
+    let w = World::new(Fake::new(false, false));
+    // The first attempt's CreateVolume made the volume, but its answer was lost.
+    w.fake.script("CreateVolume", Fault::LostAnswer);
+    w.create("v").await.unwrap_err();
+    assert_eq!(w.backend_volumes().len(), 1);
+    // The retry is refused finally (say, the driver's parameters changed meanwhile).
+    w.fake.script("CreateVolume", Fault::Final);
+    w.create("v").await.unwrap_err();
+    assert_eq!(
+        w.stored("v").map(|r| r.state),
+        Some(VolumeState::Creating),
+        "the only record of the created volume was deleted"
+    );
+    w.destroy("v").await.unwrap();
     assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
 }
 
