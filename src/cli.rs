@@ -112,7 +112,9 @@ pub struct DemoArgs {
 pub struct RegisterArgs {
     #[command(flatten)]
     pub config: ConfigArg,
-    /// For binary registration: the path Cube should fork (default: this executable).
+    /// For binary registration: the installed executable the printed `ln -s` line links
+    /// `/usr/local/bin/cube-csi-bridge-<driver>` to (default: this executable); Cube forks
+    /// that symlink, whose name selects the config.
     #[arg(long, value_name = "PATH")]
     pub binary_path: Option<PathBuf>,
 }

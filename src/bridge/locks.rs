@@ -53,6 +53,11 @@ pub struct VolumeGuard {
 
 impl VolumeLocks {
     pub fn new(dir: &Path) -> std::io::Result<Self> {
+        // Missing parents are made searchable (0755): the lock dir often shares one with
+        // the socket (/run/cube-csi-bridge), which the socket's group must be able to reach.
+        if let Some(parent) = dir.parent() {
+            crate::mount::ops::ensure_dir(parent, 0o755)?;
+        }
         crate::mount::ops::ensure_dir(dir, 0o700)?;
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -145,6 +150,19 @@ impl VolumeLocks {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn the_lock_dir_is_private_but_its_new_parents_stay_searchable() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        // As on a bare host: /run/cube-csi-bridge holds both the socket and <driver>/locks.
+        let run = tmp.path().join("run");
+        VolumeLocks::new(&run.join("drv").join("locks")).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&run.join("drv").join("locks")), 0o700);
+        // The socket's group must be able to reach a socket in `run` (umask 022 here).
+        assert_eq!(mode(&run) & 0o055, 0o055, "mode {:o}", mode(&run));
+    }
 
     #[tokio::test]
     async fn same_volume_waits_other_volumes_do_not() {

@@ -3,6 +3,7 @@
 //! hooks and let in-flight ones finish within the grace period).
 
 use std::future::Future;
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,7 +79,21 @@ impl Daemon {
             .await
             .map_err(ServeError::Misconfigured)?;
         let unix = match UnixSocket::inherited(&socket_path)? {
-            Some(inherited) => inherited,
+            Some(inherited) => {
+                // systemd made the socket: its owner and mode are the socket unit's.
+                let gid = std::fs::metadata(&socket_path).map(|m| m.gid()).ok();
+                if let Some(wanted) = socket_gid
+                    && gid != Some(wanted)
+                {
+                    tracing::warn!(
+                        socket = %socket_path.display(),
+                        socket_group = wanted,
+                        "serve.socket_group is not applied to a socket systemd passed; set \
+                         SocketGroup= in the socket unit (a drop-in) instead"
+                    );
+                }
+                inherited
+            }
             None => UnixSocket::bind(&socket_path, socket_gid).await?,
         };
         let tcp = match tcp_addr {
