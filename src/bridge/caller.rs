@@ -27,11 +27,6 @@ impl Caller {
         self.gone.is_cancelled()
     }
 
-    /// Resolves when the caller leaves.
-    pub async fn gone(&self) {
-        self.gone.cancelled().await
-    }
-
     /// A guard that marks the caller gone when dropped, unless disarmed: the rpc handler
     /// holds one while it waits, so dropping the handler (the client's deadline fired)
     /// tells the hook.

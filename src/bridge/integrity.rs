@@ -233,6 +233,9 @@ impl FileKeySource {
             file.write_all(format!("{hex}\n").as_bytes())?;
             file.as_file().sync_all()?;
             file.persist_noclobber(&self.path).map_err(|e| e.error)?;
+            // The link must outlive a power loss too: records signed with a lost key are
+            // refused for good.
+            std::fs::File::open(dir)?.sync_all()?;
             Ok::<_, std::io::Error>(())
         })();
         match written {

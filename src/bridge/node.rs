@@ -331,9 +331,17 @@ impl Bridge {
                     }
                 }
             };
-            // A failed undo stays pending, for reconciliation to finish.
-            if !matches!(result, Err(BridgeError::RollbackFailed { .. })) {
-                self.node_journal().clear_pending(&req.volume_id)?;
+            // A failed undo stays pending, for reconciliation to finish. A marker that cannot
+            // be removed is no reason to fail an Attach that succeeded: Cube would never
+            // Detach it. (A leftover marker only makes the next scan look at the volume.)
+            if !matches!(result, Err(BridgeError::RollbackFailed { .. }))
+                && let Err(e) = self.node_journal().clear_pending(&req.volume_id)
+            {
+                if result.is_ok() {
+                    tracing::warn!(error = %e, "could not remove the pending marker");
+                } else {
+                    return Err(e.into());
+                }
             }
             result
         })
@@ -377,8 +385,11 @@ impl Bridge {
                 Ok(record)
             }
             Some(mut stale) => {
+                // Unknown (no mount check) counts as mounted: never tear down what may be
+                // in use.
                 if stale.publish == Step::Done
-                    && self.visibility(&stale.target_path, deadline).await? == Visibility::Mounted
+                    && self.visibility(&stale.target_path, deadline).await?
+                        != Visibility::NotMounted
                 {
                     return Err(BridgeError::InvalidRequest(format!(
                         "volume is already attached on this node at {} as CSI volume {:?}; \

@@ -18,16 +18,20 @@ pub const REDACTED: &str = "<redacted>";
 impl Redactions {
     pub const NONE: Redactions = Redactions(Vec::new());
 
-    /// The secret values and the mount flags (each whole, and the value of `key=value`)
-    /// of one request.
+    /// The secret values and the mount flags (each whole, each comma-joined `key=value`
+    /// option, and each such value) of one request: a driver may echo the
+    /// options of `vers=3,username=u,password=S` one by one, in any order.
     pub fn of(secrets: &Secrets, capability: Option<&Capability>) -> Self {
         let mut hidden: Vec<String> = secrets.values().map(str::to_string).collect();
         for flag in capability.iter().flat_map(|c| c.mount_flags.iter()) {
             hidden.push(flag.clone());
-            if let Some((_, value)) = flag.split_once('=')
-                && !is_plain_number(value)
-            {
-                hidden.push(value.to_string());
+            for option in flag.split(',') {
+                if let Some((_, value)) = option.split_once('=') {
+                    hidden.push(option.to_string());
+                    if !is_plain_number(value) {
+                        hidden.push(value.to_string());
+                    }
+                }
             }
         }
         hidden.retain(|s| s.len() >= MIN_SECRET_LEN);
@@ -78,5 +82,18 @@ mod tests {
         }
         assert!(scrubbed.contains("refused"), "{scrubbed}");
         assert_eq!(Redactions::NONE.apply("as is"), "as is");
+    }
+
+    #[test]
+    fn each_option_of_a_comma_joined_flag_is_hidden_wherever_it_is_echoed() {
+        let cap = Capability {
+            access_mode: AccessMode::MultiNodeMultiWriter,
+            fs_type: String::new(),
+            mount_flags: vec!["vers=3,username=alice,password=s3cr3t-pw".into()],
+        };
+        let r = Redactions::of(&Secrets::default(), Some(&cap));
+        let scrubbed = r.apply("mount error: password=s3cr3t-pw,vers=3 rejected (s3cr3t-pw)");
+        assert!(!scrubbed.contains("s3cr3t"), "{scrubbed}");
+        assert!(scrubbed.contains("rejected"), "{scrubbed}");
     }
 }

@@ -266,8 +266,8 @@ impl Stream for Incoming<TcpListener> {
 }
 
 /// The uid owning the client end of a loopback TCP connection, from the kernel's socket
-/// table (`/proc/net/tcp{,6}`): the entry whose local address is the peer's and whose
-/// remote address is ours.
+/// table (`/proc/net/tcp{,6}`): the established entry whose local address is the peer's
+/// and whose remote address is ours.
 fn loopback_peer_uid(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
     if !peer.ip().is_loopback() {
         return None;
@@ -278,8 +278,16 @@ fn loopback_peer_uid(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
             let text = std::fs::read_to_string(table).ok()?;
             text.lines().skip(1).find_map(|line| {
                 let fields: Vec<&str> = line.split_whitespace().collect();
-                let (l, r, uid) = (fields.get(1)?, fields.get(2)?, fields.get(7)?);
-                (proc_addr(l)? == peer && proc_addr(r)? == local)
+                let (l, r, state, uid, inode) = (
+                    fields.get(1)?,
+                    fields.get(2)?,
+                    fields.get(3)?,
+                    fields.get(7)?,
+                    fields.get(9)?,
+                );
+                // Only a live, established socket: a closed one in TIME_WAIT is listed
+                // with uid 0 and inode 0, whoever owned it.
+                (proc_addr(l)? == peer && proc_addr(r)? == local && *state == "01" && *inode != "0")
                     .then(|| uid.parse().ok())
                     .flatten()
             })

@@ -259,10 +259,6 @@ impl NodeJournal {
         })
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     fn path(&self, volume_id: &str) -> PathBuf {
         self.dir.join(format!("{volume_id}.json"))
     }
@@ -356,19 +352,17 @@ impl NodeJournal {
     /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
     /// that comes back after a power loss is from an earlier boot, and tearing it down
     /// again only repeats idempotent inverse calls.
+    /// The holder log goes first: a log left behind by a crash between the two unlinks
+    /// would be replayed onto the next, unrelated record of the volume.
     pub fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
-        let path = self.path(volume_id);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Self::io(&path)(e)),
+        for path in [self.holder_log(volume_id), self.path(volume_id)] {
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Self::io(&path)(e)),
+            }
         }
-        let log = self.holder_log(volume_id);
-        match std::fs::remove_file(&log) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Self::io(&log)(e)),
-        }
+        Ok(())
     }
 
     /// Every volume id with a record (or only a holder log), for reconciliation and the
