@@ -301,6 +301,16 @@ fn schema_refuses_bad_values_naming_the_field() {
             "image.digest=latest",
             "/image/digest",
         ),
+        (
+            "a driver image registry given as a URL",
+            "controller.driver.image.registry=https://mirror.internal",
+            "/controller/driver/image/registry",
+        ),
+        (
+            "a driver image registry with a trailing slash",
+            "node.driver.image.registry=mirror.internal:5000/",
+            "/node/driver/image/registry",
+        ),
         // Checks across values, made by the templates.
         (
             "a single-node setup beside a controller side",
@@ -673,6 +683,64 @@ fn bridge_security_context_values_are_merged_over_the_chart_defaults() {
     assert!(
         image.ends_with(&format!("@sha256:{}", "0f".repeat(32))),
         "{image}"
+    );
+}
+
+/// The driver image is `<registry>/<repository>:<tag>` with `registry` set, and
+/// `<repository>:<tag>` alone while it is empty, as in the defaults and every example: the chart
+/// names no registry, so each repository is a plain image name whose first component is no
+/// host (no '.' or ':'). The registry of one side leaves the other side and the bridge alone.
+#[test]
+fn driver_image_gets_the_registry_in_front_only_when_one_is_set() {
+    let helm = require_helm!();
+    for (name, values) in value_sets() {
+        let objects = manifests(&helm.render(&strs(&values)));
+        for side in ["node", "controller"] {
+            let Some(pod) = workload_pod(&objects, side) else {
+                continue;
+            };
+            let image = container(pod, "csi-driver")["image"].as_str().unwrap();
+            let (repository, tag) = image.rsplit_once(':').unwrap();
+            assert!(
+                repository.starts_with("sig-storage/") && !tag.is_empty(),
+                "{name} values, {side} side: {image}"
+            );
+            let first = repository.split('/').next().unwrap();
+            assert!(
+                !first.contains('.') && !first.contains(':'),
+                "{name} values, {side} side names a registry: {image}"
+            );
+        }
+    }
+    let registry = "mirror.internal:5000/csi";
+    let objects = manifests(&helm.render(&[
+        "-f",
+        &example("values-nfs.yaml"),
+        "--set",
+        &format!("node.driver.image.registry={registry}"),
+    ]));
+    let node = pod_spec(&objects, "node");
+    assert_eq!(
+        container(node, "csi-driver")["image"],
+        format!("{registry}/sig-storage/nfsplugin:v4.13.4")
+    );
+    assert_eq!(
+        container(pod_spec(&objects, "controller"), "csi-driver")["image"],
+        "sig-storage/nfsplugin:v4.13.4"
+    );
+    let bridge = container(node, "bridge")["image"].as_str().unwrap();
+    assert!(!bridge.contains(registry), "{bridge}");
+    let objects = manifests(&helm.render(&[
+        "-f",
+        &example("values-hostpath.yaml"),
+        "--set",
+        "node.driver.image.registry=localhost:5000",
+        "--set",
+        "node.driver.image.tag=v1.18.0-rc.1",
+    ]));
+    assert_eq!(
+        container(pod_spec(&objects, "node"), "csi-driver")["image"],
+        "localhost:5000/sig-storage/hostpathplugin:v1.18.0-rc.1"
     );
 }
 

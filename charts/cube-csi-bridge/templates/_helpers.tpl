@@ -231,8 +231,12 @@ Environment every CSI driver container gets. Call with the driver values.
   value: {{ .Values.logFormat | quote }}
 {{- end }}
 
-{{/* The driver container's image reference. Call with the driver values. */}}
+{{/*
+The driver container's image reference, `<registry>/<repository>:<tag>`, or
+`<repository>:<tag>` when image.registry is empty. Call with the driver values.
+*/}}
 {{- define "cube-csi-bridge.driverImage" -}}
+{{- with .image.registry }}{{ . }}/{{ end }}
 {{- printf "%s:%s" .image.repository .image.tag }}
 {{- end }}
 
