@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # install-python-peers.sh — a Python virtual environment with the pinned packages of
 # tests/python/requirements.txt (grpcio, grpcio-tools: the grpc-core client of
-# tests/any_grpc_client.rs), installed from PyPI with pip, cached, and print its bin
+# tests/any_grpc_client.rs), installed with pip, cached, and print its bin
 # directory as the LAST line of stdout. Everything else goes to stderr.
 #
 #   bin=$(scripts/install-python-peers.sh | tail -n1)

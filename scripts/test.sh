@@ -29,11 +29,11 @@ CUBE_CSI_BRIDGE_K8S_BIN="$(bash scripts/install-k8s-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_K8S_BIN
 
 # systemd-analyze (tests/systemd_units.rs) from Debian, and cargo-deny (the dependency check
-# below) built from crates.io once and cached.
+# below) built with `cargo install` once and cached.
 CUBE_CSI_BRIDGE_OPS_BIN="$(bash scripts/install-ops-tools.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_OPS_BIN
 
-# cargo-fuzz (scripts/fuzz.sh below), built from crates.io once and cached.
+# cargo-fuzz (scripts/fuzz.sh below), built with `cargo install` once and cached.
 CUBE_CSI_BRIDGE_FUZZ_BIN="$(bash scripts/install-fuzz-tools.sh | tail -n 1)"
 
 cargo fmt --check
