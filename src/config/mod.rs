@@ -678,6 +678,13 @@ impl Checker<'_> {
                 "must be at most 64 bytes with no control characters",
             ));
         }
+        // CSI's capacity_range is int64: the core and the driver adapter cast to it.
+        if i64::try_from(volume.capacity_bytes).is_err() {
+            return Err(self.invalid(
+                "volume.capacity_bytes",
+                format!("must be at most {}", i64::MAX),
+            ));
+        }
         Ok(())
     }
 
@@ -1203,6 +1210,22 @@ endpoint = "unix:///run/csi/nfs.sock"
             c.metrics.volume_stats_interval,
             Some(Duration::from_secs(86_400))
         );
+    }
+
+    #[test]
+    fn a_capacity_beyond_int64_is_a_config_error() {
+        // CSI's required_bytes is an int64.
+        let err = parse(&format!(
+            "{MINIMAL}[volume]\ncapacity_bytes = 9223372036854775808\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("volume.capacity_bytes"), "{err}");
+        let c = parse(&format!(
+            "{MINIMAL}[volume]\ncapacity_bytes = 9223372036854775807\n"
+        ))
+        .unwrap();
+        assert_eq!(c.volume.capacity_bytes, i64::MAX as u64);
     }
 
     #[test]
