@@ -78,7 +78,7 @@ pub async fn run(
     caller: &Caller,
     answered: impl FnOnce(HookOutput),
 ) {
-    let kind = request.kind();
+    let (kind, volume_id) = (request.kind(), request.volume_id().to_string());
     let roles = if kind.is_node() {
         Roles::NODE
     } else {
@@ -95,7 +95,7 @@ pub async fn run(
         Ok(b) => b,
         Err(error) => {
             answered(HookOutput::failure(&format!(
-                "{kind}: cannot open the bridge's state: {error}"
+                "{kind} of volume {volume_id:?}: cannot open the bridge's state: {error}"
             )));
             return;
         }
@@ -248,6 +248,33 @@ mod tests {
         assert!(
             sweep_turn(&dir, interval).is_none(),
             "stamped: not due again"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_bridge_that_cannot_open_is_named_with_the_hook_and_volume() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("not-a-dir");
+        std::fs::write(&file, b"").unwrap();
+        let text = format!(
+            "driver = \"nfs\"\n[csi]\nendpoint = \"unix:///run/csi/nfs.sock\"\n\
+             [state]\ndir = \"{}\"\n",
+            file.join("state").display()
+        );
+        let config = Config::parse(&text, Path::new("/etc/test.toml")).unwrap();
+        let request = HookRequest::Destroy(crate::proto::cube::v1::DestroyRequest {
+            volume_id: "vol-7".into(),
+        });
+        let mut output = None;
+        run(config, request, &Caller::waiting(), |o| output = Some(o)).await;
+        let output = output.unwrap();
+        assert!(!output.success);
+        assert!(
+            output
+                .stdout
+                .contains("destroy of volume \\\"vol-7\\\": cannot open the bridge's state"),
+            "{}",
+            output.stdout
         );
     }
 

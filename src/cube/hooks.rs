@@ -31,7 +31,7 @@ impl HookRequest {
         }
     }
 
-    fn volume_id(&self) -> &str {
+    pub fn volume_id(&self) -> &str {
         match self {
             HookRequest::Create(r) => &r.volume_id,
             HookRequest::Destroy(r) => &r.volume_id,
