@@ -95,7 +95,8 @@ pub async fn run(
         Ok(b) => b,
         Err(error) => {
             answered(HookOutput::failure(&format!(
-                "{kind} of volume {volume_id:?}: cannot open the bridge's state: {error}"
+                "{kind} of volume {}: cannot open the bridge's state: {error}",
+                crate::bridge::naming::quote_volume_id(&volume_id)
             )));
             return;
         }

@@ -125,9 +125,10 @@ fn front(answer: OwnedFd, log: OwnedFd, hook: HookKind, volume_id: &str) -> Hook
     }
     decode_answer(&answer_bytes).unwrap_or_else(|| {
         HookOutput::failure(&format!(
-            "{hook} of volume {volume_id:?}: the hook's worker process ended without \
-             answering (killed?); whatever it started is undone by the next hook or the \
-             daemon's reconciliation"
+            "{hook} of volume {}: the hook's worker process ended without answering \
+             (killed?); whatever it started is undone by the next hook or the daemon's \
+             reconciliation",
+            crate::bridge::naming::quote_volume_id(volume_id)
         ))
     })
 }
