@@ -566,6 +566,49 @@ async fn cubevolume_store_refuses_stale_writes() {
     one.delete(&current).await.expect("delete");
     one.delete(&current).await.expect("already gone");
     assert!(two.get("v1").await.unwrap().is_none());
+    // Replacing the deleted object is a lost race too.
+    let mut stale = current.clone();
+    assert!(matches!(
+        one.put(&mut stale).await,
+        Err(StoreError::Conflict { .. })
+    ));
+
+    // Without the CRD the API server answers 404 for the resource, not the object: that
+    // must not read as "no record" (Destroy would answer success having deleted nothing).
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crds: Api<CustomResourceDefinition> = Api::all(api.admin().await);
+    crds.delete(&format!("{CRD_PLURAL}.{CRD_GROUP}"), &Default::default())
+        .await
+        .expect("delete the CRD");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let error = loop {
+        match two.get("v1").await {
+            Err(e) => break e,
+            Ok(found) => {
+                assert!(found.is_none());
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "still read as absent 30s after the CRD was deleted"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    assert!(
+        error
+            .to_string()
+            .contains("CustomResourceDefinition installed"),
+        "{error}"
+    );
+    assert!(!matches!(
+        one.delete(&current).await,
+        Ok(()) | Err(StoreError::Conflict { .. })
+    ));
+    let mut stale = current.clone();
+    assert!(!matches!(
+        one.put(&mut stale).await,
+        Ok(()) | Err(StoreError::Conflict { .. })
+    ));
 }
 
 /// The upstream Kubernetes CSI mock driver (csi-test's mock-driver, built by

@@ -156,8 +156,10 @@ impl fmt::Display for HookError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} of volume {:?}: {}",
-            self.hook, self.volume_id, self.error
+            "{} of volume {}: {}",
+            self.hook,
+            super::naming::quote_volume_id(&self.volume_id),
+            self.error
         )
     }
 }

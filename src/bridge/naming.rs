@@ -11,6 +11,38 @@ pub const MAX_CSI_NAME_LEN: usize = 128;
 /// Hex digits of the hash that replaces the tail of an over-long CSI name.
 const NAME_HASH_LEN: usize = 16;
 
+/// Most bytes of a volume_id quoted in errors and log lines: a refused one may be of any
+/// length.
+const MAX_QUOTED_ID: usize = 128;
+
+/// `id` for a log field: whole when short, else its first 128 bytes, `…` and its length.
+pub fn short_volume_id(id: &str) -> std::borrow::Cow<'_, str> {
+    let head = id_head(id);
+    if head.len() == id.len() {
+        id.into()
+    } else {
+        format!("{head}… ({} bytes)", id.len()).into()
+    }
+}
+
+/// `id` quoted for a message, as `short_volume_id` bounds it.
+pub fn quote_volume_id(id: &str) -> String {
+    let head = id_head(id);
+    if head.len() == id.len() {
+        format!("{id:?}")
+    } else {
+        format!("{head:?}… ({} bytes)", id.len())
+    }
+}
+
+fn id_head(id: &str) -> &str {
+    let mut end = id.len().min(MAX_QUOTED_ID);
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    &id[..end]
+}
+
 /// Checks a Cube volume_id: `[A-Za-z0-9_-]{1,128}` (it may begin with `-`). It becomes
 /// part of paths and file names, so anything else is refused before it is used.
 pub fn validate_volume_id(id: &str) -> Result<(), String> {
@@ -125,6 +157,23 @@ impl VolumePaths {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn volume_ids_are_quoted_up_to_128_bytes() {
+        assert_eq!(quote_volume_id("v-1"), "\"v-1\"");
+        assert_eq!(short_volume_id("v-1"), "v-1");
+        let id = "a".repeat(128);
+        assert_eq!(quote_volume_id(&id), format!("{id:?}"));
+        let long = format!("{}é{}", "a".repeat(127), "b".repeat(300));
+        assert_eq!(
+            quote_volume_id(&long),
+            format!("\"{}\"… (429 bytes)", "a".repeat(127))
+        );
+        assert_eq!(
+            short_volume_id(&long),
+            format!("{}… (429 bytes)", "a".repeat(127))
+        );
+    }
 
     #[test]
     fn volume_ids() {

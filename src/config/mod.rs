@@ -678,6 +678,13 @@ impl Checker<'_> {
                 "must be at most 64 bytes with no control characters",
             ));
         }
+        // CSI's capacity_range is int64: the core and the driver adapter cast to it.
+        if i64::try_from(volume.capacity_bytes).is_err() {
+            return Err(self.invalid(
+                "volume.capacity_bytes",
+                format!("must be at most {}", i64::MAX),
+            ));
+        }
         Ok(())
     }
 
@@ -813,10 +820,11 @@ impl Checker<'_> {
             })
             .transpose()?;
         let interval = raw.volume_stats_interval_secs.unwrap_or(60);
-        if interval > 0 && interval < 5 {
+        // Also keeps the period within what tokio's Interval accepts.
+        if (interval > 0 && interval < 5) || interval > 86_400 {
             return Err(self.invalid(
                 "metrics.volume_stats_interval_secs",
-                "must be 0 (off) or at least 5",
+                "must be 0 (off), or at least 5 and at most 86400",
             ));
         }
         Ok(MetricsSettings {
@@ -1177,6 +1185,47 @@ endpoint = "unix:///run/csi/nfs.sock"
             .unwrap_err()
             .to_string();
         assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn a_volume_stats_interval_beyond_a_day_is_a_config_error() {
+        // tokio's Interval panics on a period this large.
+        let err = parse(&format!(
+            "{MINIMAL}[metrics]\nlisten = \"127.0.0.1:9100\"\nvolume_stats_interval_secs = 18446744073709551615\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("metrics.volume_stats_interval_secs"), "{err}");
+        let err = parse(&format!(
+            "{MINIMAL}[metrics]\nlisten = \"127.0.0.1:9100\"\nvolume_stats_interval_secs = 86401\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("at most 86400"), "{err}");
+        let c = parse(&format!(
+            "{MINIMAL}[metrics]\nlisten = \"127.0.0.1:9100\"\nvolume_stats_interval_secs = 86400\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.metrics.volume_stats_interval,
+            Some(Duration::from_secs(86_400))
+        );
+    }
+
+    #[test]
+    fn a_capacity_beyond_int64_is_a_config_error() {
+        // CSI's required_bytes is an int64.
+        let err = parse(&format!(
+            "{MINIMAL}[volume]\ncapacity_bytes = 9223372036854775808\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("volume.capacity_bytes"), "{err}");
+        let c = parse(&format!(
+            "{MINIMAL}[volume]\ncapacity_bytes = 9223372036854775807\n"
+        ))
+        .unwrap();
+        assert_eq!(c.volume.capacity_bytes, i64::MAX as u64);
     }
 
     #[test]

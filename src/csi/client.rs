@@ -9,9 +9,9 @@ use tonic::{Code, Status};
 
 use super::Endpoint;
 use super::redact::Redactions;
-use super::retry::{Backoff, finality, is_final};
+use super::retry::{Backoff, status_finality};
 use crate::bridge::Deadline;
-use crate::bridge::ports::DriverError;
+use crate::bridge::ports::{DriverError, Finality};
 use crate::proto::csi::v1 as csi;
 use csi::controller_client::ControllerClient;
 use csi::identity_client::IdentityClient;
@@ -83,7 +83,7 @@ impl CsiClient {
             endpoint: self.endpoint.clone(),
             status: code_name(code),
             grpc_code: code as i32,
-            finality: finality(code),
+            finality: status_finality(status),
             message: redact.apply(status.message()),
             attempts,
             gave_up_after: None,
@@ -134,7 +134,7 @@ impl CsiClient {
             };
             let mut error = self.error(name, &status, attempts, redact);
             crate::metrics::csi_call(name, error.status, started.elapsed());
-            if is_final(status.code()) {
+            if error.finality != Finality::Uncertain {
                 return Err(error);
             }
             let delay = backoff.next_delay();
@@ -209,5 +209,52 @@ pub fn code_name(code: Code) -> &'static str {
         Code::Unavailable => "Unavailable",
         Code::DataLoss => "DataLoss",
         Code::Unauthenticated => "Unauthenticated",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A driver that takes the request and dies before answering: the call may have
+    /// been carried out, so the bridge must not take the failure as final.
+    #[tokio::test]
+    async fn a_connection_dropped_mid_call_is_uncertain() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let seen_tx = seen_tx.clone();
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(stream).await.unwrap();
+                    if let Some(Ok((request, _respond))) = conn.accept().await {
+                        let _ = seen_tx.send(request.uri().path().to_string());
+                    }
+                    // Dropping the connection closes the socket without a status or GOAWAY.
+                });
+            }
+        });
+
+        let client = CsiClient::new(&Endpoint::Unix(path));
+        let request = csi::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            ..Default::default()
+        };
+        let deadline = Deadline::after(Duration::from_millis(700));
+        let error = client
+            .create_volume(request, &deadline, &Redactions::NONE)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            seen.recv().await.as_deref(),
+            Some("/csi.v1.Controller/CreateVolume"),
+            "the driver received the call"
+        );
+        assert_eq!(error.finality, Finality::Uncertain, "{error:?}");
+        assert!(error.attempts > 1, "retried like UNAVAILABLE: {error:?}");
     }
 }

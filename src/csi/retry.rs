@@ -37,6 +37,17 @@ pub fn finality(code: Code) -> Finality {
     }
 }
 
+/// How the core must treat a failed call. A status tonic made itself from a broken
+/// connection (hyper/h2 error as its source; one decoded from the driver's trailers has
+/// none) is a transport failure whatever its code: the driver may have acted on the
+/// request before it died.
+pub fn status_finality(status: &tonic::Status) -> Finality {
+    if std::error::Error::source(status).is_some() {
+        return Finality::Uncertain;
+    }
+    finality(status.code())
+}
+
 /// Exponential backoff state.
 #[derive(Debug)]
 pub struct Backoff {
@@ -88,6 +99,17 @@ mod tests {
             assert_eq!(finality(code), Finality::Final);
         }
         assert_eq!(finality(Code::Unimplemented), Finality::Unimplemented);
+    }
+
+    #[test]
+    fn a_local_transport_status_is_uncertain() {
+        let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "connection reset");
+        let local = tonic::Status::from_error(Box::new(io));
+        assert_eq!(local.code(), Code::Unknown);
+        assert_eq!(status_finality(&local), Finality::Uncertain);
+        // The same code answered by the driver is final.
+        let answered = tonic::Status::unknown("the driver said so");
+        assert_eq!(status_finality(&answered), Finality::Final);
     }
 
     #[test]

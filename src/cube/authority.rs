@@ -17,8 +17,9 @@
 //! first rewrite on, every header block of that connection is re-encoded with literals
 //! that touch no HPACK table, so h2's table can never disagree with the client's.
 //! Anything the filter does not understand (no HTTP/2 preface, a malformed frame or
-//! header block) makes it step aside for the rest of the connection, so h2 sees and
-//! answers exactly what the client sent. The write side is never touched.
+//! header block) or will not hold (a header list larger than h2 accepts) makes it step
+//! aside for the rest of the connection, so h2 sees and answers exactly what the client
+//! sent. The write side is never touched.
 
 use std::io;
 use std::pin::Pin;
@@ -43,6 +44,11 @@ const FLAG_PRIORITY: u8 = 0x20;
 const MAX_WRITTEN_FRAME: usize = 16_384;
 /// A header block larger than this is handed to h2 untouched (h2 applies its own limits).
 const MAX_HEADER_BLOCK: usize = 1 << 20;
+/// A block whose decoded header list (RFC 7541 §4.1: name + value + 32 per field) passes
+/// this is not collected but handed to h2 untouched, which refuses anything over its
+/// SETTINGS_MAX_HEADER_LIST_SIZE (16 KiB under hyper). Indexed references to one large
+/// table entry make a block of 1 MiB decode to gigabytes.
+const MAX_HEADER_LIST: usize = 64 * 1024;
 /// What replaces an authority h2 would refuse: what grpc-go sends for a Unix socket.
 const REPLACEMENT_AUTHORITY: &[u8] = b"localhost";
 const READ_CHUNK: usize = 8 * 1024;
@@ -366,7 +372,8 @@ impl Filter {
         output: &mut BytesMut,
     ) {
         if !self.decode(fragment) {
-            // Leave the block and the rest to h2, which will fail it as it would have.
+            // Leave the block and the rest to h2, which will fail it as it would have
+            // (its own header list limit is far below MAX_HEADER_LIST).
             output.extend_from_slice(raw);
             self.stage = Stage::SteppedAside;
             return;
@@ -389,19 +396,29 @@ impl Filter {
         }
     }
 
-    /// Decodes a block into the scratch list, updating the mirror table.
+    /// Decodes a block into the scratch list, updating the mirror table; false if the
+    /// block is malformed or its header list passes `MAX_HEADER_LIST`.
     fn decode(&mut self, fragment: &[u8]) -> bool {
         self.names_values.clear();
         self.fields.clear();
         let (names_values, fields) = (&mut self.names_values, &mut self.fields);
-        self.decoder
+        let mut list_size = 0usize;
+        let decoded = self
+            .decoder
             .decode_with_cb(fragment, |name, value| {
+                // The decoder cannot be stopped; past the bound it only walks the rest
+                // (indexed fields are borrowed from its table, nothing is allocated).
+                list_size = list_size.saturating_add(name.len() + value.len() + 32);
+                if list_size > MAX_HEADER_LIST {
+                    return;
+                }
                 let start = names_values.len();
                 names_values.extend_from_slice(&name);
                 names_values.extend_from_slice(&value);
                 fields.push((start, name.len(), value.len()));
             })
-            .is_ok()
+            .is_ok();
+        decoded && list_size <= MAX_HEADER_LIST
     }
 
     fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
@@ -835,6 +852,98 @@ mod tests {
                 assert!(filter.stepped_aside());
             }
         }
+    }
+
+    /// A header block that decodes to gigabytes: one 4 KiB literal added to the table,
+    /// then a million 1-byte indexed references to it, sent as HEADERS + CONTINUATIONs.
+    fn header_list_bomb() -> Vec<u8> {
+        let mut block = vec![0x40];
+        encode_string(b"x-bomb", &mut block);
+        encode_string(&[b'a'; 4000], &mut block);
+        // Index 62: the first dynamic table entry (RFC 7541 §2.3.3).
+        block.resize(block.len() + 1_000_000, 0x80 | 62);
+        let mut frames = vec![settings()];
+        let chunks: Vec<&[u8]> = block.chunks(MAX_WRITTEN_FRAME).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let kind = if i == 0 {
+                TYPE_HEADERS
+            } else {
+                TYPE_CONTINUATION
+            };
+            let flags = if i + 1 == chunks.len() {
+                FLAG_END_HEADERS
+            } else {
+                0
+            };
+            frames.push(frame(kind, flags, 1, chunk));
+        }
+        connection(&frames)
+    }
+
+    #[test]
+    fn a_header_list_bomb_is_passed_on_unchanged_without_being_collected() {
+        let input = header_list_bomb();
+        let (out, filter) = run(&input, input.len());
+        assert!(out == input, "passed on untouched");
+        assert!(filter.stepped_aside());
+        assert!(
+            filter.names_values.capacity() <= 2 * MAX_HEADER_LIST,
+            "collected {} bytes",
+            filter.names_values.capacity()
+        );
+        assert!(filter.fields.len() <= MAX_HEADER_LIST / 32);
+    }
+
+    /// The GOAWAY code h2 (limited to 16 KiB of header list as hyper configures it)
+    /// answers the bomb with, bare or behind the filter.
+    async fn h2_goaway_for_bomb(filtered: bool) -> u32 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        tokio::spawn(async move {
+            let io: Pin<Box<dyn AsyncReadWrite>> = if filtered {
+                Box::pin(AuthorityFix::new(server))
+            } else {
+                Box::pin(server)
+            };
+            let mut conn = h2::server::Builder::new()
+                .max_header_list_size(16 << 10)
+                .handshake::<_, bytes::Bytes>(io)
+                .await
+                .unwrap();
+            while let Some(Ok(_)) = conn.accept().await {}
+        });
+        let input = header_list_bomb();
+        let (mut read_half, mut write_half) = tokio::io::split(&mut client);
+        let send = async {
+            let _ = write_half.write_all(&input).await;
+        };
+        let goaway = async {
+            loop {
+                let mut head = [0u8; FRAME_HEADER_LEN];
+                read_half.read_exact(&mut head).await.unwrap();
+                let length =
+                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+                let mut payload = vec![0u8; length];
+                read_half.read_exact(&mut payload).await.unwrap();
+                if head[3] == 0x7 {
+                    return u32::from_be_bytes(payload[4..8].try_into().unwrap());
+                }
+            }
+        };
+        let (_, code) = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+            tokio::join!(send, goaway)
+        })
+        .await
+        .expect("h2 answered");
+        code
+    }
+
+    /// Behind the filter, h2 refuses the bomb as it does without it.
+    #[tokio::test]
+    async fn h2_refuses_a_header_list_bomb_behind_the_filter_as_without_it() {
+        let bare = h2_goaway_for_bomb(false).await;
+        assert_ne!(bare, 0, "h2 refuses the connection");
+        assert_eq!(h2_goaway_for_bomb(true).await, bare);
     }
 
     #[test]

@@ -1,8 +1,13 @@
 //! The binary hook: one hook per process, as Cubelet and CubeMaster fork it. stdout gets
 //! exactly one JSON object; logs go to stderr; the exit code is 0 only on success.
 
+use std::fs::File;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
+use nix::fcntl::Flock;
 use serde_json::json;
 
 use super::errors;
@@ -73,7 +78,7 @@ pub async fn run(
     caller: &Caller,
     answered: impl FnOnce(HookOutput),
 ) {
-    let kind = request.kind();
+    let (kind, volume_id) = (request.kind(), request.volume_id().to_string());
     let roles = if kind.is_node() {
         Roles::NODE
     } else {
@@ -90,7 +95,8 @@ pub async fn run(
         Ok(b) => b,
         Err(error) => {
             answered(HookOutput::failure(&format!(
-                "{kind}: cannot open the bridge's state: {error}"
+                "{kind} of volume {}: cannot open the bridge's state: {error}",
+                crate::bridge::naming::quote_volume_id(&volume_id)
             )));
             return;
         }
@@ -144,22 +150,9 @@ async fn sweep_if_due(bridge: &crate::bridge::Bridge) {
     let Some(interval) = config.controller.sweep_interval else {
         return;
     };
-    let stamp = config.state.dir.join("last-sweep");
-    let due = std::fs::metadata(&stamp)
-        .and_then(|m| m.modified())
-        .map_or(true, |at| at.elapsed().map_or(true, |age| age >= interval));
-    if !due {
-        return;
-    }
-    let Ok(Some(_turn)) = crate::store::fsutil::try_lock_exclusive(&stamp) else {
+    let Some(_turn) = sweep_turn(&config.state.dir, interval) else {
         return;
     };
-    // Stamped before sweeping: another process that finds the lock free meanwhile waits
-    // for the next interval rather than sweeping the same records again.
-    let _ = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&stamp)
-        .and_then(|f| f.set_modified(std::time::SystemTime::now()));
     match bridge
         .sweep_abandoned_creates(config.controller.abandoned_create_after)
         .await
@@ -169,5 +162,130 @@ async fn sweep_if_due(bridge: &crate::bridge::Bridge) {
         }
         Ok(_) => {}
         Err(error) => tracing::warn!(%error, "sweeping abandoned creates failed"),
+    }
+}
+
+/// Takes this process's turn to sweep if the stamp in `dir` is older than `interval`: the
+/// flock on the stamp, held while sweeping, with the stamp set to now.
+fn sweep_turn(dir: &Path, interval: Duration) -> Option<Flock<File>> {
+    let stamp = dir.join("last-sweep");
+    if !stamp_due(&stamp, interval) {
+        return None;
+    }
+    // A CubeMaster host with only controller hooks and the Kubernetes store may have no
+    // state dir yet.
+    if let Err(error) = crate::mount::ops::ensure_dir(dir, 0o700) {
+        tracing::warn!(%error, "not sweeping abandoned creates");
+        return None;
+    }
+    take_turn(&stamp, interval)
+}
+
+/// Whether the stamp is older than `interval` (or missing).
+fn stamp_due(stamp: &Path, interval: Duration) -> bool {
+    std::fs::metadata(stamp)
+        .and_then(|m| m.modified())
+        .map_or(true, |at| at.elapsed().map_or(true, |age| age >= interval))
+}
+
+/// Locks the stamp and, if it is still due, sets it to now.
+fn take_turn(stamp: &Path, interval: Duration) -> Option<Flock<File>> {
+    // A stamp made here must read as never swept, not as swept just now.
+    match File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(stamp)
+    {
+        Ok(file) => {
+            if let Err(error) = file.set_modified(SystemTime::UNIX_EPOCH) {
+                tracing::warn!(stamp = %stamp.display(), %error, "cannot reset the sweep stamp");
+            }
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(error) => {
+            tracing::warn!(stamp = %stamp.display(), %error, "not sweeping abandoned creates");
+            return None;
+        }
+    }
+    let turn = match crate::store::fsutil::try_lock_exclusive(stamp) {
+        Ok(Some(turn)) => turn,
+        Ok(None) => return None,
+        Err(error) => {
+            tracing::warn!(stamp = %stamp.display(), %error, "not sweeping abandoned creates");
+            return None;
+        }
+    };
+    // Another process may have swept between the first look and the lock.
+    if !stamp_due(stamp, interval) {
+        return None;
+    }
+    // Stamped before sweeping: another process that finds the lock free meanwhile waits
+    // for the next interval rather than sweeping the same records again.
+    if let Err(error) = turn.set_modified(SystemTime::now()) {
+        tracing::warn!(stamp = %stamp.display(), %error, "cannot update the sweep stamp");
+    }
+    Some(turn)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// A CubeMaster host with only Create/Destroy hooks and the Kubernetes store has no
+    /// state dir until the sweep makes it.
+    #[test]
+    fn the_sweep_takes_its_turn_when_the_state_dir_does_not_exist_yet() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("var/lib/cube-csi-bridge");
+        let interval = Duration::from_secs(60);
+        let turn = sweep_turn(&dir, interval);
+        assert!(turn.is_some(), "no turn taken");
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        drop(turn);
+        assert!(
+            sweep_turn(&dir, interval).is_none(),
+            "stamped: not due again"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_bridge_that_cannot_open_is_named_with_the_hook_and_volume() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("not-a-dir");
+        std::fs::write(&file, b"").unwrap();
+        let text = format!(
+            "driver = \"nfs\"\n[csi]\nendpoint = \"unix:///run/csi/nfs.sock\"\n\
+             [state]\ndir = \"{}\"\n",
+            file.join("state").display()
+        );
+        let config = Config::parse(&text, Path::new("/etc/test.toml")).unwrap();
+        let request = HookRequest::Destroy(crate::proto::cube::v1::DestroyRequest {
+            volume_id: "vol-7".into(),
+        });
+        let mut output = None;
+        run(config, request, &Caller::waiting(), |o| output = Some(o)).await;
+        let output = output.unwrap();
+        assert!(!output.success);
+        assert!(
+            output
+                .stdout
+                .contains("destroy of volume \\\"vol-7\\\": cannot open the bridge's state"),
+            "{}",
+            output.stdout
+        );
+    }
+
+    /// Another process swept between this one's first look and its lock.
+    #[test]
+    fn a_sweep_done_meanwhile_is_not_repeated() {
+        let tmp = tempfile::tempdir().unwrap();
+        let stamp = tmp.path().join("last-sweep");
+        std::fs::write(&stamp, b"").unwrap();
+        assert!(take_turn(&stamp, Duration::from_secs(60)).is_none());
+        assert!(take_turn(&stamp, Duration::ZERO).is_some());
     }
 }

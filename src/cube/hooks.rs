@@ -31,7 +31,7 @@ impl HookRequest {
         }
     }
 
-    fn volume_id(&self) -> &str {
+    pub fn volume_id(&self) -> &str {
         match self {
             HookRequest::Create(r) => &r.volume_id,
             HookRequest::Destroy(r) => &r.volume_id,
@@ -69,7 +69,8 @@ pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError
         HookRequest::Detach(r) => validate::detach(r, config).map(Checked::Detach),
     };
     checked.map_err(|message| {
-        tracing::warn!(op = hook.as_str(), %volume_id, %message, "rejected an invalid request");
+        let shown = crate::bridge::naming::short_volume_id(&volume_id);
+        tracing::warn!(op = hook.as_str(), volume_id = %shown, %message, "rejected an invalid request");
         crate::metrics::hook(hook.as_str(), "invalid_request", std::time::Duration::ZERO);
         HookError {
             hook,
@@ -138,4 +139,34 @@ pub async fn handle(
 ) -> Result<HookReply, HookError> {
     let checked = check(request, bridge.config())?;
     run(bridge, checked, caller).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// A volume_id refused for its length is quoted in part, with its length.
+    #[test]
+    fn a_huge_volume_id_is_quoted_in_part() {
+        let config = Config::parse(
+            "driver = \"nfs\"\n[csi]\nendpoint = \"/run/x.sock\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let request = HookRequest::Destroy(pb::DestroyRequest {
+            volume_id: "x".repeat(1_000_000),
+        });
+        let message = check(request, &config).unwrap_err().to_string();
+        assert!(message.len() < 512, "{} bytes", message.len());
+        assert!(
+            message.starts_with(&format!(
+                "destroy of volume \"{}\"… (1000000 bytes)",
+                "x".repeat(128)
+            )),
+            "{message}"
+        );
+        assert!(message.contains("1000000 bytes long"), "{message}");
+    }
 }

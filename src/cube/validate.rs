@@ -96,6 +96,9 @@ pub fn detach(req: pb::DetachRequest, config: &Config) -> Result<DetachVolume, S
 /// Longest Detach metadata accepted, all keys and values together: what Attach returns is
 /// a few paths and the CSI handle, well under this.
 pub const MAX_METADATA_BYTES: usize = 16 * 1024;
+/// Longest `--metadata` text parsed: MAX_METADATA_BYTES with every byte escaped, and room
+/// for the syntax. Checked first, since serde's errors quote what they refuse.
+const MAX_METADATA_TEXT: usize = 8 * MAX_METADATA_BYTES;
 /// Most metadata entries accepted (Attach returns at most four).
 const MAX_METADATA_ENTRIES: usize = 32;
 
@@ -161,6 +164,12 @@ fn resolved(dir: &Path) -> Option<std::path::PathBuf> {
 
 /// Parses the binary hook's `--metadata` argument: a JSON object of strings.
 pub fn metadata_json(text: &str) -> Result<HashMap<String, String>, String> {
+    if text.len() > MAX_METADATA_TEXT {
+        return Err(format!(
+            "--metadata is {} bytes; at most {MAX_METADATA_TEXT} are accepted",
+            text.len()
+        ));
+    }
     if text.trim().is_empty() {
         return Ok(HashMap::new());
     }
@@ -232,5 +241,9 @@ mod tests {
         assert!(metadata_json(r#"{"a":1}"#).is_err());
         assert!(metadata_json("[]").is_err());
         assert_eq!(metadata_json(r#"{"a":"b"}"#).unwrap()["a"], "b");
+        // Refused before serde, whose message would quote the string.
+        let huge = format!("\"{}\"", "m".repeat(1_000_000));
+        let message = metadata_json(&huge).unwrap_err();
+        assert!(message.len() < 256, "{} bytes", message.len());
     }
 }

@@ -17,7 +17,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pipe};
 
 use super::binary::{self, HookOutput, HookRequest};
-use crate::bridge::Caller;
+use crate::bridge::{Caller, HookKind};
 use crate::config::Config;
 
 /// Runs `request` in a worker process and returns its output. Must be called while the
@@ -39,6 +39,7 @@ pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
         // No pipes, no worker: run here (a SIGKILL is then left to reconciliation).
         return run_here(config, request);
     };
+    let (hook, volume_id) = (request.kind(), request.volume_id().to_string());
     // SAFETY: the process is single-threaded here (the caller's contract), so the child
     // may run arbitrary code after fork.
     match unsafe { fork() } {
@@ -49,7 +50,7 @@ pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
         }
         Ok(ForkResult::Parent { .. }) => {
             drop((answer_w, log_w, alive_r));
-            let output = front(answer_r, log_r);
+            let output = front(answer_r, log_r, hook, &volume_id);
             // Keep `alive_w` open until the answer is in: dropping it now (or being
             // killed) tells the worker its caller is gone.
             drop(alive_w);
@@ -79,7 +80,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// The front: relay the worker's log lines to our stderr, collect its answer.
-fn front(answer: OwnedFd, log: OwnedFd) -> HookOutput {
+fn front(answer: OwnedFd, log: OwnedFd, hook: HookKind, volume_id: &str) -> HookOutput {
     let mut answer_file = std::fs::File::from(answer);
     let mut log_file = std::fs::File::from(log);
     let mut answer_bytes = Vec::new();
@@ -123,10 +124,12 @@ fn front(answer: OwnedFd, log: OwnedFd) -> HookOutput {
         }
     }
     decode_answer(&answer_bytes).unwrap_or_else(|| {
-        HookOutput::failure(
-            "the hook's worker process ended without answering (killed?); whatever it \
-             started is undone by the next hook or the daemon's reconciliation",
-        )
+        HookOutput::failure(&format!(
+            "{hook} of volume {}: the hook's worker process ended without answering \
+             (killed?); whatever it started is undone by the next hook or the daemon's \
+             reconciliation",
+            crate::bridge::naming::quote_volume_id(volume_id)
+        ))
     })
 }
 
@@ -226,5 +229,21 @@ mod tests {
             assert_eq!(decode_answer(&encode_answer(&output)), Some(output));
         }
         assert_eq!(decode_answer(b""), None);
+    }
+
+    #[test]
+    fn a_worker_that_never_answered_is_named_with_its_hook_and_volume() {
+        let (answer_r, answer_w) = pipe().unwrap();
+        let (log_r, log_w) = pipe().unwrap();
+        drop((answer_w, log_w));
+        let output = front(answer_r, log_r, HookKind::Attach, "vol-7");
+        assert!(!output.success);
+        assert!(
+            output
+                .stdout
+                .contains("attach of volume \\\"vol-7\\\": the hook's worker"),
+            "{}",
+            output.stdout
+        );
     }
 }

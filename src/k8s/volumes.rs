@@ -119,7 +119,7 @@ impl ControllerStore for CubeVolumeStore {
         let name = object_name(&self.driver, volume_id);
         match api.get(&name).await {
             Ok(object) => self.to_record(object).map(Some),
-            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(None),
+            Err(e) if object_absent(&e, &name) => Ok(None),
             Err(e) => Err(self.failed(format!("reading CubeVolume {name}"), namespace, e)),
         }
     }
@@ -153,7 +153,7 @@ impl ControllerStore for CubeVolumeStore {
                 })
             }
             // Replacing an object deleted meanwhile: also a lost race.
-            Err(kube::Error::Api(s)) if s.is_not_found() && record.revision.is_some() => {
+            Err(e) if record.revision.is_some() && object_absent(&e, &name) => {
                 Err(StoreError::Conflict {
                     volume_id: record.volume_id.clone(),
                 })
@@ -176,7 +176,7 @@ impl ControllerStore for CubeVolumeStore {
         };
         match api.delete(&name, &params).await {
             Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(()),
+            Err(e) if object_absent(&e, &name) => Ok(()),
             Err(kube::Error::Api(s)) if s.is_conflict() => Err(StoreError::Conflict {
                 volume_id: record.volume_id.clone(),
             }),
@@ -274,6 +274,22 @@ impl CubeVolumeStore {
     }
 }
 
+/// Whether an error says that object `name` does not exist. The API server names the
+/// object in a 404's details; a 404 naming nothing ("the server could not find the
+/// requested resource") means CubeVolumes are not served (no CRD) and says nothing of
+/// the object.
+fn object_absent(error: &kube::Error, name: &str) -> bool {
+    let kube::Error::Api(status) = error else {
+        return false;
+    };
+    status.is_not_found()
+        && status.details.as_ref().is_some_and(|details| {
+            details.name == name
+                && (details.kind.eq_ignore_ascii_case(CRD_PLURAL)
+                    || details.kind.eq_ignore_ascii_case(CRD_KIND))
+        })
+}
+
 fn store_error(action: String, e: KubeError) -> StoreError {
     StoreError::Backend {
         store: format!("{CRD_KIND} objects"),
@@ -312,6 +328,43 @@ pub fn object_name(driver: &str, volume_id: &str) -> String {
 mod tests {
     use super::*;
     use crate::k8s::names::is_dns_subdomain;
+
+    /// A 404 body as the API server sends it: `NewNotFound` for a missing object, or
+    /// the catch-all for a resource it does not serve (empty details).
+    fn not_found(body: serde_json::Value) -> kube::Error {
+        kube::Error::Api(Box::new(serde_json::from_value(body).unwrap()))
+    }
+
+    #[test]
+    fn only_a_404_naming_the_object_means_it_is_absent() {
+        let name = object_name("nfs", "v1");
+        let gone = not_found(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("cubevolumes.{CRD_GROUP} \"{name}\" not found"),
+            "reason": "NotFound",
+            "details": {"name": name, "group": CRD_GROUP, "kind": CRD_PLURAL},
+            "code": 404
+        }));
+        assert!(object_absent(&gone, &name));
+        // The CRD is not installed (or not served at this version): nothing is known
+        // about the object, and Destroy must not take it as deleted.
+        let unserved = not_found(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "the server could not find the requested resource",
+            "reason": "NotFound", "details": {}, "code": 404
+        }));
+        assert!(!object_absent(&unserved, &name));
+        let other = not_found(serde_json::json!({
+            "status": "Failure", "reason": "NotFound", "code": 404,
+            "details": {"name": "someone-else", "kind": CRD_PLURAL}
+        }));
+        assert!(!object_absent(&other, &name));
+        let other_kind = not_found(serde_json::json!({
+            "status": "Failure", "reason": "NotFound", "code": 404,
+            "details": {"name": name, "kind": "namespaces"}
+        }));
+        assert!(!object_absent(&other_kind, &name));
+    }
 
     #[test]
     fn object_names_are_valid_stable_and_distinct() {

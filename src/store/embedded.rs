@@ -20,6 +20,9 @@ pub const STORE_FORMAT: u64 = 1;
 const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const FORMAT_KEY: &str = "format";
+/// The last revision handed out, store-wide: a record deleted and created again never
+/// gets a revision a copy read before the delete could hold.
+const REVISION_KEY: &str = "revision";
 
 /// How long an operation waits for another process's transaction on the file.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
@@ -153,6 +156,25 @@ impl EmbeddedStore {
             .transpose()
     }
 
+    /// The last revision handed out. A file from before the store-wide counter counted
+    /// per record: start above every revision its records hold.
+    fn last_revision(
+        &self,
+        meta: &redb::Table<&str, u64>,
+        table: &redb::Table<&str, &[u8]>,
+    ) -> Result<u64, StoreError> {
+        if let Some(last) = meta.get(REVISION_KEY).map_err(|e| self.err(e))? {
+            return Ok(last.value());
+        }
+        let mut highest = 0;
+        for entry in table.iter().map_err(|e| self.err(e))? {
+            let (_, v) = entry.map_err(|e| self.err(e))?;
+            let revision = self.decode(v.value())?.revision.unwrap_or_default();
+            highest = highest.max(revision.parse::<u64>().unwrap_or(0));
+        }
+        Ok(highest)
+    }
+
     /// Writes `record` if the stored revision is `record.revision`; returns the new one.
     fn put(&self, record: &VolumeRecord) -> Result<String, StoreError> {
         self.with_db(|db| {
@@ -165,7 +187,9 @@ impl EmbeddedStore {
                         volume_id: record.volume_id.clone(),
                     });
                 }
-                let next = stored.map_or(0, |r| r.parse::<u64>().unwrap_or(0)) + 1;
+                let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+                let next = self.last_revision(&meta, &table)? + 1;
+                meta.insert(REVISION_KEY, next).map_err(|e| self.err(e))?;
                 let mut copy = record.clone();
                 copy.revision = Some(next.to_string());
                 let bytes = serde_json::to_vec(&copy).map_err(|e| self.err(e))?;
@@ -195,6 +219,11 @@ impl EmbeddedStore {
                     }
                     _ => {}
                 }
+                // Keep the revision being deleted counted (it matters only for a file
+                // from before the counter, where it would otherwise be forgotten).
+                let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+                let last = self.last_revision(&meta, &table)?;
+                meta.insert(REVISION_KEY, last).map_err(|e| self.err(e))?;
                 table
                     .remove(record.volume_id.as_str())
                     .map_err(|e| self.err(e))?;
@@ -321,6 +350,54 @@ mod tests {
         ));
         store.delete(&first).unwrap();
         assert_eq!(store.get("a").unwrap(), None);
+    }
+
+    /// A copy read before a delete must not match the record created after it (ABA):
+    /// a stale sweep would otherwise claim and delete a fresh Create.
+    #[test]
+    fn a_recreated_record_never_reuses_a_revision() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        let mut stale = record("a");
+        stale.revision = Some(store.put(&stale).unwrap());
+        store.delete(&stale).unwrap();
+        let fresh = store.put(&record("a")).unwrap();
+        assert_ne!(Some(fresh.as_str()), stale.revision.as_deref());
+        assert!(matches!(
+            store.delete(&stale),
+            Err(StoreError::Conflict { .. })
+        ));
+        assert!(matches!(
+            store.put(&stale),
+            Err(StoreError::Conflict { .. })
+        ));
+        assert_eq!(store.get("a").unwrap().unwrap().revision, Some(fresh));
+    }
+
+    /// A file written by per-record counting: the store-wide counter starts above every
+    /// revision already handed out.
+    #[test]
+    fn the_counter_starts_above_revisions_of_an_older_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        let mut old = record("old");
+        old.revision = Some("7".into());
+        let bytes = serde_json::to_vec(&old).unwrap();
+        store
+            .with_db(|db| {
+                let txn = db.begin_write().unwrap();
+                txn.open_table(VOLUMES)
+                    .unwrap()
+                    .insert("old", bytes.as_slice())
+                    .unwrap();
+                txn.commit().unwrap();
+                Ok(())
+            })
+            .unwrap();
+        let stale = store.get("old").unwrap().unwrap();
+        store.delete(&stale).unwrap();
+        let fresh = store.put(&record("old")).unwrap();
+        assert!(fresh.parse::<u64>().unwrap() > 7, "{fresh}");
     }
 
     #[test]
