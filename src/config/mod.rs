@@ -300,8 +300,9 @@ pub enum ControllerStoreKind {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesConfig {
-    /// A kubeconfig file. Unset: the pod's service account, else `$KUBECONFIG` or
-    /// `~/.kube/config`.
+    /// A kubeconfig file. Unset: `$KUBECONFIG` or `~/.kube/config` when there is one, else
+    /// the pod's service account (kube's order: on a host with an admin kubeconfig in
+    /// root's home, set this to the bridge's own).
     #[serde(default)]
     pub kubeconfig: Option<PathBuf>,
     /// Namespace of the CubeVolume objects. Unset: the service account's namespace (or

@@ -35,9 +35,11 @@ impl HookOutput {
 }
 
 /// Answers a node hook on the hot path (a mounted volume's Attach, a Detach that leaves
-/// holders), where the only change is one line of the holder log and nothing would need
-/// undoing if Cube killed the process: then the process Cube started answers by itself,
-/// without forking a worker. `None`: the full hook must run (see cube::worker). Bad
+/// holders), where the only change is one line of the holder log: then the process Cube
+/// started answers by itself, without forking a worker. (If Cube kills it after the line is
+/// written and before it answers, the holder stays recorded for a sandbox Cube considers
+/// failed; the window is the print of one line, and the holder goes with the namespace's
+/// next Detach at ref_count 0.) `None`: the full hook must run (see cube::worker). Bad
 /// requests are answered here too (they change nothing).
 pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<HookOutput> {
     use crate::config::MountViewSetting;
@@ -55,9 +57,12 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
     };
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
     let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
-    // Work an earlier, killed hook left behind is finished by a worker after it answers:
-    // while any is marked, every hook takes that path.
-    if !bridge.node_journal().pending().ok()?.is_empty() {
+    // Work an earlier, killed hook left behind is finished by a worker after it answers.
+    if pending_work_blocks(
+        &bridge.node_journal().pending_since().ok()?,
+        request.volume_id(),
+        SystemTime::now(),
+    ) {
         return None;
     }
     Some(match hooks::run_if_hot(&bridge, &checked).await? {
@@ -66,6 +71,25 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
             success: true,
         },
         Err(error) => failure(&error),
+    })
+}
+
+/// How long a marker of another volume sends every node hook to a worker (which finishes
+/// the marked work after answering). Past that the marked work is one that could not be
+/// finished (a failed repair, an unreadable record): it is retried by every hook that
+/// forks anyway, and no longer costs the hot paths of all the other volumes.
+const RECENT_PENDING: Duration = Duration::from_secs(300);
+
+/// Whether marked work must be finished before this hook may take its hot path: work on
+/// its own volume always; another volume's while it is recent.
+fn pending_work_blocks(
+    pending: &[(String, Option<SystemTime>)],
+    volume_id: &str,
+    now: SystemTime,
+) -> bool {
+    pending.iter().any(|(volume, marked)| {
+        volume == volume_id
+            || marked.is_none_or(|at| now.duration_since(at).unwrap_or_default() < RECENT_PENDING)
     })
 }
 
@@ -233,6 +257,23 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
+
+    #[test]
+    fn only_recent_or_own_pending_work_keeps_a_hook_off_its_hot_path() {
+        let now = SystemTime::now();
+        let old = Some(now - Duration::from_secs(3600));
+        let recent = Some(now - Duration::from_secs(5));
+        let marks = |list: &[(&str, Option<SystemTime>)]| -> Vec<(String, Option<SystemTime>)> {
+            list.iter().map(|(v, t)| (v.to_string(), *t)).collect()
+        };
+        assert!(!pending_work_blocks(&[], "v", now));
+        // A stuck marker of another volume no longer slows every hook down.
+        assert!(!pending_work_blocks(&marks(&[("stuck", old)]), "v", now));
+        // Recent work of another volume, or any of this one, is finished first.
+        assert!(pending_work_blocks(&marks(&[("other", recent)]), "v", now));
+        assert!(pending_work_blocks(&marks(&[("v", old)]), "v", now));
+        assert!(pending_work_blocks(&marks(&[("other", None)]), "v", now));
+    }
 
     /// A CubeMaster host with only Create/Destroy hooks and the Kubernetes store has no
     /// state dir until the sweep makes it.

@@ -127,7 +127,7 @@ impl Kube {
                 let config = kube::Config::infer()
                     .await
                     .map_err(|e| KubeError::Configure {
-                        source_desc: "the pod's service account or $KUBECONFIG".into(),
+                        source_desc: "$KUBECONFIG, ~/.kube/config or the pod's service account".into(),
                         message: e.to_string(),
                     })?;
                 (config, "the inferred configuration".to_string())

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
@@ -413,6 +414,19 @@ impl NodeJournal {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(Self::io(&path)(e)),
         }
+    }
+
+    /// Volumes marked pending, with when each was marked (None if that cannot be read).
+    pub fn pending_since(&self) -> Result<Vec<(String, Option<SystemTime>)>, JournalError> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&self.pending).map_err(Self::io(&self.pending))? {
+            let entry = entry.map_err(Self::io(&self.pending))?;
+            if let Some(name) = entry.file_name().to_str() {
+                let marked = entry.metadata().and_then(|m| m.modified()).ok();
+                out.push((name.to_string(), marked));
+            }
+        }
+        Ok(out)
     }
 
     /// Volumes marked pending.
