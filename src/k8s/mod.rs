@@ -127,7 +127,8 @@ impl Kube {
                 let config = kube::Config::infer()
                     .await
                     .map_err(|e| KubeError::Configure {
-                        source_desc: "$KUBECONFIG, ~/.kube/config or the pod's service account".into(),
+                        source_desc: "$KUBECONFIG, ~/.kube/config or the pod's service account"
+                            .into(),
                         message: e.to_string(),
                     })?;
                 (config, "the inferred configuration".to_string())

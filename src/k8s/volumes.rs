@@ -118,7 +118,22 @@ impl ControllerStore for CubeVolumeStore {
         let (api, namespace) = self.api().await?;
         let name = object_name(&self.driver, volume_id);
         match api.get(&name).await {
-            Ok(object) => self.to_record(object).map(Some),
+            Ok(object) => {
+                let record = self.to_record(object)?;
+                // Names carry a short hash: two ids may share one. Another volume's record
+                // is never this one's (Destroy would delete the other volume).
+                if record.volume_id != volume_id {
+                    return Err(StoreError::Corrupt {
+                        store: self.describe(),
+                        what: format!("CubeVolume {name}"),
+                        message: format!(
+                            "it records volume {:?}, not {volume_id:?} (a name collision)",
+                            record.volume_id
+                        ),
+                    });
+                }
+                Ok(Some(record))
+            }
             Err(e) if object_absent(&e, &name) => Ok(None),
             Err(e) => Err(self.failed(format!("reading CubeVolume {name}"), namespace, e)),
         }
@@ -191,11 +206,19 @@ impl ControllerStore for CubeVolumeStore {
             .list(&params)
             .await
             .map_err(|e| self.failed("listing CubeVolumes".into(), namespace, e))?;
-        objects
+        // One unusable object (edited by hand, another writer's) must not stop the sweep
+        // and the signing pass for every other volume: it is reported and left out.
+        Ok(objects
             .items
             .into_iter()
-            .map(|o| self.to_record(o))
-            .collect()
+            .filter_map(|o| match self.to_record(o) {
+                Ok(record) => Some(record),
+                Err(error) => {
+                    tracing::warn!(%error, "leaving an unusable CubeVolume out of the list");
+                    None
+                }
+            })
+            .collect())
     }
 
     fn describe(&self) -> String {

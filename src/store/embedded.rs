@@ -238,8 +238,17 @@ impl EmbeddedStore {
             let table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
             let mut out = Vec::new();
             for entry in table.iter().map_err(|e| self.err(e))? {
-                let (_, v) = entry.map_err(|e| self.err(e))?;
-                out.push(self.decode(v.value())?);
+                let (k, v) = entry.map_err(|e| self.err(e))?;
+                // One unreadable record must not stop the sweep and the signing pass for
+                // every other volume: it is reported and left out.
+                match self.decode(v.value()) {
+                    Ok(record) => out.push(record),
+                    Err(error) => tracing::warn!(
+                        volume_id = k.value(),
+                        %error,
+                        "leaving an unreadable record out of the list"
+                    ),
+                }
             }
             Ok(out)
         })
@@ -323,6 +332,33 @@ mod tests {
         store.delete(&got).unwrap();
         store.delete(&got).unwrap();
         assert_eq!(store.get("a").unwrap(), None);
+    }
+
+    #[test]
+    fn an_unreadable_record_is_left_out_of_the_list() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        store.put(&record("good")).unwrap();
+        store
+            .with_db(|db| {
+                let txn = db.begin_write().unwrap();
+                txn.open_table(VOLUMES)
+                    .unwrap()
+                    .insert("bad", b"not a record".as_slice())
+                    .unwrap();
+                txn.commit().unwrap();
+                Ok(())
+            })
+            .unwrap();
+        let listed: Vec<String> = store
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.volume_id)
+            .collect();
+        assert_eq!(listed, ["good"]);
+        // Read on its own, it is still an error that names it.
+        assert!(store.get("bad").is_err());
     }
 
     #[test]
