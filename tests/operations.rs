@@ -61,10 +61,11 @@ fn run_cli(w: &World, args: &[&str]) -> (bool, String) {
 async fn metrics_move_with_hooks_and_list_shows_both_stores_in_json() {
     require_root!();
     let port = free_port();
+    // No volume stats polling: the inventory gauges must move all the same.
     let w = World::start(
         Mode::Rpc,
         Caps::staging(),
-        &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"),
+        &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\nvolume_stats_interval_secs = 0\n"),
     )
     .await;
     let before = scrape(port).await;
@@ -76,6 +77,24 @@ async fn metrics_move_with_hooks_and_list_shows_both_stores_in_json() {
     w.attach("s2", "m1", 1, &created.private_data)
         .await
         .unwrap();
+
+    // The inventory gauges, refreshed off the hook path (every 10 s without stats polling).
+    let gauges = [
+        "cube_csi_bridge_attached_volumes 1",
+        "cube_csi_bridge_volume_holders 2",
+    ];
+    let deadline = std::time::Instant::now() + Duration::from_secs(25);
+    loop {
+        let text = scrape(port).await;
+        if gauges.iter().all(|g| text.lines().any(|l| l == *g)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "inventory gauges never moved:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     // Inventories, while attached.
     let (ok, json) = run_cli(&w, &["list", "--output", "json"]);

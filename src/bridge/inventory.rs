@@ -87,15 +87,19 @@ pub async fn node_volumes(
 }
 
 impl Bridge {
-    /// Refreshes the inventory gauges and, when the driver offers NodeGetVolumeStats,
-    /// each mounted volume's capacity, usage and condition. Runs off the hook path.
-    pub async fn refresh_volume_metrics(&self) -> Result<(), BridgeError> {
+    /// Refreshes the inventory gauges and, with `stats` and when the driver offers
+    /// NodeGetVolumeStats, each mounted volume's capacity, usage and condition. Runs off
+    /// the hook path.
+    pub async fn refresh_volume_metrics(&self, stats: bool) -> Result<(), BridgeError> {
         let volumes = node_volumes(self.node_journal(), self.mounts.as_ref()).await?;
         let holders = volumes
             .iter()
             .map(|v| v.holders.values().map(BTreeSet::len).sum::<usize>())
             .sum();
         crate::metrics::node_inventory(volumes.len(), holders);
+        if !stats {
+            return Ok(());
+        }
         let deadline = Deadline::after(STATS_CALL_BUDGET);
         if !self.node_caps(&deadline).await?.get_volume_stats {
             return Ok(());

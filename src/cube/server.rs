@@ -148,12 +148,17 @@ impl Daemon {
         let housekeeping = spawn_housekeeping(bridge.clone(), roles);
         let metrics = metrics
             .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
+        // The inventory gauges whenever metrics are served; the driver's volume stats only
+        // when asked for.
         let stats = bridge
             .config()
             .metrics
-            .volume_stats_interval
+            .listen
             .filter(|_| roles.node)
-            .map(|interval| tokio::spawn(poll_volume_stats(bridge.clone(), interval)));
+            .map(|_| {
+                let stats_every = bridge.config().metrics.volume_stats_interval;
+                tokio::spawn(poll_volume_metrics(bridge.clone(), stats_every))
+            });
 
         let health = super::health::DaemonHealth::start(bridge.config(), roles);
         let hooks = TaskTracker::new();
@@ -266,12 +271,16 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, roles: Roles) -> tokio::task::JoinHan
     })
 }
 
-/// Keeps the node inventory and per-volume stats gauges current, off the hook path.
-async fn poll_volume_stats(bridge: Arc<Bridge>, interval: Duration) {
-    let mut timer = tokio::time::interval(interval);
+/// How often the inventory gauges are refreshed when volume stats are not polled.
+const INVENTORY_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Keeps the node inventory gauges, and with `stats_every` the per-volume stats gauges,
+/// current, off the hook path.
+async fn poll_volume_metrics(bridge: Arc<Bridge>, stats_every: Option<Duration>) {
+    let mut timer = tokio::time::interval(stats_every.unwrap_or(INVENTORY_INTERVAL));
     loop {
         timer.tick().await;
-        if let Err(error) = bridge.refresh_volume_metrics().await {
+        if let Err(error) = bridge.refresh_volume_metrics(stats_every.is_some()).await {
             tracing::warn!(%error, "refreshing volume metrics failed");
         }
     }
