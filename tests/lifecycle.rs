@@ -578,12 +578,18 @@ async fn sigterm_lets_in_flight_hooks_finish_and_refuses_new_ones() {
     );
     let daemon = w.daemon.take().unwrap();
     let pid = nix::unistd::Pid::from_raw(daemon.id().unwrap() as i32);
-    let (attached, ()) = tokio::join!(w.attach("sb", "slow", 0, &created.private_data), async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    });
+    let socket = w.socket();
+    let (attached, gone_while_draining) =
+        tokio::join!(w.attach("sb", "slow", 0, &created.private_data), async {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            !socket.exists()
+        });
     let attached = attached.expect("the in-flight Attach finishes");
+    // Removed as soon as shutdown begins, while the listener still holds its inode: a
+    // successor binding the path meanwhile is never removed by this daemon.
+    assert!(gone_while_draining, "the socket stayed while draining");
     assert!(
         w.mounts()
             .contains(&Path::new(&attached.host_path).to_path_buf())

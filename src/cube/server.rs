@@ -205,6 +205,10 @@ impl Daemon {
             () = shutdown => {
                 tracing::info!(grace_secs = grace.as_secs(), "shutting down: refusing new hooks, finishing in-flight ones");
                 let _ = stop_tx.send(true);
+                // Now, while our listener still holds the socket's inode (so no successor's
+                // socket can have the same one): after the drain a successor may have bound
+                // the path.
+                file.remove_if_ours();
                 let drained = async {
                     let served = (&mut servers).await;
                     // Hooks whose callers already left still run to the end (or to
