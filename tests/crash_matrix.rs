@@ -1138,7 +1138,7 @@ fn render(results: &[(Case, Result<String, String>, Duration)]) -> String {
             cells
                 .get(&t)
                 .cloned()
-                .unwrap_or_else(|| "n/a (forked hooks never sweep)".into())
+                .unwrap_or_else(|| "n/a (the daemon's sweep)".into())
         };
         out.push_str(&format!(
             "| `{point}` | {} | {} | {} |\n",
