@@ -71,7 +71,8 @@ enum Scenario {
     Destroy,
     /// Destroy of a volume whose Create died after recording its intent.
     DestroyUnfinished,
-    /// The daemon's sweep reclaiming a Create that died (the sweep runs in `serve` only).
+    /// The daemon's sweep reclaiming a Create that died (driven through `serve` here; forked
+    /// controller hooks sweep too, which tests/cube_conditions.rs covers).
     Sweep,
     /// First Attach of a volume (ControllerPublish, NodeStage, NodePublish).
     Attach,
