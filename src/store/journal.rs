@@ -431,14 +431,11 @@ impl NodeJournal {
 
     /// Volumes marked pending.
     pub fn pending(&self) -> Result<Vec<String>, JournalError> {
-        let mut out = Vec::new();
-        for entry in std::fs::read_dir(&self.pending).map_err(Self::io(&self.pending))? {
-            let name = entry.map_err(Self::io(&self.pending))?.file_name();
-            if let Some(name) = name.to_str() {
-                out.push(name.to_string());
-            }
-        }
-        Ok(out)
+        Ok(self
+            .pending_since()?
+            .into_iter()
+            .map(|(volume, _)| volume)
+            .collect())
     }
 }
 
