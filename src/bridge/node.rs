@@ -265,10 +265,12 @@ impl Bridge {
                 first: req.ref_count == 0,
             };
             let mut record = self.record_for_attach(&req, &paths, &deadline).await?;
+            // Only a published or held volume can be mounted for someone: a fresh first
+            // Attach pays no mount check.
+            let visible = (record.publish == Step::Done || record.is_held())
+                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
 
-            if record.publish == Step::Done
-                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted
-            {
+            if record.publish == Step::Done && visible {
                 // Already attached and healthy: no CSI call, and at most one appended
                 // line for the holder.
                 if caller.is_gone() {
@@ -290,8 +292,7 @@ impl Bridge {
             // because of it, and reconciliation must undo it.
             let before = record.clone();
             // A mount other holders use is theirs: a failure here must not unpublish it.
-            let mounted_before = before.is_held()
-                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
+            let mounted_before = before.is_held() && visible;
             record.boot_id = self.boot_id.clone();
             if record.since == 0 {
                 record.since = crate::store::controller::now_secs();
