@@ -19,7 +19,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::csi::Endpoint;
-use crate::k8s::names::{is_dns_label, is_dns_subdomain, is_label_value};
+use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};
 pub use locate::{CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, EXECUTABLE_PREFIX, locate};
 
 /// Where Cube's node agent keeps plugin volumes when the request does not say.
@@ -520,15 +520,10 @@ impl Config {
             .record_key_secret
             .clone()
             .unwrap_or_else(|| {
-                let driver: String = self
-                    .driver
-                    .chars()
-                    .map(|c| match c.to_ascii_lowercase() {
-                        c @ ('a'..='z' | '0'..='9') => c,
-                        _ => '-',
-                    })
-                    .collect();
-                format!("cube-csi-bridge-{driver}-record-key")
+                format!(
+                    "cube-csi-bridge-{}-record-key",
+                    dns_name_chars(&self.driver)
+                )
             })
     }
 

@@ -24,6 +24,17 @@ pub fn is_dns_subdomain(s: &str) -> bool {
     s.len() <= 253 && s.split('.').all(part_ok)
 }
 
+/// `s` in the characters of a DNS-1123 name: lowercased, anything outside `[a-z0-9-]`
+/// made `-` (the caller trims and bounds it).
+pub fn dns_name_chars(s: &str) -> String {
+    s.chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9') => c,
+            _ => '-',
+        })
+        .collect()
+}
+
 /// A label value (non-empty form): `[A-Za-z0-9._-]`, alphanumeric at both ends.
 pub fn is_label_value(s: &str) -> bool {
     let alnum = |c: Option<u8>| c.is_some_and(|b| b.is_ascii_alphanumeric());

@@ -16,6 +16,7 @@ use kube::core::{ApiResource, GroupVersionKind, NotUsed, Object};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::names::dns_name_chars;
 use super::{Kube, KubeError};
 use crate::store::{
     ControllerStore, DeletionPolicy, SecretRef, StoreError, VolumeRecord, VolumeState,
@@ -326,14 +327,7 @@ fn store_error(action: String, e: KubeError) -> StoreError {
 /// then a hash of the exact pair, so volume ids differing only in case or in `_` versus
 /// `-` never share an object.
 pub fn object_name(driver: &str, volume_id: &str) -> String {
-    let readable: String = format!("{driver}-{volume_id}")
-        .chars()
-        .map(|c| match c {
-            'A'..='Z' => c.to_ascii_lowercase(),
-            'a'..='z' | '0'..='9' | '-' => c,
-            _ => '-',
-        })
-        .collect();
+    let readable = dns_name_chars(&format!("{driver}-{volume_id}"));
     let readable = readable.trim_matches('-');
     let digest = Sha256::digest(format!("{driver}\0{volume_id}").as_bytes());
     let hash: String = digest.iter().take(5).map(|b| format!("{b:02x}")).collect();
