@@ -150,7 +150,7 @@ impl Daemon {
             .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
         // The inventory gauges whenever metrics are served; the driver's volume stats only
         // when asked for.
-        let stats = bridge
+        let inventory = bridge
             .config()
             .metrics
             .listen
@@ -227,7 +227,7 @@ impl Daemon {
             }
         };
         housekeeping.abort();
-        for task in metrics.into_iter().chain(stats) {
+        for task in metrics.into_iter().chain(inventory) {
             task.abort();
         }
         file.remove_if_ours();
