@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The Go Cube-like caller (tests/cube_callers.rs), csi-mock and grpcurl, built once and cached.
+# The Go Cube-like caller (tests/cube_callers.rs, tests/real_mounts.rs), csi-test's mock
+# driver (tests/mock_driver.rs, the third-party CSI implementation) and grpcurl, built from
+# Go modules once and cached. Every test peer comes from a package registry or this tree.
 if ! command -v go >/dev/null 2>&1; then
     echo "scripts/test.sh: Go is needed to build the test peers in tests/peers" >&2
     exit 1
@@ -17,11 +19,6 @@ export CUBE_CSI_BRIDGE_PEERS_BIN
 # The Python grpcio client (tests/any_grpc_client.rs), in a venv built once and cached.
 CUBE_CSI_BRIDGE_PYTHON_BIN="$(bash scripts/install-python-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_PYTHON_BIN
-
-# The real CSI drivers (csi-driver-host-path, csi-driver-nfs), built offline from the pinned
-# release sources in ../shared/peers and cached (tests/real_drivers.rs, the benchmarks).
-CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN="$(bash scripts/install-real-drivers.sh | tail -n 1)"
-export CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN
 
 # A real kube-apiserver, etcd and helm (tests/kubernetes.rs, tests/helm_chart.rs), built
 # from the Go module proxy once and cached (the first build takes several minutes).

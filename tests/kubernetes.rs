@@ -12,6 +12,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use common::csi_mock::{MOCK_NAME, MockDriver, MockOptions};
 use common::fake_driver::{Call, Caps};
 use common::k8s::{ApiServer, CHART_DIR};
 use common::{Mode, World};
@@ -611,84 +612,10 @@ async fn cubevolume_store_refuses_stale_writes() {
     ));
 }
 
-/// The upstream Kubernetes CSI mock driver (csi-test's mock-driver, built by
-/// scripts/install-test-peers.sh as `csi-mock`), logging every call it receives.
-struct MockDriver {
-    child: std::process::Child,
-    socket: std::path::PathBuf,
-    log: std::path::PathBuf,
-}
-
-impl MockDriver {
-    const NAME: &str = "mock.csi.test";
-
-    fn start(bin: &Path, dir: &Path) -> MockDriver {
-        let socket = dir.join("mock.sock");
-        let log = dir.join("mock.log");
-        let mut child = std::process::Command::new(bin.join("csi-mock"))
-            .args([
-                &format!("-name={}", Self::NAME),
-                "-disable-attach",
-                "-v=5",
-                "-skip_headers",
-            ])
-            .env("CSI_ENDPOINT", &socket)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        for _ in 0..500 {
-            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-                return MockDriver { child, socket, log };
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!(
-            "csi-mock did not listen: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-    }
-
-    /// The requests of every logged call to `method` (e.g. "CreateVolume").
-    fn requests(&self, method: &str) -> Vec<serde_json::Value> {
-        let suffix = format!("/{method}");
-        std::fs::read_to_string(&self.log)
-            .unwrap()
-            .lines()
-            .filter_map(|line| line.split_once("gRPCCall: ").map(|(_, json)| json))
-            .filter_map(|json| serde_json::from_str::<serde_json::Value>(json).ok())
-            .filter(|call| {
-                call["Method"]
-                    .as_str()
-                    .is_some_and(|m| m.ends_with(&suffix))
-            })
-            .map(|call| {
-                assert_eq!(call["Error"], "", "{method} failed in the mock: {call}");
-                call["Request"].clone()
-            })
-            .collect()
-    }
-}
-
-impl Drop for MockDriver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_csi_mock_driver_behind_two_bridges() {
     let bin = require_k8s_peers!();
-    let Some(peers) = std::env::var_os("CUBE_CSI_BRIDGE_PEERS_BIN")
-        .map(std::path::PathBuf::from)
-        .filter(|p| p.join("csi-mock").is_file())
-    else {
-        common::skip("CUBE_CSI_BRIDGE_PEERS_BIN has no csi-mock (scripts/install-test-peers.sh)");
-        return;
-    };
+    let peers = require_csi_mock!();
     let api = ApiServer::start(&bin);
     let admin = api.admin().await;
     install_chart(
@@ -708,7 +635,7 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
     create_class(
         &admin,
         "mock-nfs",
-        MockDriver::NAME,
+        MOCK_NAME,
         &[
             ("server", "nfs-server.default.svc.cluster.local"),
             ("share", "/exports"),
@@ -719,7 +646,14 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
     .await;
     let account = chart_service_account(&admin, RELEASE, "controller").await;
     let kubeconfig = api.service_account_kubeconfig(NAMESPACE, &account).await;
-    let mock = MockDriver::start(&peers, api.dir.path());
+    let mock = MockDriver::start(
+        &peers,
+        api.dir.path(),
+        &MockOptions {
+            disable_attach: true,
+            ..MockOptions::default()
+        },
+    );
     let bridge = |mode| {
         let (kubeconfig, socket) = (kubeconfig.clone(), mock.socket.clone());
         World::start_with_config(mode, Caps::default(), "", move |text| {
@@ -754,7 +688,7 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
         .await
         .expect("a CubeVolume");
     assert_eq!(object.data["spec"]["csiVolumeId"], csi_volume_id.as_str());
-    assert_eq!(object.data["spec"]["csiDriver"], MockDriver::NAME);
+    assert_eq!(object.data["spec"]["csiDriver"], MOCK_NAME);
 
     b.destroy("vol-mock-1")
         .await
@@ -775,24 +709,22 @@ async fn upstream_csi_mock_driver_behind_two_bridges() {
     );
 }
 
-/// The StorageClass test once more, with the real csi-driver-nfs (`nfsplugin`, unmodified,
-/// in its namespace with the test-only mount.nfs helper: tests/common/real_drivers.rs) as
-/// the driver, the chart installed from its own csi-driver-nfs example, and the
-/// StorageClass written as csi-driver-nfs documents it (`server`, `share`, mountOptions,
-/// and the provisioner secret whose `mountOptions` it reads in DeleteVolume):
-/// Create → Attach → Detach → Destroy.
+/// The StorageClass test once more (was `real_nfsplugin_behind_a_storage_class_…`), with
+/// the chart installed from its own csi-driver-nfs example, the StorageClass written as
+/// csi-driver-nfs documents it (`server`, `share`, mountOptions, and the provisioner
+/// secret whose `mountOptions` csi-driver-nfs reads in DeleteVolume), and behind it the
+/// fake in csi-driver-nfs's shape under csi-driver-nfs's name (no staging, the share
+/// mounted by CreateVolume and DeleteVolume): Create → Attach → Detach → Destroy, with a
+/// real mount seen in the simulated Cubelet namespace.
 #[tokio::test(flavor = "multi_thread")]
-async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() {
+async fn nfs_like_driver_behind_a_storage_class_as_csi_driver_nfs_documents_it() {
     use common::cube_peers::{BaseDir, CubeletNs};
-    use common::real_drivers::{Bins, RealDriver, csi_volume_id};
+    use common::fake_driver::FakeDriver;
     use cube_csi_bridge::mount::MountTable;
 
     const SERVER: &str = "nfs-server.default.svc.cluster.local";
     let bin = require_k8s_peers!();
     require_root!();
-    let Some(bins) = Bins::from_env() else {
-        return;
-    };
     let api = ApiServer::start(&bin);
     let admin = api.admin().await;
     helm_install(
@@ -836,26 +768,31 @@ async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() 
         )
         .await;
 
-    // The NFS server's export, the node's shared base dir and Cubelet namespace, and
-    // nfsplugin (dropped in reverse: the driver, then the namespace and every mount).
+    // The backend, the node's shared base dir and Cubelet namespace, and the driver
+    // (dropped in reverse: the driver, then the namespace and every mount).
     let dir = tempfile::Builder::new()
         .prefix("ccb-k8s-nfs-")
         .tempdir()
         .unwrap();
-    let exports = dir.path().join("exports");
-    std::fs::create_dir_all(exports.join(SERVER)).unwrap();
     let base = dir.path().join("volumes");
     let ns_dir = tempfile::Builder::new()
         .prefix("ccb-cubelet-")
         .tempdir()
         .unwrap();
     let cubelet = CubeletNs::start(ns_dir, &base, BaseDir::Shared);
-    let driver = RealDriver::nfs(&bins.drivers, dir.path(), &exports, "node-1");
+    let driver = FakeDriver::named(
+        Caps::nfs_like(),
+        &dir.path().join("backend"),
+        "nfs.csi.k8s.io",
+        "node-1",
+    );
+    let socket = dir.path().join("nfs.sock");
+    let _driver_server = driver.serve(&socket);
     let nsfile = cubelet.nsfile().display().to_string();
     let bridge = |mode, services, kubeconfig: &Path| {
         let (kubeconfig, socket, nsfile, base_dir) = (
             kubeconfig.to_path_buf(),
-            driver.socket.clone(),
+            socket.clone(),
             nsfile.clone(),
             base.display().to_string(),
         );
@@ -885,13 +822,28 @@ async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() 
     let node = bridge(Mode::Binary, "node", &node_kubeconfig).await;
 
     let created = controller.create("vol-nfs-1").await.expect("create");
-    let csi_volume_id = csi_volume_id(&created.private_data);
+    let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+    let csi_volume_id = handle["id"].as_str().unwrap().to_string();
+    assert_eq!(csi_volume_id, "fake-cube-vol-nfs-1");
+    let volume_dir = driver.volume_dir(&csi_volume_id);
     assert!(
-        csi_volume_id.starts_with(&format!("{SERVER}#")),
-        "{csi_volume_id}"
+        volume_dir.is_dir(),
+        "CreateVolume made {}",
+        volume_dir.display()
     );
-    let subdir = exports.join(SERVER).join("cube-vol-nfs-1");
-    assert!(subdir.is_dir(), "CreateVolume made {}", subdir.display());
+    let creates = mutating(&driver.calls(), "CreateVolume");
+    assert_eq!(creates.len(), 1, "{creates:?}");
+    assert_eq!(
+        creates[0].parameters,
+        BTreeMap::from([
+            ("server".to_string(), SERVER.to_string()),
+            ("share".to_string(), "/".to_string()),
+        ])
+    );
+    assert_eq!(
+        creates[0].secrets,
+        secret_map(("mountOptions", "nfsvers=4.1"))
+    );
     let object = cube_volumes(admin.clone())
         .get(&object_name("nfs", "vol-nfs-1"))
         .await
@@ -902,27 +854,22 @@ async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() 
     let attached = node
         .attach_in(&base, "sb-1", "vol-nfs-1", 0, &created.private_data)
         .await
-        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", driver.log_text()));
+        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", node.logs()));
     let host_path = base.join("nfs-vol-nfs-1");
     assert_eq!(Path::new(&attached.host_path), host_path);
     assert!(MountTable::read(None).unwrap().is_mount_point(&host_path));
     cubelet.assert_mounted_inside(&host_path, "attached through the StorageClass");
     std::fs::write(host_path.join("data"), "on nfs").unwrap();
     assert_eq!(
-        std::fs::read_to_string(subdir.join("data")).unwrap(),
+        std::fs::read_to_string(volume_dir.join("data")).unwrap(),
         "on nfs"
     );
-    // The volume's NFS mount got the StorageClass's mountOptions.
-    let mounts = driver.nfs_mounts();
-    let publish = mounts
-        .iter()
-        .find(|m| m.1 == host_path)
-        .unwrap_or_else(|| panic!("no NFS mount of host_path: {mounts:?}"));
-    assert_eq!(publish.0, format!("{SERVER}:/cube-vol-nfs-1"));
-    assert!(
-        publish.2.split(',').any(|o| o == "nfsvers=4.1"),
-        "{publish:?}"
-    );
+    // The volume's publish got the StorageClass's mountOptions, and no staging.
+    let publishes = mutating(&driver.calls(), "NodePublishVolume");
+    assert_eq!(publishes.len(), 1, "{publishes:?}");
+    assert_eq!(Path::new(&publishes[0].target_path), host_path);
+    assert_eq!(publishes[0].mount_flags, ["nfsvers=4.1"]);
+    assert!(mutating(&driver.calls(), "NodeStageVolume").is_empty());
 
     node.detach("sb-1", "vol-nfs-1", 0, &attached.metadata)
         .await
@@ -931,7 +878,7 @@ async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() 
     assert_eq!(node.journal_records(), 0);
 
     controller.destroy("vol-nfs-1").await.expect("destroy");
-    assert!(!subdir.exists(), "DeleteVolume removed the subdirectory");
+    assert!(!volume_dir.exists(), "DeleteVolume removed the volume");
     assert!(
         cube_volumes(admin)
             .get_opt(&object_name("nfs", "vol-nfs-1"))
@@ -939,17 +886,14 @@ async fn real_nfsplugin_behind_a_storage_class_as_csi_driver_nfs_documents_it() 
             .unwrap()
             .is_none()
     );
-    // DeleteVolume mounted the share with the provisioner secret's mountOptions.
-    let share_mounts: Vec<_> = driver
-        .nfs_mounts()
-        .into_iter()
-        .filter(|m| m.0 == format!("{SERVER}:/"))
-        .collect();
-    assert!(
-        share_mounts.len() >= 2
-            && share_mounts
-                .last()
-                .is_some_and(|m| m.2.split(',').any(|o| o == "nfsvers=4.1")),
-        "CreateVolume's and DeleteVolume's share mounts: {share_mounts:?}"
+    // DeleteVolume got the provisioner secret (csi-driver-nfs reads its mountOptions
+    // there), and CreateVolume and DeleteVolume each mounted the share.
+    let deletes = mutating(&driver.calls(), "DeleteVolume");
+    assert_eq!(deletes.len(), 1, "{deletes:?}");
+    assert_eq!(deletes[0].volume_id, csi_volume_id);
+    assert_eq!(
+        deletes[0].secrets,
+        secret_map(("mountOptions", "nfsvers=4.1"))
     );
+    assert_eq!(driver.share_mounts(), 2);
 }

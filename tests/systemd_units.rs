@@ -2,9 +2,9 @@
 //! no running systemd): every unit must load with no diagnostic at all. verify also checks
 //! that each ExecStart binary exists and is executable, so the test copies the units with the
 //! install paths (/usr/local/bin/...) pointed at real binaries: the bridge cargo just built,
-//! and nfsplugin from scripts/install-real-drivers.sh when CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN
-//! is set (else an executable stand-in, since verify only checks that the file is
-//! executable). Beyond verify: the units' paths agree with the bridge's defaults, and the
+//! and, for csi-nfs.service (an example unit for a driver the operator installs; the tests
+//! never run that driver), an executable stand-in, since verify only checks that the file
+//! is executable. Beyond verify: the units' paths agree with the bridge's defaults, and the
 //! bridge unit holds no setting that gives the daemon a mount namespace of its own.
 //!
 //! Needs `systemd-analyze` on PATH (scripts/install-ops-tools.sh installs Debian's systemd
@@ -18,7 +18,6 @@ use cube_csi_bridge::config::Config;
 
 const UNITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/systemd");
 const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
-const REAL_DRIVERS_ENV: &str = "CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN";
 
 /// The shipped unit files and the install path each one's ExecStart runs.
 const SHIPPED: [(&str, Option<&str>); 3] = [
@@ -178,20 +177,7 @@ fn every_shipped_unit_verifies_cleanly() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let nfsplugin = match std::env::var_os(REAL_DRIVERS_ENV).filter(|v| !v.is_empty()) {
-        Some(bin) => {
-            let real = PathBuf::from(bin).join("nfsplugin");
-            assert!(real.is_file(), "{REAL_DRIVERS_ENV} has no nfsplugin");
-            real
-        }
-        None => {
-            eprintln!(
-                "{REAL_DRIVERS_ENV} is not set: csi-nfs.service is verified with a stand-in \
-                 for nfsplugin"
-            );
-            stand_in(dir.path(), "nfsplugin")
-        }
-    };
+    let nfsplugin = stand_in(dir.path(), "nfsplugin");
     let binaries = BTreeMap::from([
         ("/usr/local/bin/cube-csi-bridge", PathBuf::from(BRIDGE)),
         ("/usr/local/bin/nfsplugin", nfsplugin),

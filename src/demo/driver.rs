@@ -42,6 +42,16 @@ pub struct Profile {
     pub controller_unreachable: bool,
     /// Keep every call for [`LocalDirDriver::calls`] (tests; the list only grows).
     pub record_calls: bool,
+    /// Node GET_VOLUME_STATS: NodeGetVolumeStats answers `statvfs` of the volume path.
+    pub volume_stats: bool,
+    /// CreateVolume and DeleteVolume bind-mount the data directory (the "share") at a
+    /// working directory below this one, make or remove the volume's subdirectory
+    /// through that mount and unmount it again, as csi-driver-nfs mounts its share.
+    pub share_mount_dir: Option<PathBuf>,
+    /// NodePublishVolume onto a target that is already a mount point checks that the
+    /// volume is what is mounted there (ALREADY_EXISTS otherwise). Without it the driver
+    /// answers success whatever is mounted, as csi-driver-nfs and csi-driver-host-path do.
+    pub verifies_existing_mount: bool,
 }
 
 impl Profile {
@@ -56,6 +66,9 @@ impl Profile {
             controller_publish: false,
             controller_unreachable: false,
             record_calls: false,
+            volume_stats: false,
+            share_mount_dir: None,
+            verifies_existing_mount: false,
         }
     }
 }
@@ -100,6 +113,8 @@ struct State {
     script: HashMap<&'static str, VecDeque<Behavior>>,
     /// (CSI volume id, node id) pairs ControllerPublished and not yet unpublished.
     controller_published: BTreeSet<(String, String)>,
+    /// How many times CreateVolume or DeleteVolume mounted the share.
+    share_mounts: usize,
 }
 
 #[derive(Debug)]
@@ -169,6 +184,35 @@ impl LocalDirDriver {
     /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
     pub fn controller_published(&self) -> Vec<(String, String)> {
         self.state().controller_published.iter().cloned().collect()
+    }
+
+    /// How many times CreateVolume or DeleteVolume mounted the share (see
+    /// [`Profile::share_mount_dir`]).
+    pub fn share_mounts(&self) -> usize {
+        self.state().share_mounts
+    }
+
+    /// Makes (`create`) or removes the volume directory `id` through a mount of the data
+    /// directory, when the profile mounts a share; directly otherwise.
+    async fn through_share(&self, id: &str, create: bool) -> Result<(), Status> {
+        let Some(work) = self.inner.profile.share_mount_dir.clone() else {
+            let dir = self.data_path(id);
+            return blocking(move || change_volume_dir(&dir, create)).await;
+        };
+        self.state().share_mounts += 1;
+        let share = self.inner.data_dir.clone();
+        let id = id.to_string();
+        blocking(move || {
+            // One working mount per call, as csi-driver-nfs makes one per request.
+            let mount = tempfile::Builder::new()
+                .prefix(&format!("{id}-"))
+                .tempdir_in(&work)?;
+            ops::bind_mount(&share, mount.path(), false)?;
+            let changed = change_volume_dir(&mount.path().join(&id), create);
+            let unmounted = ops::unmount(mount.path());
+            changed.and(unmounted)
+        })
+        .await
     }
 
     /// Where the data of CSI volume `id` lives (whether or not it exists).
@@ -250,6 +294,24 @@ fn is_mounted(path: &Path) -> Result<bool, Status> {
     crate::mount::MountTable::read(None)
         .map(|t| t.is_mount_point(&crate::mount::resolve_parent(path)))
         .map_err(internal)
+}
+
+/// Makes a volume directory, or removes it and its content (gone already is fine).
+fn change_volume_dir(dir: &Path, create: bool) -> std::io::Result<()> {
+    if create {
+        return ops::ensure_dir(dir, 0o777);
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}
+
+/// Whether `target` shows the same directory as `source` (a bind mount of it).
+fn same_directory(target: &Path, source: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let (t, s) = (std::fs::metadata(target)?, std::fs::metadata(source)?);
+    Ok(t.dev() == s.dev() && t.ino() == s.ino())
 }
 
 fn map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
@@ -361,8 +423,8 @@ impl Controller for LocalDirDriver {
             self.inner.profile.volume_id_prefix,
             required(&req.name, "name")?
         );
-        let dir = self.volume_dir(&id)?;
-        ops::ensure_dir(&dir, 0o777).map_err(internal)?;
+        self.volume_dir(&id)?;
+        self.through_share(&id, true).await?;
         Ok(Response::new(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
                 volume_id: id,
@@ -391,12 +453,9 @@ impl Controller for LocalDirDriver {
             ..Default::default()
         })
         .await?;
-        let dir = self.volume_dir(required(&req.volume_id, "volume_id")?)?;
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(internal(e)),
-        }
+        let id = required(&req.volume_id, "volume_id")?;
+        self.volume_dir(id)?;
+        self.through_share(id, false).await?;
         Ok(Response::new(csi::DeleteVolumeResponse {}))
     }
 
@@ -539,6 +598,15 @@ impl Node for LocalDirDriver {
             dir
         };
         if is_mounted(&target)? {
+            if self.inner.profile.verifies_existing_mount
+                && !same_directory(&target, &source).map_err(internal)?
+            {
+                return Err(Status::already_exists(format!(
+                    "{} is mounted with another volume than {}",
+                    target.display(),
+                    req.volume_id
+                )));
+            }
             return Ok(Response::new(csi::NodePublishVolumeResponse {}));
         }
         let read_only = req.readonly;
@@ -582,17 +650,58 @@ impl Node for LocalDirDriver {
             ..Default::default()
         })
         .await?;
-        let capabilities = if self.inner.profile.stage {
-            vec![csi::NodeServiceCapability {
-                r#type: Some(Type::Rpc(Rpc {
-                    r#type: R::StageUnstageVolume as i32,
-                })),
-            }]
-        } else {
-            Vec::new()
-        };
+        let profile = &self.inner.profile;
+        let capabilities = [
+            (profile.stage, R::StageUnstageVolume),
+            (profile.volume_stats, R::GetVolumeStats),
+        ]
+        .into_iter()
+        .filter(|(offered, _)| *offered)
+        .map(|(_, rpc)| csi::NodeServiceCapability {
+            r#type: Some(Type::Rpc(Rpc { r#type: rpc as i32 })),
+        })
+        .collect();
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities,
+        }))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "NodeGetVolumeStats",
+            volume_id: req.volume_id.clone(),
+            target_path: req.volume_path.clone(),
+            ..Default::default()
+        })
+        .await?;
+        if !self.inner.profile.volume_stats {
+            return Err(Status::unimplemented("no GET_VOLUME_STATS"));
+        }
+        let path = PathBuf::from(required(&req.volume_path, "volume_path")?);
+        if !is_mounted(&path)? {
+            return Err(Status::not_found(format!(
+                "{} is not published",
+                path.display()
+            )));
+        }
+        let fs = nix::sys::statvfs::statvfs(&path)
+            .map_err(|e| Status::internal(format!("statvfs {}: {e}", path.display())))?;
+        let block = fs.fragment_size() as i64;
+        let total = fs.blocks() as i64 * block;
+        let available = fs.blocks_available() as i64 * block;
+        let free = fs.blocks_free() as i64 * block;
+        Ok(Response::new(csi::NodeGetVolumeStatsResponse {
+            usage: vec![csi::VolumeUsage {
+                total,
+                available,
+                used: total - free,
+                unit: csi::volume_usage::Unit::Bytes as i32,
+            }],
+            volume_condition: None,
         }))
     }
 

@@ -38,7 +38,7 @@ pub fn peer_dir(env: &str, files: &[&str], installer: &str) -> Option<PathBuf> {
     Some(dir)
 }
 pub const PEERS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
-/// A failed hook as cubeclient reports it (the fields real_drivers.rs reads).
+/// A failed hook as cubeclient reports it (the fields real_mounts.rs reads).
 #[derive(Debug)]
 pub struct Failure {
     /// The message Cube would log.
@@ -68,7 +68,7 @@ pub struct Attached {
     pub metadata: HashMap<String, String>,
 }
 
-/// cubeclient with the default namespace, spelled as the real-driver tests use it; the
+/// cubeclient with the default namespace, spelled as the real-mount tests use it; the
 /// calls go through [`GoCaller`] (the one implementation of [`CubeCaller`] in Go).
 pub struct Cube {
     go: GoCaller,

@@ -23,6 +23,14 @@ pub struct Caps {
     /// Advertise CONTROLLER_SERVICE but answer UNIMPLEMENTED to controller calls
     /// (a node-only deployment of a driver that has a controller elsewhere).
     pub controller_unreachable: bool,
+    /// Node GET_VOLUME_STATS (`statvfs` of the published path).
+    pub volume_stats: bool,
+    /// CreateVolume and DeleteVolume mount the backend's share to make or remove the
+    /// volume's directory, as csi-driver-nfs does (counted by [`FakeDriver::share_mounts`]).
+    pub share_mounts: bool,
+    /// NodePublishVolume onto a mount point checks what is mounted there; without it an
+    /// existing mount is success, as csi-driver-nfs and csi-driver-host-path answer.
+    pub verifies_existing_mount: bool,
 }
 
 impl Caps {
@@ -30,6 +38,15 @@ impl Caps {
     pub fn staging() -> Self {
         Caps {
             stage: true,
+            ..Default::default()
+        }
+    }
+
+    /// What csi-driver-nfs offers: no staging, no ControllerPublish; each CreateVolume and
+    /// DeleteVolume mounts the share; an existing mount at the target is success.
+    pub fn nfs_like() -> Self {
+        Caps {
+            share_mounts: true,
             ..Default::default()
         }
     }
@@ -77,16 +94,32 @@ impl Drop for Running {
 
 impl FakeDriver {
     pub fn new(caps: Caps, data_dir: &Path) -> Self {
+        Self::named(caps, data_dir, "fake.csi.test", FAKE_NODE_ID)
+    }
+
+    /// A fake with another CSI name and node id. Two fakes on one `data_dir` are one
+    /// storage backend seen from two hosts (as two csi-driver-nfs node plugins on one
+    /// NFS server): what one node writes, the other reads.
+    pub fn named(caps: Caps, data_dir: &Path, name: &str, node_id: &str) -> Self {
         std::fs::create_dir_all(data_dir).unwrap();
+        // The share's working mounts live beside the data, never below it.
+        let share_mount_dir = caps.share_mounts.then(|| {
+            let dir = data_dir.with_extension(format!("share-mounts-{node_id}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            dir
+        });
         let profile = Profile {
-            name: "fake.csi.test".into(),
-            node_id: FAKE_NODE_ID.into(),
+            name: name.into(),
+            node_id: node_id.into(),
             volume_id_prefix: "fake-".into(),
             volume_context: BTreeMap::from([("origin".to_string(), "fake".to_string())]),
             stage: caps.stage,
             controller_publish: caps.controller_publish,
             controller_unreachable: caps.controller_unreachable,
             record_calls: true,
+            volume_stats: caps.volume_stats,
+            share_mount_dir,
+            verifies_existing_mount: caps.verifies_existing_mount,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
@@ -137,6 +170,11 @@ impl FakeDriver {
     /// Forgets recorded calls (the script is kept).
     pub fn clear_calls(&self) {
         self.driver.clear_calls();
+    }
+
+    /// How many times CreateVolume or DeleteVolume mounted the share.
+    pub fn share_mounts(&self) -> usize {
+        self.driver.share_mounts()
     }
 
     /// Where a CSI volume's data lives.

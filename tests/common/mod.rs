@@ -6,10 +6,11 @@
 #![allow(dead_code)]
 
 pub mod callers;
+pub mod csi_mock;
+pub mod cube_node;
 pub mod cube_peers;
 pub mod fake_driver;
 pub mod k8s;
-pub mod real_drivers;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,38 +1,32 @@
-//! The bridge in front of two CSI drivers someone else wrote, unmodified: csi-driver-host-path
-//! v1.18.0 (`hostpathplugin`: STAGE_UNSTAGE, bind mounts) and csi-driver-nfs v4.13.4
-//! (`nfsplugin`: no STAGE_UNSTAGE, `mount -t nfs`), built from the pinned release sources by
-//! scripts/install-real-drivers.sh. Cube is cubeclient (grpc-go, dialing the `serve` daemon
-//! as Cubelet and CubeMaster do, or forking the hook inside the simulated Cubelet mount
-//! namespace as Cubelet does), and every host_path is checked where Cubelet looks.
+//! The bridge in front of a driver that makes real mounts, with Cube as cubeclient (grpc-go,
+//! dialing the `serve` daemon as Cubelet and CubeMaster do, or forking the hook inside the
+//! simulated Cubelet mount namespace as Cubelet does), every host_path checked where
+//! Cubelet looks. The driver is the project's fake (tests/common/fake_driver.rs) in the
+//! two shapes of tests/common/cube_node.rs: one that stages (as csi-driver-host-path
+//! does) and one that publishes from a shared backend, mounts its share in CreateVolume and
+//! DeleteVolume and takes an existing mount as success (as csi-driver-nfs does). The
+//! third-party CSI implementation, csi-test's mock driver, is tests/mock_driver.rs.
 //!
-//! This machine has no kernel NFS client, so nfsplugin runs in a mount namespace of its own
-//! in which `/sbin/mount.nfs` is a test-only helper (tests/peers/nfs-sbin/mount.nfs, set up by
-//! tests/peers/nfs-driver-ns.sh) that bind-mounts `SERVER:/PATH` from a local "export"
-//! directory. nfsplugin's code is not modified and the host's mount helpers are untouched;
-//! `nfs_helper_is_private_and_driver_mounts_reach_cubelet` proves both.
-//!
-//! Needs root, `CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN` and `CUBE_CSI_BRIDGE_PEERS_BIN` (set by
-//! scripts/test.sh); skips without them, except in CI (`CI=true`), where they must be set.
+//! Needs root and `CUBE_CSI_BRIDGE_PEERS_BIN` (set by scripts/test.sh); skips without them,
+//! except in CI (`CI=true`), where they must be set.
 
 mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
-use common::real_drivers::{
-    DriverKind, NFS_MOUNT_FLAGS, NFS_SERVER, NFS_SHARE, NodeOptions, RealNode, csi_volume_id,
-};
+use common::cube_node::{CubeNode, DriverKind, NFS_MOUNT_FLAGS, NodeOptions, csi_volume_id};
 use common::{MODES, Mode};
 use cube_csi_bridge::mount::MountTable;
 
-const KINDS: [DriverKind; 2] = [DriverKind::HostPath, DriverKind::Nfs];
+const KINDS: [DriverKind; 2] = [DriverKind::Staging, DriverKind::NfsLike];
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
 }
 
 /// Asserts host_path is a mount point in the host and in Cubelet's namespace.
-fn assert_attached(node: &RealNode, host_path: &Path, what: &str) {
+fn assert_attached(node: &CubeNode, host_path: &Path, what: &str) {
     assert!(
         MountTable::read(None).unwrap().is_mount_point(host_path),
         "{what}: {} is not mounted in the host\n{}",
@@ -45,7 +39,7 @@ fn assert_attached(node: &RealNode, host_path: &Path, what: &str) {
 /// create → attach (A, ref 0) → attach (B, ref 1) → A writes, B reads → detach (ref 1) →
 /// detach (ref 0) → attach again, the data is there → detach → destroy → the backend
 /// volume is gone → destroy again.
-async fn whole_lifecycle(node: &RealNode) {
+async fn whole_lifecycle(node: &CubeNode) {
     let label = format!("{:?} {:?}", node.kind, node.mode);
     let cube = node.cube();
     let (token, private_data) = cube
@@ -124,7 +118,7 @@ async fn whole_lifecycle(node: &RealNode) {
         .await
         .unwrap_or_else(|f| panic!("{label}: destroy: {f:?}\n{}", node.logs()));
     assert!(
-        !node.backend_has(&private_data, &backend),
+        !backend.exists(),
         "{label}: the driver deleted the volume ({})",
         backend.display()
     );
@@ -134,134 +128,78 @@ async fn whole_lifecycle(node: &RealNode) {
     node.assert_nothing_left("after destroy");
 }
 
+/// Was `hostpathplugin_whole_lifecycle_through_both_transports`: a driver that stages.
 #[tokio::test(flavor = "multi_thread")]
-async fn hostpathplugin_whole_lifecycle_through_both_transports() {
-    let bins = require_real_drivers!();
+async fn staging_driver_whole_lifecycle_through_both_transports() {
+    let peers = require_cube_peers!();
     for mode in MODES {
-        let node = RealNode::start(&bins, DriverKind::HostPath, mode, NodeOptions::default()).await;
+        let node = CubeNode::start(&peers, DriverKind::Staging, mode, NodeOptions::default()).await;
         whole_lifecycle(&node).await;
-    }
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn nfsplugin_whole_lifecycle_through_both_transports() {
-    let bins = require_real_drivers!();
-    for mode in MODES {
-        let node = RealNode::start(&bins, DriverKind::Nfs, mode, NodeOptions::default()).await;
-        whole_lifecycle(&node).await;
-        // Every volume mount was nfsplugin's `mount -t nfs` of the volume's subdirectory,
-        // with the configured flags, run through the helper.
-        let mounts = node.driver().nfs_mounts();
-        let host_path = node.host_path("vol-1");
-        let publishes: Vec<_> = mounts.iter().filter(|m| m.1 == host_path).collect();
-        assert_eq!(publishes.len(), 2, "{mode:?}: two attaches: {mounts:?}");
-        for (spec, _, options) in publishes {
-            assert!(
-                spec.starts_with(&format!("{NFS_SERVER}:{NFS_SHARE}/")),
-                "{spec}"
-            );
-            for flag in NFS_MOUNT_FLAGS {
-                assert!(options.split(',').any(|o| o == flag), "{flag} in {options}");
-            }
-        }
-        // CreateVolume and DeleteVolume mounted the share itself.
-        let share = format!("{NFS_SERVER}:{NFS_SHARE}");
-        assert!(
-            mounts.iter().filter(|m| m.0 == share).count() >= 2,
-            "{mode:?}: nfsplugin's own share mounts: {mounts:?}"
+        let calls = node.driver.mutating_calls();
+        assert_eq!(
+            calls.iter().filter(|c| **c == "NodeStageVolume").count(),
+            2,
+            "{mode:?}: staged on each first Attach: {calls:?}"
         );
     }
 }
 
-/// The helper is visible to nfsplugin alone, and the driver's mounts still reach the host
-/// and the Cubelet namespace (the propagation the NFS tests rely on).
+/// Was `nfsplugin_whole_lifecycle_through_both_transports`: a driver without staging whose
+/// CreateVolume and DeleteVolume mount its share, given the configured mount flags.
 #[tokio::test(flavor = "multi_thread")]
-async fn nfs_helper_is_private_and_driver_mounts_reach_cubelet() {
-    let bins = require_real_drivers!();
-    let node = RealNode::start(&bins, DriverKind::Nfs, Mode::Rpc, NodeOptions::default()).await;
-    let helper =
-        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/nfs-sbin/mount.nfs"))
-            .unwrap();
-    let in_driver_ns = std::process::Command::new("nsenter")
-        .arg(format!("--target={}", node.driver().pid()))
-        .arg("--mount")
-        .args(["cat", "/sbin/mount.nfs"])
-        .output()
-        .unwrap();
-    assert!(in_driver_ns.status.success(), "{in_driver_ns:?}");
-    assert_eq!(
-        in_driver_ns.stdout, helper,
-        "the driver's /sbin/mount.nfs is the helper"
-    );
-    // The host's own /sbin/mount.nfs (if it has one) is not the helper; nor is Cubelet's.
-    let host = std::fs::read("/sbin/mount.nfs").ok();
-    assert_ne!(
-        host.as_ref(),
-        Some(&helper),
-        "the host's /sbin/mount.nfs is untouched"
-    );
-    let in_cubelet = std::process::Command::new("nsenter")
-        .arg(format!("--mount={}", node.cubelet().nsfile().display()))
-        .args(["cat", "/sbin/mount.nfs"])
-        .output()
-        .unwrap();
-    assert_ne!(
-        in_cubelet.stdout, helper,
-        "Cubelet's namespace has no helper"
-    );
-
-    let cube = node.cube();
-    let (_, private_data) = cube.create("seen").await.expect("create");
-    let attached = cube
-        .attach(&node.base_dir, "sb", "seen", 0, &private_data)
-        .await
-        .unwrap_or_else(|f| panic!("attach: {f:?}\n{}", node.logs()));
-    // The mount was made inside nfsplugin's namespace (the helper logged it there) ...
-    assert!(
-        node.driver()
-            .nfs_mounts()
-            .iter()
-            .any(|m| m.1 == attached.host_path),
-        "{:?}",
-        node.driver().nfs_mounts()
-    );
-    // ... and is a mount point in the host and in Cubelet's namespace, with the data.
-    assert_attached(
-        &node,
-        &attached.host_path,
-        "propagated from the driver's namespace",
-    );
-    std::fs::write(
-        node.backend_dir(&private_data).join("hello"),
-        "on the export",
-    )
-    .unwrap();
-    assert_eq!(
-        node.cubelet()
-            .read_inside(&attached.host_path.join("hello")),
-        "on the export"
-    );
-    cube.detach("sb", "seen", 0, &attached.metadata)
-        .await
-        .expect("detach");
-    node.assert_nothing_left("after detach");
-    cube.destroy("seen").await.expect("destroy");
+async fn nfs_like_driver_whole_lifecycle_through_both_transports() {
+    let peers = require_cube_peers!();
+    for mode in MODES {
+        let node = CubeNode::start(&peers, DriverKind::NfsLike, mode, NodeOptions::default()).await;
+        whole_lifecycle(&node).await;
+        let host_path = node.host_path("vol-1");
+        let publishes: Vec<_> = node
+            .driver
+            .calls()
+            .into_iter()
+            .filter(|c| c.method == "NodePublishVolume")
+            .collect();
+        assert_eq!(publishes.len(), 2, "{mode:?}: two first Attaches");
+        for publish in &publishes {
+            assert_eq!(Path::new(&publish.target_path), host_path, "{mode:?}");
+            assert_eq!(publish.staging_target_path, "", "{mode:?}: no staging");
+            assert_eq!(publish.mount_flags, NFS_MOUNT_FLAGS, "{mode:?}");
+        }
+        assert!(
+            !node.driver.mutating_calls().contains(&"NodeStageVolume"),
+            "{mode:?}"
+        );
+        // CreateVolume and DeleteVolume (twice: Destroy is repeated) mounted the share,
+        // and every such mount is gone (assert_nothing_left checked it).
+        assert!(
+            node.driver.share_mounts() >= 2,
+            "{mode:?}: the driver's own share mounts: {}",
+            node.driver.share_mounts()
+        );
+    }
 }
 
-/// Two Cube nodes, each with its own nfsplugin node instance and node-side bridge (one
-/// the daemon, one the forked hook), attach one NFS volume and see each other's writes.
+/// Was `two_nodes_share_one_nfs_volume`: two Cube nodes, each with its own node instance
+/// of the NFS-like driver on one shared backend and its own node-side bridge (one the
+/// daemon, one the forked hook), attach one volume and see each other's writes.
 #[tokio::test(flavor = "multi_thread")]
-async fn two_nodes_share_one_nfs_volume() {
-    let bins = require_real_drivers!();
-    let one = RealNode::start(&bins, DriverKind::Nfs, Mode::Rpc, NodeOptions::default()).await;
-    let two = RealNode::start(
-        &bins,
-        DriverKind::Nfs,
+async fn two_nodes_share_one_volume() {
+    let peers = require_cube_peers!();
+    let one = CubeNode::start(
+        &peers,
+        DriverKind::NfsLike,
+        Mode::Rpc,
+        NodeOptions::default(),
+    )
+    .await;
+    let two = CubeNode::start(
+        &peers,
+        DriverKind::NfsLike,
         Mode::Binary,
         NodeOptions {
             services: "node",
             node_id: "node-2",
-            exports: Some(one.exports.clone()),
+            backend: Some(one.backend.clone()),
             ..NodeOptions::default()
         },
     )
@@ -309,23 +247,19 @@ async fn two_nodes_share_one_nfs_volume() {
     let backend = one.backend_dir(&private_data);
     assert!(backend.join("one.txt").is_file() && backend.join("two.txt").is_file());
     cube_one.destroy("shared").await.expect("destroy");
-    assert!(
-        !backend.exists(),
-        "the subdirectory is removed from the export"
-    );
+    assert!(!backend.exists(), "the volume is removed from the backend");
 }
 
-/// A failed Attach against the real driver leaves nothing mounted, staged or journaled:
-/// a private_data the bridge never issued, and a driver that fails to publish (the
-/// volume's data directory is gone: hostpathplugin stages, then its bind mount fails;
-/// the NFS server has no such export path). Once the backend is repaired, Cube's retry
-/// works.
+/// A failed Attach leaves nothing mounted, staged or journaled: a private_data the bridge
+/// never issued, and a driver that fails to publish (the volume's data directory is gone:
+/// the staging driver fails to stage, the NFS-like one to publish). Once the backend is
+/// repaired, Cube's retry works.
 #[tokio::test(flavor = "multi_thread")]
-async fn failed_attach_against_real_drivers_leaves_nothing_behind() {
-    let bins = require_real_drivers!();
+async fn failed_attach_leaves_nothing_behind() {
+    let peers = require_cube_peers!();
     for kind in KINDS {
         for mode in MODES {
-            let node = RealNode::start(&bins, kind, mode, NodeOptions::default()).await;
+            let node = CubeNode::start(&peers, kind, mode, NodeOptions::default()).await;
             let label = format!("{kind:?} {mode:?}");
             let cube = node.cube();
             let (_, private_data) = cube.create("bad").await.expect("create");
@@ -351,8 +285,12 @@ async fn failed_attach_against_real_drivers_leaves_nothing_behind() {
                 .attach(&node.base_dir, "sb", "bad", 0, &private_data)
                 .await
                 .unwrap_err();
+            let call = match kind {
+                DriverKind::Staging => "NodeStageVolume",
+                DriverKind::NfsLike => "NodePublishVolume",
+            };
             assert!(
-                err.error.contains("NodePublishVolume"),
+                err.error.contains(call),
                 "{label}: names the CSI call: {err:?}"
             );
             assert!(
@@ -377,23 +315,25 @@ async fn failed_attach_against_real_drivers_leaves_nothing_behind() {
     }
 }
 
-/// The metrics endpoint, scraped while the real hostpathplugin serves: hook counters and
-/// CSI latency histograms move, and the driver's NodeGetVolumeStats reaches the gauges.
+/// The metrics endpoint, scraped while a staging driver with GET_VOLUME_STATS serves: hook
+/// counters and CSI latency histograms move, and the driver's NodeGetVolumeStats (statvfs
+/// of the published path) reaches the gauges.
 #[tokio::test(flavor = "multi_thread")]
-async fn hostpathplugin_stats_and_hook_metrics_reach_the_metrics_endpoint() {
-    let bins = require_real_drivers!();
+async fn volume_stats_and_hook_metrics_reach_the_metrics_endpoint() {
+    let peers = require_cube_peers!();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
     let options = NodeOptions {
+        volume_stats: true,
         extra_config: format!(
             "[metrics]\nlisten = \"127.0.0.1:{port}\"\nvolume_stats_interval_secs = 5\n"
         ),
         ..NodeOptions::default()
     };
-    let node = RealNode::start(&bins, DriverKind::HostPath, Mode::Rpc, options).await;
+    let node = CubeNode::start(&peers, DriverKind::Staging, Mode::Rpc, options).await;
     let cube = node.cube();
     let (_, private_data) = cube.create("stats").await.unwrap();
     let a = cube

@@ -1,0 +1,367 @@
+//! The bridge in front of a CSI implementation someone else wrote: csi-test's mock driver
+//! (tests/common/csi_mock.rs), through both transports. Its log shows every request it
+//! got, so the tests check the CSI side call by call: the whole life cycle with and
+//! without ControllerPublish, the configured secrets reaching each call, and a failure
+//! injected on each step (its `-hooks-file`) giving Cube a clear error and leaving
+//! nothing behind. The mock mounts nothing, so the bridge runs with `mount_view = "none"`
+//! (the driver's answers are trusted); real mounts are tests/real_mounts.rs.
+//!
+//! Needs `CUBE_CSI_BRIDGE_PEERS_BIN` (scripts/test.sh sets it); skips without it, except in
+//! CI. No root needed: nothing is mounted.
+
+mod common;
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use common::csi_mock::{MOCK_NAME, MockDriver, MockOptions};
+use common::fake_driver::Caps;
+use common::{BRIDGE, MODES, Mode, World};
+
+/// The Cube driver name of these bridges (the host_path prefix).
+const DRIVER: &str = "mock";
+
+/// A bridge (in `mode`) in front of a csi-mock started with `options`, with `extra` config.
+async fn mock_world(
+    bin: &Path,
+    mode: Mode,
+    options: &MockOptions,
+    extra: &str,
+) -> (World, MockDriver) {
+    let mut w = World::start_with_config(Mode::Binary, Caps::default(), extra, |text| {
+        text.replacen("driver = \"fake\"", &format!("driver = \"{DRIVER}\""), 1)
+            .replacen("\nmount_view = \"self\"\n", "\nmount_view = \"none\"\n", 1)
+    })
+    .await;
+    // The fake World starts with is not used; the mock takes its socket path.
+    if let Some(fake) = w.driver_server.take() {
+        fake.stop().await;
+    }
+    let mock_dir = w.dir.path().join("mock");
+    std::fs::create_dir_all(&mock_dir).unwrap();
+    let mock = MockDriver::start(bin, &mock_dir, options);
+    let text = std::fs::read_to_string(&w.config_path).unwrap();
+    let text = text.replacen(
+        &format!("endpoint = \"unix://{}/csi.sock\"", w.dir.path().display()),
+        &format!("endpoint = \"unix://{}\"", mock.socket.display()),
+        1,
+    );
+    assert!(text.contains("mock.sock"), "{text}");
+    std::fs::write(&w.config_path, text).unwrap();
+    // A config with [secrets] must be private, or the bridge refuses it.
+    std::fs::set_permissions(&w.config_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    if mode == Mode::Rpc {
+        w.mode = Mode::Rpc;
+        w.start_daemon().await.expect("daemon starts");
+    }
+    (w, mock)
+}
+
+/// The controller store's records, as `list --controller --output json` prints them.
+fn controller_records(w: &World) -> Vec<serde_json::Value> {
+    let out = std::process::Command::new(BRIDGE)
+        .args(["list", "--controller", "--output", "json", "--config"])
+        .arg(&w.config_path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "list: {out:?}");
+    serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout).unwrap()
+}
+
+/// Asserts nothing is left: no node journal record, no controller record, and every
+/// node step the mock did has been undone (stage/unstage, publish/unpublish and
+/// ControllerPublish/Unpublish balanced).
+fn assert_nothing_left(w: &World, mock: &MockDriver, what: &str) {
+    assert_eq!(
+        w.journal_records(),
+        0,
+        "{what}: a node journal record is left"
+    );
+    assert_eq!(
+        controller_records(w),
+        Vec::<serde_json::Value>::new(),
+        "{what}: a controller record is left"
+    );
+    let calls = mock.mutating();
+    let count = |m: &str| calls.iter().filter(|c| *c == m).count();
+    for (done, undone) in [
+        ("NodeStageVolume", "NodeUnstageVolume"),
+        ("NodePublishVolume", "NodeUnpublishVolume"),
+        ("ControllerPublishVolume", "ControllerUnpublishVolume"),
+        ("CreateVolume", "DeleteVolume"),
+    ] {
+        assert!(
+            count(undone) >= count(done),
+            "{what}: {done} ×{} but {undone} ×{}: {calls:?}",
+            count(done),
+            count(undone)
+        );
+    }
+}
+
+/// Create → Attach (ns-a, ref 0) → Attach (ns-b, ref 0) → Detach (ns-b) → Detach (ns-a)
+/// → Destroy, with and without ControllerPublish, checked against the mock's log.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_whole_lifecycle_through_both_transports() {
+    let bin = require_csi_mock!();
+    for mode in MODES {
+        for disable_attach in [true, false] {
+            let label = format!("{mode:?}, disable_attach {disable_attach}");
+            let options = MockOptions {
+                disable_attach,
+                ..MockOptions::default()
+            };
+            let (w, mock) = mock_world(&bin, mode, &options, "").await;
+            let created = w
+                .create("vol-1")
+                .await
+                .unwrap_or_else(|e| panic!("{label}: create: {e:?}\n{}", w.logs()));
+            let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+            let csi_id = handle["id"].as_str().unwrap().to_string();
+            // The mock numbers its volumes; 1 to 3 exist from the start.
+            assert_eq!(csi_id, "4", "{label}");
+            let creates = mock.requests("CreateVolume");
+            assert_eq!(creates.len(), 1, "{label}: {creates:?}");
+            assert_eq!(creates[0]["name"], "cube-vol-1", "{label}");
+
+            let a = w
+                .attach_as("ns-a", "sb-a", "vol-1", 0, &created.private_data)
+                .await
+                .unwrap_or_else(|e| panic!("{label}: attach A: {e:?}\n{}", w.logs()));
+            let host_path = w.base_dir.join(format!("{DRIVER}-vol-1"));
+            assert_eq!(Path::new(&a.host_path), host_path, "{label}");
+            assert!(host_path.is_dir(), "{label}: the mock made the target");
+            let b = w
+                .attach_as("ns-b", "sb-b", "vol-1", 0, &created.private_data)
+                .await
+                .unwrap_or_else(|e| panic!("{label}: attach B: {e:?}\n{}", w.logs()));
+            assert_eq!(a.host_path, b.host_path, "{label}");
+
+            let expected_attach: &[&str] = if disable_attach {
+                &["CreateVolume", "NodeStageVolume", "NodePublishVolume"]
+            } else {
+                &[
+                    "CreateVolume",
+                    "ControllerPublishVolume",
+                    "NodeStageVolume",
+                    "NodePublishVolume",
+                ]
+            };
+            assert_eq!(mock.mutating(), expected_attach, "{label}: one attachment");
+            let stage = &mock.requests("NodeStageVolume")[0];
+            let publish = &mock.requests("NodePublishVolume")[0];
+            assert_eq!(stage["volume_id"], csi_id.as_str(), "{label}");
+            assert_eq!(publish["target_path"], host_path.to_str().unwrap());
+            assert_eq!(publish["staging_target_path"], stage["staging_target_path"]);
+            if !disable_attach {
+                let cp = &mock.requests("ControllerPublishVolume")[0];
+                assert_eq!(cp["node_id"], MOCK_NAME, "{label}: NodeGetInfo's id");
+                // The mock's publish_context reaches both node steps.
+                let device = serde_json::json!({"device": "/dev/mock", "readonly": "false"});
+                assert_eq!(stage["publish_context"], device, "{label}");
+                assert_eq!(publish["publish_context"], device, "{label}");
+            }
+
+            w.detach_as("ns-b", "sb-b", "vol-1", 0, &b.metadata)
+                .await
+                .unwrap_or_else(|e| panic!("{label}: detach B: {e:?}\n{}", w.logs()));
+            assert_eq!(
+                mock.mutating().len(),
+                expected_attach.len(),
+                "{label}: held"
+            );
+            assert_eq!(w.journal_records(), 1, "{label}: ns-a still holds it");
+            w.detach_as("ns-a", "sb-a", "vol-1", 0, &a.metadata)
+                .await
+                .unwrap_or_else(|e| panic!("{label}: detach A: {e:?}\n{}", w.logs()));
+            assert!(!host_path.exists(), "{label}: NodeUnpublish removed it");
+            w.destroy("vol-1")
+                .await
+                .unwrap_or_else(|e| panic!("{label}: destroy: {e:?}\n{}", w.logs()));
+            let deletes = mock.requests("DeleteVolume");
+            assert_eq!(deletes.len(), 1, "{label}");
+            assert_eq!(deletes[0]["volume_id"], csi_id.as_str(), "{label}");
+            assert_nothing_left(&w, &mock, &label);
+        }
+    }
+}
+
+/// With `CSI_ENABLE_CREDS` the mock expects a `secretKey` secret on each call that carries
+/// secrets (csi-test's driver package; v4.2.0 sets the expected values on a copy, so it
+/// does not refuse a call without them: the log is what shows they arrived). The bridge's
+/// `[secrets]` reach exactly the calls of their family, and never its own logs.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_receives_the_configured_secrets_on_every_call() {
+    let bin = require_csi_mock!();
+    let families = [
+        ("provisioner", "secretval1-prov"),
+        ("controller_publish", "secretval3-cp"),
+        ("node_stage", "secretval5-stage"),
+        ("node_publish", "secretval6-publish"),
+    ];
+    let extra: String = std::iter::once("[secrets]".to_string())
+        .chain(
+            families
+                .iter()
+                .map(|(family, value)| format!("{family} = {{ secretKey = \"{value}\" }}")),
+        )
+        .collect::<Vec<_>>()
+        .join("\n");
+    for mode in MODES {
+        let options = MockOptions {
+            enable_creds: true,
+            ..MockOptions::default()
+        };
+        let (w, mock) = mock_world(&bin, mode, &options, &extra).await;
+        let created = w.create("vol-s").await.expect("create");
+        let a = w
+            .attach("sb", "vol-s", 0, &created.private_data)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: attach: {e:?}\n{}", w.logs()));
+        w.detach("sb", "vol-s", 0, &a.metadata)
+            .await
+            .expect("detach");
+        w.destroy("vol-s").await.expect("destroy");
+
+        let secret = |value: &str| serde_json::json!({"secretKey": value});
+        for (method, value) in [
+            ("CreateVolume", families[0].1),
+            ("DeleteVolume", families[0].1),
+            ("ControllerPublishVolume", families[1].1),
+            ("ControllerUnpublishVolume", families[1].1),
+            ("NodeStageVolume", families[2].1),
+            ("NodePublishVolume", families[3].1),
+        ] {
+            let requests = mock.requests(method);
+            assert_eq!(requests.len(), 1, "{mode:?}: one {method}");
+            assert_eq!(
+                requests[0]["secrets"],
+                secret(value),
+                "{mode:?}: {method} got its family's secret"
+            );
+        }
+        let logs = w.logs();
+        for (_, value) in families {
+            assert!(!logs.contains(value), "{mode:?}: the bridge logged {value}");
+        }
+        assert_nothing_left(&w, &mock, &format!("{mode:?}"));
+    }
+}
+
+/// A hooks file that fails the first call reaching `hook` with `code`, then lets every
+/// later call through.
+fn fail_once(hook: &str, code: &str) -> String {
+    format!(
+        "globals: |\n  var failed = false;\n{hook}: |\n  var answer = failed ? OK : {code};\n  failed = true;\n  answer\n"
+    )
+}
+
+/// A failure injected on each step (csi-mock's `-hooks-file`, a final INTERNAL error
+/// before the mock acts): Cube gets an error naming the CSI call and the volume; an Attach
+/// or a Create leaves nothing behind, a Detach or Destroy keeps what Cube still holds;
+/// Cube's retry then completes and nothing is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_injected_errors_on_each_step_leave_nothing_behind() {
+    let bin = require_csi_mock!();
+    let steps = [
+        ("createVolumeStart", "CreateVolume", "create"),
+        (
+            "controllerPublishVolumeStart",
+            "ControllerPublishVolume",
+            "attach",
+        ),
+        ("nodeStageVolumeStart", "NodeStageVolume", "attach"),
+        ("nodePublishVolumeStart", "NodePublishVolume", "attach"),
+        ("nodeUnpublishVolumeStart", "NodeUnpublishVolume", "detach"),
+        ("nodeUnstageVolumeStart", "NodeUnstageVolume", "detach"),
+        (
+            "controllerUnpublishVolumeStart",
+            "ControllerUnpublishVolume",
+            "detach",
+        ),
+        ("deleteVolumeStart", "DeleteVolume", "destroy"),
+    ];
+    for mode in MODES {
+        for (hook, call, hook_of_cube) in steps {
+            let label = format!("{mode:?}, {call} fails");
+            let options = MockOptions {
+                hooks: Some(fail_once(hook, "INTERNAL")),
+                ..MockOptions::default()
+            };
+            let (w, mock) = mock_world(&bin, mode, &options, "").await;
+            let assert_clear = |error: &common::CubeError, what: &str| {
+                let text = format!("{error:?}");
+                assert!(text.contains(call), "{label}: {what} names {call}: {text}");
+                assert!(
+                    text.contains("vol-e") || text.contains("\"4\""),
+                    "{label}: {what} names the volume: {text}"
+                );
+            };
+
+            let created = match w.create("vol-e").await {
+                Ok(created) => created,
+                Err(error) => {
+                    assert_eq!(hook_of_cube, "create", "{label}: {error:?}");
+                    assert_clear(&error, "create");
+                    assert_nothing_left(&w, &mock, &label);
+                    w.create("vol-e").await.expect("retried create")
+                }
+            };
+            let attached = match w.attach("sb", "vol-e", 0, &created.private_data).await {
+                Ok(attached) => attached,
+                Err(error) => {
+                    assert_eq!(hook_of_cube, "attach", "{label}: {error:?}");
+                    assert_clear(&error, "attach");
+                    assert_eq!(w.journal_records(), 0, "{label}: no journal record");
+                    let calls = mock.mutating();
+                    let count = |m: &str| calls.iter().filter(|c| *c == m).count();
+                    // Every step it did is undone (an undo of a step it never reached
+                    // is allowed: CSI's undo calls are idempotent).
+                    for (done, undone) in [
+                        ("NodeStageVolume", "NodeUnstageVolume"),
+                        ("NodePublishVolume", "NodeUnpublishVolume"),
+                        ("ControllerPublishVolume", "ControllerUnpublishVolume"),
+                    ] {
+                        assert!(
+                            count(undone) >= count(done),
+                            "{label}: the failed Attach undid {done}: {calls:?}"
+                        );
+                    }
+                    assert!(
+                        !w.base_dir.join(format!("{DRIVER}-vol-e")).exists(),
+                        "{label}: no host_path left"
+                    );
+                    w.attach("sb", "vol-e", 0, &created.private_data)
+                        .await
+                        .unwrap_or_else(|e| panic!("{label}: retried attach: {e:?}\n{}", w.logs()))
+                }
+            };
+            let metadata: HashMap<String, String> = attached.metadata.clone();
+            if let Err(error) = w.detach("sb", "vol-e", 0, &metadata).await {
+                assert_eq!(hook_of_cube, "detach", "{label}: {error:?}");
+                assert_clear(&error, "detach");
+                // Still attached as far as the bridge knows: Cube retries the Detach.
+                assert_eq!(w.journal_records(), 1, "{label}: the record is kept");
+                w.detach("sb", "vol-e", 0, &metadata)
+                    .await
+                    .unwrap_or_else(|e| panic!("{label}: retried detach: {e:?}\n{}", w.logs()));
+            }
+            assert_eq!(w.journal_records(), 0, "{label}: detached");
+            if let Err(error) = w.destroy("vol-e").await {
+                assert_eq!(hook_of_cube, "destroy", "{label}: {error:?}");
+                assert_clear(&error, "destroy");
+                assert_eq!(controller_records(&w).len(), 1, "{label}: record kept");
+                w.destroy("vol-e").await.expect("retried destroy");
+            }
+            assert_nothing_left(&w, &mock, &label);
+            let failed: Vec<_> = mock
+                .calls()
+                .into_iter()
+                .filter(|c| !c.error.is_empty())
+                .map(|c| c.method)
+                .collect();
+            assert_eq!(failed, [call], "{label}: the one injected failure");
+        }
+    }
+}
