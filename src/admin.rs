@@ -13,7 +13,7 @@ use crate::bridge::ports::ControllerDriver;
 use crate::config::Config;
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::mount::{MountTable, MountView};
-use crate::store::NodeJournal;
+use crate::store::FileJournal;
 
 /// One finding of `check`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -50,7 +50,7 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Findi
     let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
     let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts.clone())?;
     if reachable {
-        match bridge.check_driver(&deadline).await {
+        match bridge.check(&deadline).await {
             Ok(()) => report(
                 true,
                 format!(
@@ -228,7 +228,7 @@ pub enum Output {
 
 /// This node's volumes: the node journal joined with the mount table.
 pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
-    let journal = NodeJournal::open(&config.state.journal_dir())?;
+    let journal = FileJournal::open(&config.state.journal_dir())?;
     let mounts = MountView::new(&config.node.mount_view, false);
     let volumes = node_volumes(&journal, &mounts).await?;
     if output == Output::Json {
@@ -278,7 +278,7 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         .uses_kubernetes()
         .then(|| Arc::new(crate::k8s::Kube::new(&config.kubernetes)));
     let store = crate::app::controller_store(config, kube.as_ref())?;
-    let now = crate::store::controller::now_secs();
+    let now = crate::system::now_secs();
     let mut entries: Vec<ControllerEntry> = store
         .list()
         .await?
@@ -319,7 +319,7 @@ fn age(since: u64) -> String {
     if since == 0 {
         return "-".into();
     }
-    let secs = crate::store::controller::now_secs().saturating_sub(since);
+    let secs = crate::system::now_secs().saturating_sub(since);
     match secs {
         s if s < 60 => format!("{s}s"),
         s if s < 3600 => format!("{}m", s / 60),

@@ -1,40 +1,124 @@
-//! The composition root: wires the real adapters to the core — CSI over gRPC, the mount
-//! view, and the controller store and volume settings the config chooses.
+//! The composition root: the one place that knows the concrete adapters. It builds each
+//! side of the core complete from the config (CSI over gRPC, the mount view the edge
+//! chose, the controller store, the record key, the volume settings, the journal, the
+//! locks, the clock and the metrics recorder).
 
 use std::sync::Arc;
 
-use crate::bridge::ports::{ControllerDriver, MountCheck, NodeDriver, VolumeSettings};
-use crate::bridge::profile::ConfigSettings;
-use crate::bridge::{Bridge, BridgeError, Ports};
+use crate::bridge::discovery::DriverView;
+use crate::bridge::integrity::RecordKeySource;
+use crate::bridge::ports::{
+    Clock, ControllerDriver, ControllerStore, MountCheck, NodeDriver, Recorder, VolumeLocks,
+    VolumeSettings,
+};
+use crate::bridge::{
+    Bridge, BridgeError, ControllerPorts, ControllerSide, NodePorts, NodeSide, Settings, Timeouts,
+    Unserved,
+};
+use crate::config::volume_settings::ConfigSettings;
 use crate::config::{Config, ControllerStoreKind, Roles};
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::k8s::record_key::SecretKeySource;
 use crate::k8s::{CubeVolumeStore, Kube, StorageClassSource};
-use crate::store::{ControllerStore, EmbeddedStore};
+use crate::metrics::PrometheusRecorder;
+use crate::mount::HostDirs;
+use crate::store::{EmbeddedStore, FileJournal, FileKeySource, FileLocks};
+use crate::system::SystemClock;
 
-/// A bridge for `roles` over the driver, stores and settings `config` names, checking
+/// The core's settings, taken from the config file.
+pub fn core_settings(config: &Config) -> Settings {
+    Settings {
+        driver: config.driver.clone(),
+        timeouts: Timeouts {
+            create: config.timeouts.create(),
+            destroy: config.timeouts.destroy(),
+            attach: config.timeouts.attach(),
+            detach: config.timeouts.detach(),
+            rollback: config.timeouts.rollback(),
+        },
+        name_prefix: config.volume.name_prefix.clone(),
+        capacity_bytes: config.volume.capacity_bytes,
+        default_base_dir: config.node.default_volume_base_dir.clone(),
+        node_id: config.csi.node_id.clone(),
+        separate_controller_endpoint: config.csi.controller_endpoint.is_some(),
+        sign_unsigned_records: config.controller.sign_unsigned_records,
+        shared_store: config.state.controller_store == ControllerStoreKind::Kubernetes,
+    }
+}
+
+/// What both sides of one process share.
+struct Shared {
+    settings: Settings,
+    driver: Arc<DriverView>,
+    volume_settings: Arc<dyn VolumeSettings>,
+    locks: Arc<dyn VolumeLocks>,
+    clock: Arc<dyn Clock>,
+    recorder: Arc<dyn Recorder>,
+    kube: Option<Arc<Kube>>,
+}
+
+/// The sides `roles` names, over the driver, stores and settings `config` names, checking
 /// mounts through `mounts` (the edge picks the view: a forked hook already lives in
-/// Cubelet's mount namespace, the daemon does not).
+/// Cubelet's mount namespace, the daemon does not). Each side opens on its own; a served
+/// side that cannot open fails the whole call, with its error.
 pub fn open_bridge(
     config: Arc<Config>,
     roles: Roles,
     mounts: Arc<dyn MountCheck>,
 ) -> Result<Bridge, BridgeError> {
+    let bridge = open_sides(&config, roles, mounts)?;
+    if let (true, Err(why)) = (roles.controller, &bridge.controller) {
+        return Err(BridgeError::Unavailable(why.0.clone()));
+    }
+    if let (true, Err(why)) = (roles.node, &bridge.node) {
+        return Err(BridgeError::Unavailable(why.0.clone()));
+    }
+    Ok(bridge)
+}
+
+/// Like `open_bridge`, but a side that cannot open is left out with its reason (the
+/// other side serves regardless). Fails only when what both share cannot be made.
+pub fn open_sides(
+    config: &Config,
+    roles: Roles,
+    mounts: Arc<dyn MountCheck>,
+) -> Result<Bridge, BridgeError> {
+    let shared = shared(config)?;
+    let controller = if roles.controller {
+        open_controller(config, &shared)
+            .map(Arc::new)
+            .map_err(|e| Unserved(e.to_string()))
+    } else {
+        Err(Unserved::not_a_role("controller"))
+    };
+    let node = if roles.node {
+        open_node(config, &shared, mounts)
+            .map(Arc::new)
+            .map_err(|e| Unserved(e.to_string()))
+    } else {
+        Err(Unserved::not_a_role("node"))
+    };
+    Ok(Bridge { controller, node })
+}
+
+fn shared(config: &Config) -> Result<Shared, BridgeError> {
     let node_driver = Arc::new(GrpcDriver::new(CsiClient::new(&config.csi.endpoint)));
-    let controller: Arc<dyn ControllerDriver> = match &config.csi.controller_endpoint {
+    let controller_driver: Arc<dyn ControllerDriver> = match &config.csi.controller_endpoint {
         Some(endpoint) => Arc::new(GrpcDriver::new(CsiClient::new(endpoint))),
         None => node_driver.clone(),
     };
-    let node: Arc<dyn NodeDriver> = node_driver;
+    let node_driver: Arc<dyn NodeDriver> = node_driver;
+    let settings = core_settings(config);
+    let driver = Arc::new(DriverView::new(
+        controller_driver,
+        node_driver,
+        settings.node_id.clone(),
+        settings.separate_controller_endpoint,
+    ));
     let kube = config
         .uses_kubernetes()
         .then(|| Arc::new(Kube::new(&config.kubernetes)));
-    let store = if roles.controller {
-        Some(controller_store(&config, kube.as_ref())?)
-    } else {
-        None
-    };
-    let settings: Arc<dyn VolumeSettings> = match (&config.kubernetes.storage_class, &kube) {
+    let volume_settings: Arc<dyn VolumeSettings> = match (&config.kubernetes.storage_class, &kube) {
         (Some(class), Some(kube)) => Arc::new(StorageClassSource::new(
             kube.clone(),
             class,
@@ -43,29 +127,69 @@ pub fn open_bridge(
         )),
         _ => Arc::new(ConfigSettings::new(&config.volume, &config.secrets)),
     };
-    let bridge = Bridge::new(
-        config.clone(),
-        roles,
-        Ports {
-            controller,
-            node,
+    let lock_dir = &config.state.lock_dir;
+    let locks = Arc::new(
+        FileLocks::new(lock_dir)
+            .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?,
+    );
+    Ok(Shared {
+        settings,
+        driver,
+        volume_settings,
+        locks,
+        clock: Arc::new(SystemClock),
+        recorder: Arc::new(PrometheusRecorder),
+        kube,
+    })
+}
+
+fn open_controller(config: &Config, shared: &Shared) -> Result<ControllerSide, BridgeError> {
+    let store = controller_store(config, shared.kube.as_ref())?;
+    // The embedded store's key sits beside it; a shared store's key comes from where every
+    // replica can read it.
+    let record_key: Arc<dyn RecordKeySource> = match (&shared.kube, config.state.controller_store) {
+        (Some(kube), ControllerStoreKind::Kubernetes) => Arc::new(SecretKeySource::new(
+            kube.clone(),
+            &config.record_key_secret(),
+        )),
+        _ => Arc::new(FileKeySource::new(&config.state.dir.join("record.key"))),
+    };
+    Ok(ControllerSide::new(
+        shared.settings.clone(),
+        ControllerPorts {
+            driver: shared.driver.clone(),
             store,
-            settings,
+            record_key,
+            settings: shared.volume_settings.clone(),
+            locks: shared.locks.clone(),
+            clock: shared.clock.clone(),
+            recorder: shared.recorder.clone(),
+        },
+    ))
+}
+
+fn open_node(
+    config: &Config,
+    shared: &Shared,
+    mounts: Arc<dyn MountCheck>,
+) -> Result<NodeSide, BridgeError> {
+    let dir = config.state.journal_dir();
+    let journal = FileJournal::open(&dir)
+        .map_err(|e| BridgeError::io(format!("node journal {}", dir.display()), e))?;
+    Ok(NodeSide::new(
+        shared.settings.clone(),
+        NodePorts {
+            driver: shared.driver.clone(),
+            journal: Arc::new(journal),
+            settings: shared.volume_settings.clone(),
             mounts,
+            host_paths: Arc::new(HostDirs),
+            locks: shared.locks.clone(),
+            recorder: shared.recorder.clone(),
+            boot_id: shared.clock.boot_id(),
+            clock: shared.clock.clone(),
         },
-    )?;
-    // Replicas on other hosts verify each other's CubeVolumes: the key is a Secret.
-    Ok(
-        match (roles.controller, config.state.controller_store, &kube) {
-            (true, ControllerStoreKind::Kubernetes, Some(kube)) => {
-                bridge.with_record_key_source(Arc::new(SecretKeySource::new(
-                    kube.clone(),
-                    &config.record_key_secret(),
-                )))
-            }
-            _ => bridge,
-        },
-    )
+    ))
 }
 
 /// The controller store backend the config names.

@@ -18,4 +18,5 @@ pub mod mount;
 pub mod probe;
 pub mod proto;
 pub mod store;
+pub mod system;
 pub mod telemetry;

@@ -356,6 +356,40 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
+/// The core's `Recorder` port, recording into this process's registry.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PrometheusRecorder;
+
+impl crate::bridge::ports::Recorder for PrometheusRecorder {
+    fn hook(&self, hook_name: &'static str, outcome: &'static str, elapsed: Duration) {
+        hook(hook_name, outcome, elapsed);
+    }
+
+    fn rollback(&self, hook: &'static str, outcome: &'static str) {
+        rollback(hook, outcome);
+    }
+
+    fn reconcile_finding(&self, finding: &'static str, count: usize) {
+        reconcile_finding(finding, count);
+    }
+
+    fn sweep_finding(&self, finding: &'static str, count: usize) {
+        sweep_finding(finding, count);
+    }
+
+    fn node_inventory(&self, attached_volumes: usize, holders: usize) {
+        node_inventory(attached_volumes, holders);
+    }
+
+    fn volume_stats(&self, volume_id: &str, stats: Option<&crate::bridge::ports::VolumeStats>) {
+        volume_stats(volume_id, stats);
+    }
+
+    fn forget_volumes_except(&self, keep: &std::collections::BTreeSet<String>) {
+        forget_volumes_except(keep);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,8 +28,10 @@ use common::fake_driver::{Behavior, Caps};
 use common::{Mode, World};
 use cube_csi_bridge::bridge::HookKind;
 use cube_csi_bridge::bridge::faults::{self, When};
+use cube_csi_bridge::bridge::ports::ControllerStore;
+use cube_csi_bridge::bridge::records::VolumeState;
 use cube_csi_bridge::proto::cube::v1 as pb;
-use cube_csi_bridge::store::{ControllerStore, EmbeddedStore, VolumeState};
+use cube_csi_bridge::store::EmbeddedStore;
 
 const CRASH_AT: &str = "CUBE_CSI_BRIDGE_CRASH_AT";
 const CRASH_MARK: &str = "CUBE_CSI_BRIDGE_CRASH_MARK";

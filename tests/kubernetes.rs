@@ -490,9 +490,10 @@ async fn chart_examples_install_into_a_real_api_server() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cubevolume_store_refuses_stale_writes() {
+    use cube_csi_bridge::bridge::ports::{ControllerStore, StoreError};
+    use cube_csi_bridge::bridge::records::{VolumeRecord, VolumeState};
     use cube_csi_bridge::config::KubernetesConfig;
     use cube_csi_bridge::k8s::{CubeVolumeStore, Kube};
-    use cube_csi_bridge::store::{ControllerStore, StoreError, VolumeRecord, VolumeState};
     use std::sync::Arc;
 
     let bin = require_k8s_peers!();

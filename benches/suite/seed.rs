@@ -16,8 +16,8 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use cube_csi_bridge::bridge::integrity::FileKeySource;
-use cube_csi_bridge::store::VolumeRecord;
+use cube_csi_bridge::bridge::records::VolumeRecord;
+use cube_csi_bridge::store::FileKeySource;
 use nix::fcntl::{Flock, FlockArg};
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 

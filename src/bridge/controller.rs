@@ -15,22 +15,23 @@
 //! that a replica still working on that Create would have refreshed), finds the volume
 //! by repeating CreateVolume with the recorded name, deletes it, and drops the record.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use super::discovery::DriverView;
 use super::faults::{self, When};
 use super::handoff::VolumeHandle;
-use super::integrity::{RecordKey, Verdict};
-use super::locks::LockScope;
+use super::integrity::{RecordKey, RecordKeySource, Verdict};
 use super::naming::csi_volume_name;
 use super::ports::{
-    ControllerCaps, CreatedVolume, DriverIdentity, NewVolume, SecretUse, Secrets, VolumeSpec,
+    Clock, ControllerCaps, ControllerStore, CreatedVolume, DriverIdentity, LockScope, NewVolume,
+    Recorder, SecretUse, Secrets, StoreError, VolumeLocks, VolumeSettings, VolumeSpec,
 };
+use super::records::{DeletionPolicy, VolumeRecord, VolumeState};
 use super::{
-    Bridge, BridgeError, Caller, CreateVolume, Created, Deadline, DestroyVolume, HookError,
-    HookKind,
+    BridgeError, Caller, CreateVolume, Created, Deadline, DestroyVolume, HookError, HookKind,
+    Settings,
 };
-use crate::store::controller::now_secs;
-use crate::store::{ControllerStore, DeletionPolicy, StoreError, VolumeRecord, VolumeState};
 
 /// How often a write that lost a race to another replica is retried on a fresh read.
 const STORE_RACE_RETRIES: usize = 3;
@@ -66,11 +67,109 @@ pub struct SweepReport {
     pub failed: usize,
 }
 
-impl Bridge {
+/// What the controller side works through, each built by the composition root.
+pub struct ControllerPorts {
+    /// The driver, shared with the node side of the same process.
+    pub driver: Arc<DriverView>,
+    pub store: Arc<dyn ControllerStore>,
+    /// Where the key controller records are signed with is kept.
+    pub record_key: Arc<dyn RecordKeySource>,
+    pub settings: Arc<dyn VolumeSettings>,
+    pub locks: Arc<dyn VolumeLocks>,
+    pub clock: Arc<dyn Clock>,
+    pub recorder: Arc<dyn Recorder>,
+}
+
+/// Create and Destroy of one Cube driver over one CSI driver.
+pub struct ControllerSide {
+    config: Settings,
+    driver: Arc<DriverView>,
+    store: Arc<dyn ControllerStore>,
+    record_key_source: Arc<dyn RecordKeySource>,
+    settings: Arc<dyn VolumeSettings>,
+    locks: Arc<dyn VolumeLocks>,
+    clock: Arc<dyn Clock>,
+    recorder: Arc<dyn Recorder>,
+    /// The record key, once loaded.
+    record_key: tokio::sync::OnceCell<RecordKey>,
+    /// This process made the key and has not yet signed the records from before keys.
+    unsigned_records_pending: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for ControllerSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControllerSide")
+            .field("driver", &self.config.driver)
+            .field("csi", &self.driver)
+            .field("store", &self.store.describe())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControllerSide {
+    pub fn new(settings: Settings, ports: ControllerPorts) -> Self {
+        Self {
+            config: settings,
+            driver: ports.driver,
+            store: ports.store,
+            record_key_source: ports.record_key,
+            settings: ports.settings,
+            locks: ports.locks,
+            clock: ports.clock,
+            recorder: ports.recorder,
+            record_key: tokio::sync::OnceCell::new(),
+            unsigned_records_pending: Default::default(),
+        }
+    }
+
+    /// The core's settings this side runs with.
+    pub fn settings(&self) -> &Settings {
+        &self.config
+    }
+
     fn controller_store(&self) -> &dyn ControllerStore {
-        self.store
-            .as_deref()
-            .expect("controller hooks are only routed to a bridge with the controller role")
+        self.store.as_ref()
+    }
+
+    fn now_secs(&self) -> u64 {
+        self.clock.now_secs()
+    }
+
+    /// Checks, before serving, that the driver can create and delete volumes, that the
+    /// settings fit it, that a shared store can be read, and makes the record key. An
+    /// unreachable driver or API server is only a warning (it may come later; calls
+    /// connect lazily); a driver that answers but cannot serve Cube is an error.
+    pub async fn check(&self, deadline: &Deadline) -> Result<(), BridgeError> {
+        match self.driver.controller_view(deadline).await {
+            Ok((identity, caps)) => {
+                tracing::info!(
+                    driver = %identity.name,
+                    version = %identity.vendor_version,
+                    endpoint = self.driver.controller().endpoint(),
+                    "controller side: CSI driver found"
+                );
+                require_create_delete(&identity, caps.as_ref())?;
+            }
+            Err(e) if e.is_uncertain_driver_error() => {
+                tracing::warn!(error = %e, "controller side: CSI driver not reachable yet; will connect on first use");
+            }
+            Err(e) => return Err(e),
+        }
+        let known = self.driver.known_name().await;
+        let outcome = async {
+            if let Some(line) = self.settings.check(known.as_deref()).await? {
+                tracing::info!("{line}");
+            }
+            if self.config.shared_store {
+                let count = self.store.list().await?.len();
+                tracing::info!(volumes = count, store = %self.store.describe(), "controller store reachable");
+            }
+            // Made (and records from before keys existed signed) before the first hook.
+            self.record_key().await?;
+            Ok::<_, BridgeError>(())
+        }
+        .await;
+        transient_is_a_warning(outcome)
     }
 
     /// Signs `record` and stores it.
@@ -93,11 +192,7 @@ impl Bridge {
     pub(crate) async fn record_key(&self) -> Result<&RecordKey, BridgeError> {
         self.record_key
             .get_or_try_init(|| async {
-                let source = self.record_key_source.as_ref().ok_or_else(|| {
-                    BridgeError::Precondition(
-                        "no record key source for the controller store (a wiring bug)".into(),
-                    )
-                })?;
+                let source = &self.record_key_source;
                 let loaded = source.load().await?;
                 if loaded.created {
                     tracing::info!(key = %source.describe(), "made the key controller records are signed with");
@@ -108,7 +203,7 @@ impl Bridge {
                 let pending = self
                     .unsigned_records_pending
                     .load(std::sync::atomic::Ordering::SeqCst);
-                if pending || self.config.controller.sign_unsigned_records {
+                if pending || self.config.sign_unsigned_records {
                     match self.sign_unsigned_records(&loaded.key).await {
                         Ok(_) => self
                             .unsigned_records_pending
@@ -184,10 +279,7 @@ impl Bridge {
                  than the {} one). Compare it with the storage backend and restore the \
                  original values, or delete the CSI volume and the record by hand",
                 fields(),
-                self.record_key_source
-                    .as_ref()
-                    .map(|s| s.describe())
-                    .unwrap_or_default()
+                self.record_key_source.describe()
             ))),
             Verdict::Unsigned => Err(BridgeError::Precondition(format!(
                 "refusing to delete anything for this volume: {place} carries no integrity \
@@ -218,15 +310,19 @@ impl Bridge {
     ) -> Result<CreatedVolume, BridgeError> {
         let volume = NewVolume {
             name: csi_name.to_string(),
-            required_bytes: self.config.volume.capacity_bytes,
+            required_bytes: self.config.capacity_bytes,
             capability: spec.capability.clone(),
             parameters: spec.parameters.clone(),
             secrets: self.settings.secrets(SecretUse::Provisioner).await?,
         };
         faults::point(hook, When::Before, "CreateVolume");
-        let reply = self.controller.create_volume(&volume, deadline).await;
+        let reply = self
+            .driver
+            .controller()
+            .create_volume(&volume, deadline)
+            .await;
         faults::point(hook, When::After, "CreateVolume");
-        self.driver(reply).await
+        self.driver.driver(reply).await
     }
 
     async fn delete_volume(
@@ -238,11 +334,12 @@ impl Bridge {
     ) -> Result<(), BridgeError> {
         faults::point(hook, When::Before, "DeleteVolume");
         let reply = self
-            .controller
+            .driver
+            .controller()
             .delete_volume(csi_volume_id, secrets, deadline)
             .await;
         faults::point(hook, When::After, "DeleteVolume");
-        self.driver(reply).await
+        self.driver.driver(reply).await
     }
 
     /// Records the intent to create (state Creating), or adopts the record another
@@ -276,7 +373,7 @@ impl Bridge {
                         VolumeState::Creating => {}
                     }
                     let mut touched = existing;
-                    touched.updated_at = now_secs();
+                    touched.updated_at = self.now_secs();
                     touched
                 }
                 None => VolumeRecord {
@@ -287,7 +384,7 @@ impl Bridge {
                     csi_volume_id: None,
                     volume_context: Default::default(),
                     capacity_bytes: 0,
-                    updated_at: now_secs(),
+                    updated_at: self.now_secs(),
                     deletion: deletion.cloned(),
                     revision: None,
                     integrity: None,
@@ -319,7 +416,7 @@ impl Bridge {
             record.csi_volume_id = Some(volume.csi_volume_id.clone());
             record.volume_context = volume.volume_context.clone();
             record.capacity_bytes = volume.capacity_bytes;
-            record.updated_at = now_secs();
+            record.updated_at = self.now_secs();
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
                 Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
@@ -356,9 +453,9 @@ impl Bridge {
     /// left deletes what it made.
     pub async fn create(&self, req: CreateVolume, caller: &Caller) -> Result<Created, HookError> {
         let volume_id = req.volume_id.clone();
-        self.hook(HookKind::Create, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.create());
-            let (identity, caps) = self.controller_view(&deadline).await?;
+        super::hook(self.recorder.as_ref(), HookKind::Create, &volume_id, async {
+            let deadline = Deadline::after(self.config.timeouts.create);
+            let (identity, caps) = self.driver.controller_view(&deadline).await?;
             require_create_delete(&identity, caps.as_ref())?;
             // Resolved before anything is written: a bad StorageClass changes nothing.
             let spec = self.settings.spec(&identity.name).await?;
@@ -366,7 +463,7 @@ impl Bridge {
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
                 .await?;
-            let csi_name = csi_volume_name(&self.config.volume.name_prefix, &req.volume_id);
+            let csi_name = csi_volume_name(&self.config.name_prefix, &req.volume_id);
             tracing::info!(name = %req.name, csi_name, "creating CSI volume");
 
             // Intent first: if the answer to CreateVolume is lost, Destroy (or the sweep)
@@ -400,7 +497,7 @@ impl Bridge {
                 }
             };
 
-            let required = self.config.volume.capacity_bytes as i64;
+            let required = self.config.capacity_bytes as i64;
             let handle = VolumeHandle {
                 csi_volume_id: volume.csi_volume_id.clone(),
                 volume_context: volume.volume_context.clone(),
@@ -455,7 +552,7 @@ impl Bridge {
         problem: String,
     ) -> BridgeError {
         let error = BridgeError::Precondition(problem);
-        let deadline = Deadline::after(self.config.timeouts.rollback());
+        let deadline = Deadline::after(self.config.timeouts.rollback);
         let undone = async {
             let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
             self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
@@ -466,7 +563,8 @@ impl Bridge {
             Ok::<_, BridgeError>(())
         }
         .await;
-        crate::metrics::rollback("create", if undone.is_ok() { "undone" } else { "failed" });
+        self.recorder
+            .rollback("create", if undone.is_ok() { "undone" } else { "failed" });
         match undone {
             Ok(()) => error,
             Err(rollback) => BridgeError::RollbackFailed {
@@ -479,21 +577,26 @@ impl Bridge {
     /// Cube Destroy.
     pub async fn destroy(&self, req: DestroyVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
-        self.hook(HookKind::Destroy, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.destroy());
-            let _guard = self
-                .locks
-                .acquire(LockScope::Controller, &req.volume_id, &deadline)
-                .await?;
-            // Loaded first: making the key signs records from before keys existed.
-            self.record_key().await?;
-            let Some(record) = self.controller_store().get(&req.volume_id).await? else {
-                tracing::info!("no record of this volume; nothing to delete");
-                return Ok(());
-            };
-            self.delete_recorded(HookKind::Destroy, record, &deadline)
-                .await
-        })
+        super::hook(
+            self.recorder.as_ref(),
+            HookKind::Destroy,
+            &volume_id,
+            async {
+                let deadline = Deadline::after(self.config.timeouts.destroy);
+                let _guard = self
+                    .locks
+                    .acquire(LockScope::Controller, &req.volume_id, &deadline)
+                    .await?;
+                // Loaded first: making the key signs records from before keys existed.
+                self.record_key().await?;
+                let Some(record) = self.controller_store().get(&req.volume_id).await? else {
+                    tracing::info!("no record of this volume; nothing to delete");
+                    return Ok(());
+                };
+                self.delete_recorded(HookKind::Destroy, record, &deadline)
+                    .await
+            },
+        )
         .await
     }
 
@@ -506,7 +609,7 @@ impl Bridge {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         self.check_integrity(&record).await?;
-        let (identity, _) = self.controller_view(deadline).await?;
+        let (identity, _) = self.driver.controller_view(deadline).await?;
         check_same_driver(&record, &identity.name)?;
         // A finished create recorded how to delete it; only an unfinished one (or a
         // record from before that existed) needs the current settings.
@@ -574,7 +677,7 @@ impl Bridge {
     ) -> Result<SweepReport, BridgeError> {
         self.record_key().await?;
         let mut report = SweepReport::default();
-        let now = now_secs();
+        let now = self.now_secs();
         for record in self.controller_store().list().await? {
             let abandoned = record.state != VolumeState::Created
                 && now.saturating_sub(record.updated_at) >= grace.as_secs();
@@ -584,7 +687,7 @@ impl Bridge {
             let span = tracing::info_span!("sweep", volume_id = %record.volume_id);
             let volume_id = record.volume_id.clone();
             let outcome = self.reclaim(record).await;
-            crate::metrics::sweep_finding(
+            self.recorder.sweep_finding(
                 match &outcome {
                     Ok(true) => "reclaimed",
                     Ok(false) => "skipped",
@@ -622,14 +725,14 @@ impl Bridge {
         // Checked before the claim re-signs it.
         self.check_integrity(&record).await?;
         record.state = VolumeState::Deleting;
-        record.updated_at = now_secs();
+        record.updated_at = self.now_secs();
         match self.store_put(HookKind::Destroy, &mut record).await {
             Ok(()) => {}
             // A replica refreshed (a Create still retrying) or claimed it first.
             Err(BridgeError::Store(StoreError::Conflict { .. })) => return Ok(false),
             Err(e) => return Err(e),
         }
-        let deadline = Deadline::after(self.config.timeouts.destroy());
+        let deadline = Deadline::after(self.config.timeouts.destroy);
         self.delete_recorded(HookKind::Destroy, record, &deadline)
             .await?;
         Ok(true)
@@ -660,5 +763,21 @@ fn check_same_driver(record: &VolumeRecord, driver_name: &str) -> Result<(), Bri
              another driver (point csi.controller_endpoint back at {created_by:?})"
         ))),
         _ => Ok(()),
+    }
+}
+
+/// A transient failure of the settings source or the store at start is only a warning:
+/// the API server may come later.
+pub(crate) fn transient_is_a_warning(outcome: Result<(), BridgeError>) -> Result<(), BridgeError> {
+    match outcome {
+        Err(BridgeError::Settings(e)) if e.transient => {
+            tracing::warn!(error = %e, "Kubernetes API not reachable yet; will retry on first use");
+            Ok(())
+        }
+        Err(BridgeError::Store(e)) if e.is_transient() => {
+            tracing::warn!(error = %e, "controller store not reachable yet; will retry on first use");
+            Ok(())
+        }
+        other => other,
     }
 }

@@ -4,9 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::ports::{DriverError, SettingsError};
-use crate::store::StoreError;
-use crate::store::journal::JournalError;
+use super::ports::{DriverError, JournalError, SettingsError, StoreError};
 
 /// The four Cube hooks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -104,6 +102,10 @@ pub enum BridgeError {
     /// The caller stopped waiting; the hook undid its own work.
     #[error("the caller stopped waiting; the partial work was undone")]
     CallerGone,
+    /// The side that answers this hook does not serve in this process (not one of its
+    /// roles, or it failed to open: the message says which).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl From<DriverError> for BridgeError {
@@ -135,6 +137,7 @@ impl BridgeError {
             BridgeError::Io { .. } => "io_error",
             BridgeError::RollbackFailed { .. } => "rollback_failed",
             BridgeError::CallerGone => "caller_gone",
+            BridgeError::Unavailable(_) => "unavailable",
         }
     }
 

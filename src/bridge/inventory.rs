@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::ports::{MountCheck, Visibility};
-use super::{Bridge, BridgeError, Deadline};
-use crate::store::{NodeJournal, Step};
+use super::ports::{MountCheck, NodeJournal, Visibility};
+use super::records::Step;
+use super::{BridgeError, Deadline, NodeSide};
 
 /// The most volumes whose stats one refresh asks for (bounded work per interval).
 const MAX_STATS_VOLUMES: usize = 1000;
@@ -38,7 +38,7 @@ pub struct NodeVolume {
 
 /// Every volume in `journal`, with its mount state as `mounts` sees it.
 pub async fn node_volumes(
-    journal: &NodeJournal,
+    journal: &dyn NodeJournal,
     mounts: &dyn MountCheck,
 ) -> Result<Vec<NodeVolume>, BridgeError> {
     let deadline = Deadline::after(Duration::from_secs(10));
@@ -86,22 +86,22 @@ pub async fn node_volumes(
     Ok(out)
 }
 
-impl Bridge {
+impl NodeSide {
     /// Refreshes the inventory gauges and, with `stats` and when the driver offers
     /// NodeGetVolumeStats, each mounted volume's capacity, usage and condition. Runs off
     /// the hook path.
     pub async fn refresh_volume_metrics(&self, stats: bool) -> Result<(), BridgeError> {
-        let volumes = node_volumes(self.node_journal(), self.mounts.as_ref()).await?;
+        let volumes = node_volumes(self.node_journal().as_ref(), self.mounts.as_ref()).await?;
         let holders = volumes
             .iter()
             .map(|v| v.holders.values().map(BTreeSet::len).sum::<usize>())
             .sum();
-        crate::metrics::node_inventory(volumes.len(), holders);
+        self.recorder.node_inventory(volumes.len(), holders);
         if !stats {
             return Ok(());
         }
         let deadline = Deadline::after(STATS_CALL_BUDGET);
-        if !self.node_caps(&deadline).await?.get_volume_stats {
+        if !self.driver.node_caps(&deadline).await?.get_volume_stats {
             return Ok(());
         }
         let mut seen = BTreeSet::new();
@@ -112,12 +112,13 @@ impl Bridge {
         {
             let deadline = Deadline::after(STATS_CALL_BUDGET);
             match self
-                .node
+                .driver
+                .node()
                 .volume_stats(&volume.csi_volume_id, &volume.host_path, &deadline)
                 .await
             {
                 Ok(stats) => {
-                    crate::metrics::volume_stats(&volume.volume_id, Some(&stats));
+                    self.recorder.volume_stats(&volume.volume_id, Some(&stats));
                     seen.insert(volume.volume_id.clone());
                 }
                 Err(error) => {
@@ -125,7 +126,7 @@ impl Bridge {
                 }
             }
         }
-        crate::metrics::forget_volumes_except(&seen);
+        self.recorder.forget_volumes_except(&seen);
         Ok(())
     }
 }

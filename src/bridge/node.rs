@@ -13,21 +13,21 @@
 //! Attach, and the mount table, not ref_count, decides whether a volume is really attached.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use super::discovery::DriverView;
 use super::faults::{self, When};
 use super::handoff::{AttachMetadata, VolumeHandle};
-use super::locks::LockScope;
 use super::naming::VolumePaths;
 use super::ports::{
-    ControllerPublish, DriverError, Publish, SecretUse, Secrets, Stage, Undone, Visibility,
+    ControllerPublish, DriverError, HostPaths, JournalError, LockScope, MountCheck, NodeJournal,
+    Publish, Recorder, SecretUse, Secrets, Stage, Undone, Visibility, VolumeLocks, VolumeSettings,
 };
+use super::records::{HOLDER_LOG_LIMIT, HolderChange, NodeRecord, Step};
 use super::{
-    AttachVolume, Attached, Bridge, BridgeError, Caller, Deadline, DetachVolume, HookError,
-    HookKind, blocking,
+    AttachVolume, Attached, BridgeError, Caller, Deadline, DetachVolume, HookError, HookKind,
+    Settings, blocking,
 };
-use crate::mount::ops;
-use crate::store::journal::{HOLDER_LOG_LIMIT, HolderChange, JournalError};
-use crate::store::{NodeJournal, NodeRecord, Step};
 
 /// Which optional calls Attach makes for this driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,11 +57,96 @@ impl UndoSteps {
     };
 }
 
-impl Bridge {
-    pub fn node_journal(&self) -> &NodeJournal {
-        self.journal
-            .as_ref()
-            .expect("node hooks are only routed to a bridge with the node role")
+/// What the node side works through, each built by the composition root.
+pub struct NodePorts {
+    /// The driver, shared with the controller side of the same process.
+    pub driver: Arc<DriverView>,
+    pub journal: Arc<dyn NodeJournal>,
+    pub settings: Arc<dyn VolumeSettings>,
+    /// Where Cubelet looks for mounts.
+    pub mounts: Arc<dyn MountCheck>,
+    pub host_paths: Arc<dyn HostPaths>,
+    pub locks: Arc<dyn VolumeLocks>,
+    pub recorder: Arc<dyn Recorder>,
+    /// This boot's id (records of another boot hold nothing).
+    pub boot_id: String,
+    /// Seconds since the epoch, for the record's `since`.
+    pub clock: Arc<dyn super::ports::Clock>,
+}
+
+/// Attach and Detach of one Cube driver over one CSI driver, on this node.
+pub struct NodeSide {
+    pub(super) config: Settings,
+    pub(super) driver: Arc<DriverView>,
+    pub(super) journal: Arc<dyn NodeJournal>,
+    pub(super) settings: Arc<dyn VolumeSettings>,
+    pub(super) mounts: Arc<dyn MountCheck>,
+    pub(super) host_paths: Arc<dyn HostPaths>,
+    pub(super) locks: Arc<dyn VolumeLocks>,
+    pub(super) recorder: Arc<dyn Recorder>,
+    pub(super) boot_id: String,
+    pub(super) clock: Arc<dyn super::ports::Clock>,
+}
+
+impl std::fmt::Debug for NodeSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeSide")
+            .field("driver", &self.config.driver)
+            .field("csi", &self.driver)
+            .field("journal", &self.journal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeSide {
+    pub fn new(settings: Settings, ports: NodePorts) -> Self {
+        Self {
+            config: settings,
+            driver: ports.driver,
+            journal: ports.journal,
+            settings: ports.settings,
+            mounts: ports.mounts,
+            host_paths: ports.host_paths,
+            locks: ports.locks,
+            recorder: ports.recorder,
+            boot_id: ports.boot_id,
+            clock: ports.clock,
+        }
+    }
+
+    /// The core's settings this side runs with.
+    pub fn settings(&self) -> &Settings {
+        &self.config
+    }
+
+    pub fn node_journal(&self) -> &Arc<dyn NodeJournal> {
+        &self.journal
+    }
+
+    /// Checks, before serving, that the driver can do what Attach needs and that the
+    /// settings fit it. An unreachable driver is only a warning.
+    pub async fn check(&self, deadline: &Deadline) -> Result<(), BridgeError> {
+        match self.node_plan(false, deadline).await {
+            Ok(plan) => tracing::info!(
+                endpoint = self.driver.node().endpoint(),
+                stage_unstage = plan.stage,
+                controller_publish = plan.controller_publish_node.is_some(),
+                "node side: CSI driver found"
+            ),
+            Err(e) if e.is_uncertain_driver_error() => {
+                tracing::warn!(error = %e, "node side: CSI driver not reachable yet; will connect on first use");
+            }
+            Err(e) => return Err(e),
+        }
+        let known = self.driver.known_name().await;
+        let outcome = async {
+            if let Some(line) = self.settings.check(known.as_deref()).await? {
+                tracing::info!("{line}");
+            }
+            Ok(())
+        }
+        .await;
+        super::controller::transient_is_a_warning(outcome)
     }
 
     /// Whether `record` was written in an earlier boot of this host: its mounts and every
@@ -78,20 +163,20 @@ impl Bridge {
         volume_needs_publish: bool,
         deadline: &Deadline,
     ) -> Result<NodePlan, BridgeError> {
-        let stage = self.node_caps(deadline).await?.stage_unstage_volume;
-        let (identity, caps) = self.controller_view(deadline).await?;
+        let stage = self.driver.node_caps(deadline).await?.stage_unstage_volume;
+        let (identity, caps) = self.driver.controller_view(deadline).await?;
         let driver_publishes = caps.is_some_and(|c| c.publish_unpublish_volume);
         if volume_needs_publish && !driver_publishes {
             return Err(BridgeError::Precondition(format!(
                 "this volume needs ControllerPublishVolume (its driver had \
                  PUBLISH_UNPUBLISH_VOLUME when it was created), but {} ({}) offers no \
                  controller publish; set csi.controller_endpoint to the driver's controller",
-                self.controller.endpoint(),
+                self.driver.controller().endpoint(),
                 identity.name
             )));
         }
         let controller_publish_node = if driver_publishes {
-            Some(self.node_id(deadline).await?)
+            Some(self.driver.node_id(deadline).await?)
         } else {
             None
         };
@@ -193,67 +278,77 @@ impl Bridge {
     /// lock, never calls the driver, never starts a thread: the forked hook answers here
     /// before it forks its worker.
     pub async fn attach_if_hot(&self, req: &AttachVolume) -> Option<Result<Attached, HookError>> {
-        self.hook_if(HookKind::Attach, &req.volume_id, async {
-            let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
-                return Ok(None);
-            };
-            let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
-            let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
-                return Ok(None);
-            };
-            let deadline = Deadline::after(self.config.timeouts.attach());
-            let hot = record.target_path == paths.target
-                && record.csi_volume_id == req.handle.csi_volume_id
-                && record.publish == Step::Done
-                && !self.is_from_earlier_boot(&record)
-                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
-            if !hot {
-                return Ok(None);
-            }
-            let change = HolderChange::Attach {
-                namespace: req.namespace.clone(),
-                sandbox: req.sandbox_id.clone(),
-                first: req.ref_count == 0,
-            };
-            self.record_holder_change(&mut record, &change)?;
-            Ok(Some(attached(&record, &req.volume_id)))
-        })
+        super::hook_if(
+            self.recorder.as_ref(),
+            HookKind::Attach,
+            &req.volume_id,
+            async {
+                let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                    return Ok(None);
+                };
+                let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
+                let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
+                    return Ok(None);
+                };
+                let deadline = Deadline::after(self.config.timeouts.attach);
+                let hot = record.target_path == paths.target
+                    && record.csi_volume_id == req.handle.csi_volume_id
+                    && record.publish == Step::Done
+                    && !self.is_from_earlier_boot(&record)
+                    && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
+                if !hot {
+                    return Ok(None);
+                }
+                let change = HolderChange::Attach {
+                    namespace: req.namespace.clone(),
+                    sandbox: req.sandbox_id.clone(),
+                    first: req.ref_count == 0,
+                };
+                self.record_holder_change(&mut record, &change)?;
+                Ok(Some(attached(&record, &req.volume_id)))
+            },
+        )
         .await
     }
 
     /// Cube Detach, only if it is on the hot path: other holders remain (or nothing is
     /// recorded), so answering changes at most the holder log. `None`: run `detach`.
     pub async fn detach_if_hot(&self, req: &DetachVolume) -> Option<Result<(), HookError>> {
-        self.hook_if(HookKind::Detach, &req.volume_id, async {
-            let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
-                return Ok(None);
-            };
-            let mut record = match self.node_journal().load(&req.volume_id) {
-                Ok(Some(record)) if !self.is_from_earlier_boot(&record) => record,
-                Ok(None) if req.ref_count > 0 || req.recorded.is_none() => return Ok(Some(())),
-                _ => return Ok(None),
-            };
-            let change = HolderChange::Detach {
-                namespace: req.namespace.clone(),
-                sandbox: req.sandbox_id.clone(),
-                last: req.ref_count == 0,
-            };
-            let mut holders = record.holders.clone();
-            change.apply(&mut holders);
-            if req.ref_count == 0 && holders.is_empty() {
-                return Ok(None);
-            }
-            self.record_holder_change(&mut record, &change)?;
-            Ok(Some(()))
-        })
+        super::hook_if(
+            self.recorder.as_ref(),
+            HookKind::Detach,
+            &req.volume_id,
+            async {
+                let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                    return Ok(None);
+                };
+                let mut record = match self.node_journal().load(&req.volume_id) {
+                    Ok(Some(record)) if !self.is_from_earlier_boot(&record) => record,
+                    Ok(None) if req.ref_count > 0 || req.recorded.is_none() => return Ok(Some(())),
+                    _ => return Ok(None),
+                };
+                let change = HolderChange::Detach {
+                    namespace: req.namespace.clone(),
+                    sandbox: req.sandbox_id.clone(),
+                    last: req.ref_count == 0,
+                };
+                let mut holders = record.holders.clone();
+                change.apply(&mut holders);
+                if req.ref_count == 0 && holders.is_empty() {
+                    return Ok(None);
+                }
+                self.record_holder_change(&mut record, &change)?;
+                Ok(Some(()))
+            },
+        )
         .await
     }
 
     /// Cube Attach.
     pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {
         let volume_id = req.volume_id.clone();
-        self.hook(HookKind::Attach, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.attach());
+        super::hook(self.recorder.as_ref(), HookKind::Attach, &volume_id, async {
+            let deadline = Deadline::after(self.config.timeouts.attach);
             let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
             let _guard = self
                 .locks
@@ -295,7 +390,7 @@ impl Bridge {
             let mounted_before = before.is_held() && visible;
             record.boot_id = self.boot_id.clone();
             if record.since == 0 {
-                record.since = crate::store::controller::now_secs();
+                record.since = self.clock.now_secs();
             }
             self.node_journal().mark_pending(&req.volume_id)?;
             let established = match self
@@ -312,18 +407,18 @@ impl Bridge {
                     Ok(attached(&record, &req.volume_id))
                 }
                 Err(error) => {
-                    let rollback = Deadline::after(self.config.timeouts.rollback());
+                    let rollback = Deadline::after(self.config.timeouts.rollback);
                     match self
                         .undo_attach(&mut record, &before, mounted_before, &change, &rollback)
                         .await
                     {
                         Ok(()) => {
                             tracing::info!("partial attach undone");
-                            crate::metrics::rollback("attach", "undone");
+                            self.recorder.rollback("attach", "undone");
                             Err(error)
                         }
                         Err(rollback) => {
-                            crate::metrics::rollback("attach", "failed");
+                            self.recorder.rollback("attach", "failed");
                             Err(BridgeError::RollbackFailed {
                             error: Box::new(error),
                             rollback: Box::new(rollback),
@@ -485,7 +580,9 @@ impl Bridge {
         let base = paths.target.parent().expect("target has a parent");
         // Cubelet creates the base dir before Attach; do it too, for other callers. (A
         // mkdir on the local base dir: here, without a hop to a blocking thread.)
-        ops::ensure_dir(base, 0o755).map_err(|e| BridgeError::io("volume base dir", e))?;
+        self.host_paths
+            .ensure_base_dir(base)
+            .map_err(|e| BridgeError::io("volume base dir", e))?;
 
         // One durable write before the first mutating call: every step this Attach makes is
         // recorded as uncertain at once (a step that never ran is undone by an idempotent
@@ -511,7 +608,8 @@ impl Bridge {
         if plan.stage {
             // The CO creates the staging directory (CSI spec); the driver the target. Only
             // now that the record names it, so that a crash never strands it.
-            ops::ensure_dir(&paths.staging, 0o750)
+            self.host_paths
+                .ensure_staging_dir(&paths.staging)
                 .map_err(|e| BridgeError::io("staging dir", e))?;
         }
 
@@ -525,7 +623,7 @@ impl Bridge {
                 secrets: publish_secrets,
             };
             faults::point(hook, When::Before, "ControllerPublishVolume");
-            let reply = self.controller.publish(&call, deadline).await;
+            let reply = self.driver.controller().publish(&call, deadline).await;
             faults::point(hook, When::After, "ControllerPublishVolume");
             record.publish_context = self
                 .step_result(
@@ -547,7 +645,7 @@ impl Bridge {
                 secrets: stage_secrets,
             };
             faults::point(hook, When::Before, "NodeStageVolume");
-            let reply = self.node.stage(&call, deadline).await;
+            let reply = self.driver.node().stage(&call, deadline).await;
             faults::point(hook, When::After, "NodeStageVolume");
             self.step_result(&mut record.stage, previous_stage, reply)
                 .await?;
@@ -564,7 +662,7 @@ impl Bridge {
             secrets: node_publish_secrets,
         };
         faults::point(hook, When::Before, "NodePublishVolume");
-        let reply = self.node.publish(&call, deadline).await;
+        let reply = self.driver.node().publish(&call, deadline).await;
         faults::point(hook, When::After, "NodePublishVolume");
         self.step_result(&mut record.publish, previous_publish, reply)
             .await?;
@@ -600,7 +698,7 @@ impl Bridge {
                 } else if !error.is_uncertain() {
                     *step = Step::Absent;
                 }
-                self.driver(Err(error)).await
+                self.driver.driver(Err(error)).await
             }
         }
     }
@@ -609,75 +707,80 @@ impl Bridge {
     /// Detach with the same metadata, and finishing is what that retry would do.
     pub async fn detach(&self, req: DetachVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
-        self.hook(HookKind::Detach, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.detach());
-            let _guard = self
-                .locks
-                .acquire(LockScope::Node, &req.volume_id, &deadline)
-                .await?;
-            let change = HolderChange::Detach {
-                namespace: req.namespace.clone(),
-                sandbox: req.sandbox_id.clone(),
-                last: req.ref_count == 0,
-            };
-            let paths = match &req.recorded {
-                Some(meta) => meta.paths.clone(),
-                None => VolumePaths::new(
-                    &self.config.node.default_volume_base_dir,
-                    &self.config.driver,
-                    &req.volume_id,
-                ),
-            };
-            let csi_volume_id = req
-                .recorded
-                .as_ref()
-                .map(|m| m.csi_volume_id.clone())
-                .unwrap_or_default();
-            let loaded = self
-                .load_or_rebuild(&req.volume_id, &csi_volume_id, &paths, &deadline)
-                .await?;
-            let mut record = match (loaded, req.recorded) {
-                (Some(mut record), recorded) => {
-                    if let Some(meta) = recorded
-                        && meta.paths.target != record.target_path
-                    {
-                        tracing::warn!(
-                            metadata_mount_dir = %meta.paths.target.display(),
-                            journal_mount_dir = %record.target_path.display(),
-                            "Detach metadata and node journal disagree; following the journal"
-                        );
+        super::hook(
+            self.recorder.as_ref(),
+            HookKind::Detach,
+            &volume_id,
+            async {
+                let deadline = Deadline::after(self.config.timeouts.detach);
+                let _guard = self
+                    .locks
+                    .acquire(LockScope::Node, &req.volume_id, &deadline)
+                    .await?;
+                let change = HolderChange::Detach {
+                    namespace: req.namespace.clone(),
+                    sandbox: req.sandbox_id.clone(),
+                    last: req.ref_count == 0,
+                };
+                let paths = match &req.recorded {
+                    Some(meta) => meta.paths.clone(),
+                    None => VolumePaths::new(
+                        &self.config.default_base_dir,
+                        &self.config.driver,
+                        &req.volume_id,
+                    ),
+                };
+                let csi_volume_id = req
+                    .recorded
+                    .as_ref()
+                    .map(|m| m.csi_volume_id.clone())
+                    .unwrap_or_default();
+                let loaded = self
+                    .load_or_rebuild(&req.volume_id, &csi_volume_id, &paths, &deadline)
+                    .await?;
+                let mut record = match (loaded, req.recorded) {
+                    (Some(mut record), recorded) => {
+                        if let Some(meta) = recorded
+                            && meta.paths.target != record.target_path
+                        {
+                            tracing::warn!(
+                                metadata_mount_dir = %meta.paths.target.display(),
+                                journal_mount_dir = %record.target_path.display(),
+                                "Detach metadata and node journal disagree; following the journal"
+                            );
+                        }
+                        if self.is_from_earlier_boot(&record) {
+                            // Its holders died with the earlier boot.
+                            record.holders.clear();
+                        }
+                        let mut holders = record.holders.clone();
+                        change.apply(&mut holders);
+                        if req.ref_count > 0 || !holders.is_empty() {
+                            self.record_holder_change(&mut record, &change)?;
+                            tracing::debug!(
+                                ref_count = req.ref_count,
+                                namespaces = record.holders.len(),
+                                "other sandboxes still hold the volume"
+                            );
+                            return Ok(());
+                        }
+                        record.holders = holders;
+                        record
                     }
-                    if self.is_from_earlier_boot(&record) {
-                        // Its holders died with the earlier boot.
-                        record.holders.clear();
-                    }
-                    let mut holders = record.holders.clone();
-                    change.apply(&mut holders);
-                    if req.ref_count > 0 || !holders.is_empty() {
-                        self.record_holder_change(&mut record, &change)?;
-                        tracing::debug!(
-                            ref_count = req.ref_count,
-                            namespaces = record.holders.len(),
-                            "other sandboxes still hold the volume"
-                        );
+                    (None, _) if req.ref_count > 0 => {
+                        tracing::debug!(ref_count = req.ref_count, "nothing recorded on this node");
                         return Ok(());
                     }
-                    record.holders = holders;
-                    record
-                }
-                (None, _) if req.ref_count > 0 => {
-                    tracing::debug!(ref_count = req.ref_count, "nothing recorded on this node");
-                    return Ok(());
-                }
-                (None, Some(meta)) => self.record_from_metadata(&req.volume_id, meta),
-                (None, None) => {
-                    tracing::info!("nothing attached on this node; nothing to do");
-                    return Ok(());
-                }
-            };
-            self.teardown(HookKind::Detach, &mut record, &deadline)
-                .await
-        })
+                    (None, Some(meta)) => self.record_from_metadata(&req.volume_id, meta),
+                    (None, None) => {
+                        tracing::info!("nothing attached on this node; nothing to do");
+                        return Ok(());
+                    }
+                };
+                self.teardown(HookKind::Detach, &mut record, &deadline)
+                    .await
+            },
+        )
         .await
     }
 
@@ -734,7 +837,8 @@ impl Bridge {
             {
                 faults::point(hook, When::Before, "NodeUnpublishVolume");
                 let reply = self
-                    .node
+                    .driver
+                    .node()
                     .unpublish(&record.csi_volume_id, &target, deadline)
                     .await;
                 faults::point(hook, When::After, "NodeUnpublishVolume");
@@ -743,7 +847,7 @@ impl Bridge {
                 record.publish = Step::Absent;
                 self.save(hook, record, false).await?;
             }
-            remove_dir(&target, true, deadline).await?;
+            remove_dir(&self.host_paths, &target, true, deadline).await?;
         }
 
         if which.stage
@@ -754,7 +858,8 @@ impl Bridge {
             {
                 faults::point(hook, When::Before, "NodeUnstageVolume");
                 let reply = self
-                    .node
+                    .driver
+                    .node()
                     .unstage(&record.csi_volume_id, &staging, deadline)
                     .await;
                 faults::point(hook, When::After, "NodeUnstageVolume");
@@ -763,10 +868,10 @@ impl Bridge {
                 record.stage = Step::Absent;
                 self.save(hook, record, false).await?;
             }
-            remove_dir(&staging, true, deadline).await?;
+            remove_dir(&self.host_paths, &staging, true, deadline).await?;
             if let Some(parent) = staging.parent() {
                 // Shared by every staged volume: removed only when the last one goes.
-                remove_dir(parent, false, deadline).await?;
+                remove_dir(&self.host_paths, parent, false, deadline).await?;
             }
         }
 
@@ -774,11 +879,12 @@ impl Bridge {
             let secrets = self.settings.secrets(SecretUse::ControllerPublish).await?;
             faults::point(hook, When::Before, "ControllerUnpublishVolume");
             let reply = self
-                .controller
+                .driver
+                .controller()
                 .unpublish(&record.csi_volume_id, &record.node_id, &secrets, deadline)
                 .await;
             faults::point(hook, When::After, "ControllerUnpublishVolume");
-            self.driver(reply).await?;
+            self.driver.driver(reply).await?;
             record.controller_publish = Step::Absent;
             self.save(hook, record, false).await?;
         }
@@ -795,7 +901,7 @@ impl Bridge {
         call: &'static str,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        let undone = self.driver(reply).await?;
+        let undone = self.driver.driver(reply).await?;
         let still_mounted = self.visibility(path, deadline).await? == Visibility::Mounted;
         match (undone, still_mounted) {
             (_, false) => Ok(()),
@@ -850,13 +956,15 @@ async fn path_exists(path: &Path) -> bool {
 /// `warn_if_kept` reports one left in place because it still holds files. Bounded by the
 /// deadline: a directory on a dead network mount must not hang the hook.
 async fn remove_dir(
+    host_paths: &Arc<dyn HostPaths>,
     dir: &Path,
     warn_if_kept: bool,
     deadline: &Deadline,
 ) -> Result<(), BridgeError> {
     let dir: PathBuf = dir.to_path_buf();
     let shown = dir.display().to_string();
-    let work = blocking(move || match ops::remove_dir_if_empty(&dir) {
+    let host_paths = host_paths.clone();
+    let work = blocking(move || match host_paths.remove_dir_if_empty(&dir) {
         Ok(true) => Ok(()),
         Ok(false) => {
             if warn_if_kept && dir.exists() {

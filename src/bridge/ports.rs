@@ -1,17 +1,17 @@
-//! The core's ports: what the translation needs from a CSI driver, a mount table and the
-//! source of volume settings, in the core's own types. `csi/`, `mount/` and `k8s/`
-//! implement them; tests implement them in memory.
+//! The core's ports: what the translation needs from a CSI driver, a mount table, the
+//! source of volume settings and the stores, in the core's own types. `csi/`, `mount/`,
+//! `store/` and `k8s/` implement them; tests implement them in memory.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
 use super::Deadline;
-use crate::config::AccessMode;
-use crate::store::DeletionPolicy;
+use super::records::{DeletionPolicy, HolderChange, NodeRecord, VolumeRecord};
+use super::types::AccessMode;
 
 /// A map of CSI secrets (or anything else that must never be printed). Debug shows the
 /// keys only.
@@ -359,4 +359,204 @@ pub trait VolumeSettings: Send + Sync {
     /// Checks, before serving, that the settings can be read and fit the driver; returns
     /// a line for the log.
     async fn check(&self, driver_name: Option<&str>) -> Result<Option<String>, SettingsError>;
+}
+
+/// Any error a store backend wraps.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A controller-store failure.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Someone else changed the record since it was read.
+    #[error("controller store: the record of volume {volume_id:?} was changed concurrently")]
+    Conflict { volume_id: String },
+    /// The backend failed; `transient` when retrying later could help (unreachable,
+    /// overloaded, or busy past the wait bound).
+    #[error("controller store {store}: {action}: {source}")]
+    Backend {
+        store: String,
+        action: String,
+        transient: bool,
+        #[source]
+        source: BoxError,
+    },
+    /// A record or the file cannot be read by this build.
+    #[error("controller store {store}: {what}: {message}")]
+    Corrupt {
+        store: String,
+        what: String,
+        message: String,
+    },
+}
+
+impl StoreError {
+    /// Whether retrying later could help.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Backend {
+                transient: true,
+                ..
+            }
+        )
+    }
+}
+
+/// The controller store behind the bridge.
+#[async_trait]
+pub trait ControllerStore: Send + Sync + std::fmt::Debug {
+    async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError>;
+    /// Stores `record` if the stored copy is still at `record.revision` (None: there must
+    /// be none); then `record.revision` is the new revision.
+    async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError>;
+    /// Deletes the record if it is still at `record.revision`; already gone is success.
+    async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError>;
+    async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError>;
+    /// Where the records live, for messages.
+    fn describe(&self) -> String;
+    /// Where one volume's record lives, for messages that send an operator to it.
+    fn locate(&self, volume_id: &str) -> String {
+        format!("the record of volume {volume_id:?} in {}", self.describe())
+    }
+}
+
+/// Why a record could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("node journal {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Unreadable content (a torn write after a power loss, or another build's format).
+    #[error("node journal record {path} is unusable: {message}")]
+    Corrupt { path: PathBuf, message: String },
+}
+
+/// The node journal (store/journal.rs): one record per attached volume, written before
+/// each mutating CSI call; a log of holder changes per volume, folded into the record at
+/// its next rewrite; and a marker per volume whose operation is under way. Calls block
+/// on the file system: the core runs them off the async threads where they may wait.
+pub trait NodeJournal: Send + Sync + fmt::Debug {
+    /// The record of `volume_id` with its holder log applied, if the node holds one.
+    fn load(&self, volume_id: &str) -> Result<Option<NodeRecord>, JournalError>;
+    /// Writes `record` (holders included) and empties its holder log; `durable` waits
+    /// until it is on disk (before a CSI call).
+    fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError>;
+    /// Records one holder change cheaply; returns the log's size afterwards, so that the
+    /// core can fold a long log into the record (`HOLDER_LOG_LIMIT`).
+    fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError>;
+    /// Forgets `volume_id` (after a complete teardown).
+    fn remove(&self, volume_id: &str) -> Result<(), JournalError>;
+    /// Every volume id with a record or a holder log.
+    fn volume_ids(&self) -> Result<BTreeSet<String>, JournalError>;
+    /// Marks `volume_id` as having an operation under way; the mark outlives the process.
+    fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError>;
+    /// The operation on `volume_id` ended with the volume settled or gone.
+    fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError>;
+    /// Volumes marked pending, with when each was marked (None if unknown).
+    fn pending_since(&self) -> Result<Vec<(String, Option<SystemTime>)>, JournalError>;
+    /// Volumes marked pending.
+    fn pending(&self) -> Result<Vec<String>, JournalError> {
+        Ok(self
+            .pending_since()?
+            .into_iter()
+            .map(|(volume, _)| volume)
+            .collect())
+    }
+}
+
+/// The wall clock and the boot (system.rs): records carry when they were made and in
+/// which boot, so that holders of an earlier boot never keep a volume attached.
+pub trait Clock: Send + Sync + fmt::Debug {
+    /// Seconds since the Unix epoch.
+    fn now_secs(&self) -> u64;
+    /// This boot's id; empty when the host does not say.
+    fn boot_id(&self) -> String;
+}
+
+/// Which side's operations a volume lock serializes (Create/Destroy and Attach/Detach of
+/// one volume touch different state and may overlap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LockScope {
+    Controller,
+    Node,
+}
+
+impl LockScope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockScope::Controller => "controller",
+            LockScope::Node => "node",
+        }
+    }
+}
+
+/// Held while one hook works on one volume; dropping it releases the lock.
+pub type LockGuard = Box<dyn std::any::Any + Send>;
+
+/// One operation per volume and scope at a time, across every process that shares the
+/// state (store/locks.rs: an in-process queue and a file lock).
+#[async_trait]
+pub trait VolumeLocks: Send + Sync + fmt::Debug {
+    /// Takes the volume's lock if nobody holds it, without waiting.
+    fn try_acquire(
+        &self,
+        scope: LockScope,
+        volume_id: &str,
+    ) -> Result<Option<LockGuard>, super::BridgeError>;
+    /// Waits for the volume's lock until the deadline (`BridgeError::Busy` after it).
+    async fn acquire(
+        &self,
+        scope: LockScope,
+        volume_id: &str,
+        deadline: &Deadline,
+    ) -> Result<LockGuard, super::BridgeError>;
+}
+
+/// Where the core reports what it did (metrics.rs exports it); every method is cheap
+/// and never fails.
+pub trait Recorder: Send + Sync + fmt::Debug {
+    /// One hook finished with `outcome` ("success" or a `BridgeError::kind`).
+    fn hook(&self, hook: &'static str, outcome: &'static str, elapsed: Duration);
+    /// A failed hook's own work was undone ("undone") or could not be ("failed").
+    fn rollback(&self, hook: &'static str, outcome: &'static str);
+    /// Reconciliation found `count` volumes in the state `finding`.
+    fn reconcile_finding(&self, finding: &'static str, count: usize);
+    /// The sweep of abandoned Creates found `count` records in the state `finding`.
+    fn sweep_finding(&self, finding: &'static str, count: usize);
+    /// The node's attached volumes and holders, now.
+    fn node_inventory(&self, attached_volumes: usize, holders: usize);
+    /// One attached volume's usage (None: unknown now).
+    fn volume_stats(&self, volume_id: &str, stats: Option<&VolumeStats>);
+    /// Volumes not in `keep` are no longer attached: drop their series.
+    fn forget_volumes_except(&self, keep: &BTreeSet<String>);
+}
+
+/// A recorder that keeps nothing (tests, one-shot commands).
+#[derive(Debug, Default)]
+pub struct NoRecorder;
+
+impl Recorder for NoRecorder {
+    fn hook(&self, _: &'static str, _: &'static str, _: Duration) {}
+    fn rollback(&self, _: &'static str, _: &'static str) {}
+    fn reconcile_finding(&self, _: &'static str, _: usize) {}
+    fn sweep_finding(&self, _: &'static str, _: usize) {}
+    fn node_inventory(&self, _: usize, _: usize) {}
+    fn volume_stats(&self, _: &str, _: Option<&VolumeStats>) {}
+    fn forget_volumes_except(&self, _: &BTreeSet<String>) {}
+}
+
+/// The directories the node side makes and removes around the driver's calls (the CO's
+/// part of the CSI contract), on the host (mount/host_paths.rs). Synchronous: the core
+/// runs them where they may block.
+pub trait HostPaths: Send + Sync + fmt::Debug {
+    /// Makes the volume base dir and its missing parents (Cubelet normally has).
+    fn ensure_base_dir(&self, dir: &Path) -> std::io::Result<()>;
+    /// Makes a staging directory (and its missing parents).
+    fn ensure_staging_dir(&self, dir: &Path) -> std::io::Result<()>;
+    /// Removes `dir` if it exists and is empty; `Ok(false)` when it is left in place
+    /// (missing, or still holding files: data is never deleted here).
+    fn remove_dir_if_empty(&self, dir: &Path) -> std::io::Result<bool>;
 }

@@ -14,12 +14,10 @@
 use tracing::Instrument;
 
 use super::handoff::VolumeHandle;
-use super::locks::LockScope;
 use super::naming::VolumePaths;
-use super::ports::Visibility;
-use super::{Bridge, BridgeError, Caller, Deadline, HookKind};
-use crate::store::Step;
-use crate::store::journal::JournalError;
+use super::ports::{JournalError, LockScope, Visibility};
+use super::records::Step;
+use super::{BridgeError, Caller, Deadline, HookKind, NodeSide};
 
 /// Which volumes a pass looks at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +59,7 @@ enum Outcome {
     Skipped,
 }
 
-impl Bridge {
+impl NodeSide {
     /// One reconciliation pass. Errors on single volumes are logged and counted.
     pub async fn reconcile_node(&self, scope: Scope) -> Result<ReconcileReport, BridgeError> {
         let journal = self.node_journal().clone();
@@ -104,7 +102,7 @@ impl Bridge {
             ("mount_lost", report.mount_lost),
             ("failed", report.failed),
         ] {
-            crate::metrics::reconcile_finding(finding, count);
+            self.recorder.reconcile_finding(finding, count);
         }
         Ok(report)
     }
@@ -114,7 +112,7 @@ impl Bridge {
         volume_id: &str,
         scope: Scope,
     ) -> Result<Outcome, BridgeError> {
-        let deadline = Deadline::after(self.config.timeouts.detach());
+        let deadline = Deadline::after(self.config.timeouts.detach);
         let _guard = match scope {
             Scope::All => Some(
                 self.locks

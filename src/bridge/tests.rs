@@ -11,9 +11,82 @@ use async_trait::async_trait;
 
 use super::handoff::{AttachMetadata, VolumeHandle};
 use super::ports::*;
+use super::records::{NodeRecord, Step, VolumeRecord, VolumeState};
 use super::*;
-use crate::config::Config;
-use crate::store::{ControllerStore, StoreError, VolumeRecord, VolumeState};
+use crate::config::volume_settings::ConfigSettings;
+use crate::config::{Config, Roles};
+
+/// The sides `roles` names over the fake driver and mount table, `store`, and the
+/// config's files (journal, locks, record key) — wired as app.rs wires the real ones.
+fn sides(config: &Config, fake: &Fake, store: Arc<dyn ControllerStore>, roles: Roles) -> Bridge {
+    sides_with(
+        config,
+        fake,
+        store,
+        roles,
+        ConfigSettings::new(&config.volume, &config.secrets),
+    )
+}
+
+fn sides_with(
+    config: &Config,
+    fake: &Fake,
+    store: Arc<dyn ControllerStore>,
+    roles: Roles,
+    settings: ConfigSettings,
+) -> Bridge {
+    let core = crate::app::core_settings(config);
+    let driver = Arc::new(discovery::DriverView::new(
+        Arc::new(fake.clone()),
+        Arc::new(fake.clone()),
+        core.node_id.clone(),
+        core.separate_controller_endpoint,
+    ));
+    let settings: Arc<dyn VolumeSettings> = Arc::new(settings);
+    let locks: Arc<dyn VolumeLocks> =
+        Arc::new(crate::store::FileLocks::new(&config.state.lock_dir).unwrap());
+    let clock: Arc<dyn Clock> = Arc::new(crate::system::SystemClock);
+    let recorder: Arc<dyn Recorder> = Arc::new(NoRecorder);
+    let controller = if roles.controller {
+        Ok(Arc::new(ControllerSide::new(
+            core.clone(),
+            ControllerPorts {
+                driver: driver.clone(),
+                store,
+                record_key: Arc::new(crate::store::FileKeySource::new(
+                    &config.state.dir.join("record.key"),
+                )),
+                settings: settings.clone(),
+                locks: locks.clone(),
+                clock: clock.clone(),
+                recorder: recorder.clone(),
+            },
+        )))
+    } else {
+        Err(Unserved::not_a_role("controller"))
+    };
+    let node = if roles.node {
+        Ok(Arc::new(NodeSide::new(
+            core,
+            NodePorts {
+                driver,
+                journal: Arc::new(
+                    crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
+                ),
+                settings,
+                mounts: Arc::new(fake.clone()),
+                host_paths: Arc::new(crate::mount::HostDirs),
+                locks,
+                recorder,
+                boot_id: clock.boot_id(),
+                clock,
+            },
+        )))
+    } else {
+        Err(Unserved::not_a_role("node"))
+    };
+    Bridge { controller, node }
+}
 
 // ---------------------------------------------------------------- fakes
 
@@ -401,21 +474,7 @@ impl World {
         );
         let config = Arc::new(Config::parse(&text, Path::new("test.toml")).unwrap());
         let store = Arc::new(MemoryStore::default());
-        let bridge = Bridge::new(
-            config.clone(),
-            crate::config::Roles::BOTH,
-            Ports {
-                controller: Arc::new(fake.clone()),
-                node: Arc::new(fake.clone()),
-                store: Some(store.clone()),
-                settings: Arc::new(super::profile::ConfigSettings::new(
-                    &config.volume,
-                    &config.secrets,
-                )),
-                mounts: Arc::new(fake.clone()),
-            },
-        )
-        .unwrap();
+        let bridge = sides(&config, &fake, store.clone(), Roles::BOTH);
         World {
             dir,
             fake,
@@ -493,12 +552,22 @@ impl World {
             .await
     }
 
-    fn record(&self, volume: &str) -> Option<crate::store::NodeRecord> {
-        self.bridge.node_journal().load(volume).unwrap()
+    fn record(&self, volume: &str) -> Option<NodeRecord> {
+        self.bridge
+            .node()
+            .unwrap()
+            .node_journal()
+            .load(volume)
+            .unwrap()
     }
 
     fn pending(&self) -> Vec<String> {
-        self.bridge.node_journal().pending().unwrap()
+        self.bridge
+            .node()
+            .unwrap()
+            .node_journal()
+            .pending()
+            .unwrap()
     }
 
     /// Nothing left for `volume`: no mount, no staging, no record, no marker.
@@ -536,7 +605,7 @@ async fn first_attach_stages_publishes_and_records_a_settled_holder() {
     let record = w.record("v").unwrap();
     assert!(record.is_settled(), "{record:?}");
     assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
-    assert_eq!(record.boot_id, crate::store::journal::boot_id());
+    assert_eq!(record.boot_id, crate::system::SystemClock.boot_id());
     assert!(w.pending().is_empty());
 }
 
@@ -661,8 +730,8 @@ async fn a_failed_repair_under_other_holders_undoes_only_its_own_publish() {
         "undid work of earlier sandboxes: {calls:?}"
     );
     let record = w.record("v").unwrap();
-    assert_eq!(record.stage, crate::store::Step::Done);
-    assert_eq!(record.controller_publish, crate::store::Step::Done);
+    assert_eq!(record.stage, Step::Done);
+    assert_eq!(record.controller_publish, Step::Done);
     assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
     assert!(w.pending().is_empty());
     // The next Attach repairs it.
@@ -793,7 +862,7 @@ impl World {
     /// What a reboot leaves of `volume`: its record, stamped with an earlier boot, and
     /// none of its mounts.
     fn reboot(&self, volume: &str) {
-        let journal = self.bridge.node_journal();
+        let journal = self.bridge.node().unwrap().node_journal();
         let mut record = journal.load(volume).unwrap().unwrap();
         record.boot_id = "an-earlier-boot".into();
         journal.save(&record, true).unwrap();
@@ -818,7 +887,7 @@ async fn after_a_reboot_the_earlier_boots_holders_do_not_pin_the_volume() {
         BTreeMap::from([("ns2".to_string(), BTreeSet::from(["c".to_string()]))]),
         "holders of the earlier boot kept"
     );
-    assert_eq!(record.boot_id, crate::store::journal::boot_id());
+    assert_eq!(record.boot_id, crate::system::SystemClock.boot_id());
     // What the earlier boot did is undone before the volume is attached afresh.
     assert_eq!(
         w.fake.mutating_calls(),
@@ -890,6 +959,8 @@ async fn a_teardown_cut_short_leaves_no_holder_for_reconciliation_to_remount() {
     // Reconciliation finishes the teardown rather than mounting it for nobody.
     let report = w
         .bridge
+        .node()
+        .unwrap()
         .reconcile_node(reconcile::Scope::Abandoned)
         .await
         .unwrap();
@@ -902,9 +973,9 @@ async fn a_failed_attach_keeps_the_mount_other_holders_use() {
     let w = World::new(Fake::new(true, false));
     w.attach("v", "ns1", "s1", 0).await.unwrap();
     // An earlier repair left publish uncertain while the mount is there and in use.
-    let journal = w.bridge.node_journal();
+    let journal = w.bridge.node().unwrap().node_journal();
     let mut record = journal.load("v").unwrap().unwrap();
-    record.publish = crate::store::Step::Uncertain;
+    record.publish = Step::Uncertain;
     journal.save(&record, true).unwrap();
     w.fake.clear_calls();
     w.fake.script("NodePublishVolume", Fault::Final);
@@ -970,10 +1041,10 @@ async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_th
     w.fake.unmount_behind_our_back(&w.target("lost"));
     // An attach that died after NodeStage (nobody holds it).
     w.attach("dead", "ns", "s", 0).await.unwrap();
-    let journal = w.bridge.node_journal();
+    let journal = w.bridge.node().unwrap().node_journal();
     let mut dead = journal.load("dead").unwrap().unwrap();
     dead.holders.clear();
-    dead.publish = crate::store::Step::Uncertain;
+    dead.publish = Step::Uncertain;
     journal.save(&dead, true).unwrap();
     // From an earlier boot, no mount left.
     w.attach("old", "ns", "s", 0).await.unwrap();
@@ -984,6 +1055,8 @@ async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_th
 
     let report = w
         .bridge
+        .node()
+        .unwrap()
         .reconcile_node(reconcile::Scope::All)
         .await
         .unwrap();
@@ -1007,19 +1080,23 @@ async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_th
 async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
     let w = World::new(Fake::new(false, false));
     w.attach("v", "ns", "s", 0).await.unwrap();
-    let journal = w.bridge.node_journal();
+    let journal = w.bridge.node().unwrap().node_journal();
     let mut rec = journal.load("v").unwrap().unwrap();
     rec.holders.clear();
     journal.save(&rec, true).unwrap();
     journal.mark_pending("v").unwrap();
     let held = w
         .bridge
+        .node()
+        .unwrap()
         .locks
-        .try_acquire(locks::LockScope::Node, "v")
+        .try_acquire(LockScope::Node, "v")
         .unwrap()
         .unwrap();
     let report = w
         .bridge
+        .node()
+        .unwrap()
         .reconcile_node(reconcile::Scope::Abandoned)
         .await
         .unwrap();
@@ -1028,6 +1105,8 @@ async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
     drop(held);
     let report = w
         .bridge
+        .node()
+        .unwrap()
         .reconcile_node(reconcile::Scope::Abandoned)
         .await
         .unwrap();
@@ -1168,6 +1247,8 @@ async fn the_sweep_reclaims_abandoned_creates_only() {
     }
     let report = w
         .bridge
+        .controller()
+        .unwrap()
         .sweep_abandoned_creates(Duration::from_secs(600))
         .await
         .unwrap();
@@ -1190,7 +1271,7 @@ async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one(
     // A replica retrying the Create refreshes the record after the sweep read it.
     w.create("v").await.unwrap();
     assert!(
-        !w.bridge.reclaim(stale).await.unwrap(),
+        !w.bridge.controller().unwrap().reclaim(stale).await.unwrap(),
         "claimed a record in use"
     );
     assert_eq!(w.stored("v").unwrap().state, VolumeState::Created);
@@ -1245,7 +1326,7 @@ async fn the_holder_log_stays_bounded_however_long_a_volume_stays_mounted() {
         longest = longest.max(std::fs::metadata(&log).map_or(0, |m| m.len()));
     }
     assert!(
-        longest <= crate::store::journal::HOLDER_LOG_LIMIT + 128,
+        longest <= super::records::HOLDER_LOG_LIMIT + 128,
         "the holder log grew to {longest} bytes"
     );
     let record = w.record("v").unwrap();
@@ -1312,6 +1393,8 @@ async fn the_sweep_refuses_a_tampered_abandoned_record() {
     w.fake.clear_calls();
     let report = w
         .bridge
+        .controller()
+        .unwrap()
         .sweep_abandoned_creates(Duration::from_secs(600))
         .await
         .unwrap();
@@ -1371,30 +1454,20 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
     );
     assert!(w.backend_volumes().contains_key("cube-late"));
     // An operator who checked it asks for a re-sign (one restart with the setting on).
-    let restarted = Bridge::new(
-        Arc::new(
-            Config::parse(
-                &format!(
-                    "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[controller]\nsign_unsigned_records = true\n",
-                    d = w.dir.path().display()
-                ),
-                Path::new("test.toml"),
-            )
-            .unwrap(),
-        ),
-        crate::config::Roles::CONTROLLER,
-        Ports {
-            controller: Arc::new(w.fake.clone()),
-            node: Arc::new(w.fake.clone()),
-            store: Some(w.store.clone()),
-            settings: Arc::new(super::profile::ConfigSettings::new(
-                &Default::default(),
-                &Default::default(),
-            )),
-            mounts: Arc::new(w.fake.clone()),
-        },
-    )
-    .unwrap();
+    let restarted = sides_with(
+        &Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[controller]\nsign_unsigned_records = true\n",
+                d = w.dir.path().display()
+            ),
+            Path::new("test.toml"),
+        )
+        .unwrap(),
+        &w.fake,
+        w.store.clone(),
+        Roles::CONTROLLER,
+        ConfigSettings::new(&Default::default(), &Default::default()),
+    );
     restarted
         .destroy(DestroyVolume {
             volume_id: "late".into(),
@@ -1456,21 +1529,13 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
         )
         .unwrap(),
     );
-    let bridge = Bridge::new(
-        config,
-        crate::config::Roles::CONTROLLER,
-        Ports {
-            controller: Arc::new(w.fake.clone()),
-            node: Arc::new(w.fake.clone()),
-            store: Some(store),
-            settings: Arc::new(super::profile::ConfigSettings::new(
-                &Default::default(),
-                &Default::default(),
-            )),
-            mounts: Arc::new(w.fake.clone()),
-        },
-    )
-    .unwrap();
+    let bridge = sides_with(
+        &config,
+        &w.fake,
+        store,
+        Roles::CONTROLLER,
+        ConfigSettings::new(&Default::default(), &Default::default()),
+    );
     w.fake
         .state
         .lock()

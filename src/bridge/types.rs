@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use serde::Deserialize;
+
 use super::handoff::{AttachMetadata, VolumeHandle};
 
 /// Cube Create.
@@ -55,4 +57,18 @@ pub struct DetachVolume {
     pub ref_count: i64,
     /// What Attach handed Cube, if Cube had it.
     pub recorded: Option<AttachMetadata>,
+}
+
+/// The access mode requested for every volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AccessMode {
+    SingleNodeWriter,
+    SingleNodeReaderOnly,
+    MultiNodeReaderOnly,
+    MultiNodeSingleWriter,
+    #[default]
+    MultiNodeMultiWriter,
+    SingleNodeSingleWriter,
+    SingleNodeMultiWriter,
 }

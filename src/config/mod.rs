@@ -9,6 +9,7 @@
 
 mod file;
 pub mod locate;
+pub mod volume_settings;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,6 +19,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+pub use crate::bridge::AccessMode;
 use crate::csi::Endpoint;
 use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};
 pub use locate::{CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, EXECUTABLE_PREFIX, locate};
@@ -148,20 +150,6 @@ pub struct ServeSettings {
     /// Peer uids allowed to call over the socket or TCP; `None` allows anyone who can
     /// reach the listener.
     pub allowed_uids: Option<Vec<u32>>,
-}
-
-/// The access mode requested for every volume.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum AccessMode {
-    SingleNodeWriter,
-    SingleNodeReaderOnly,
-    MultiNodeReaderOnly,
-    MultiNodeSingleWriter,
-    #[default]
-    MultiNodeMultiWriter,
-    SingleNodeSingleWriter,
-    SingleNodeMultiWriter,
 }
 
 /// What every CreateVolume, NodeStage and NodePublish asks for.

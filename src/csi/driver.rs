@@ -12,12 +12,12 @@ use super::CsiClient;
 use super::client::code_name;
 use super::redact::Redactions;
 use super::retry::finality;
+use crate::bridge::AccessMode;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
     Capability, ControllerCaps, ControllerDriver, ControllerPublish, CreatedVolume, DriverError,
     DriverIdentity, NewVolume, NodeCaps, NodeDriver, Publish, Secrets, Stage, Undone, VolumeStats,
 };
-use crate::config::AccessMode;
 use crate::proto::csi::v1 as csi;
 use csi::controller_service_capability::rpc::Type as CtrlRpc;
 use csi::node_service_capability::rpc::Type as NodeRpc;

@@ -59,7 +59,7 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
     let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
     // Work an earlier, killed hook left behind is finished by a worker after it answers.
     if pending_work_blocks(
-        &bridge.node_journal().pending_since().ok()?,
+        &bridge.node().ok()?.node_journal().pending_since().ok()?,
         request.volume_id(),
         SystemTime::now(),
     ) {
@@ -115,7 +115,8 @@ pub async fn run(
     };
     // Cubelet forks the hook inside its own mount namespace.
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
-    let bridge = match crate::app::open_bridge(Arc::new(config), roles, mounts) {
+    let config = Arc::new(config);
+    let bridge = match crate::app::open_bridge(config.clone(), roles, mounts) {
         Ok(b) => b,
         Err(error) => {
             answered(HookOutput::failure(&format!(
@@ -132,11 +133,11 @@ pub async fn run(
         },
         Err(error) => failure(&error),
     });
-    if roles.controller {
-        sweep_if_due(&bridge).await;
+    if let Ok(controller) = &bridge.controller {
+        sweep_if_due(controller, &config).await;
     }
-    if roles.node {
-        match bridge.reconcile_node(Scope::Abandoned).await {
+    if let Ok(node) = &bridge.node {
+        match node.reconcile_node(Scope::Abandoned).await {
             Ok(report) if !report.is_empty() => {
                 tracing::info!(
                     ?report,
@@ -169,15 +170,14 @@ fn reply_json(reply: HookReply) -> serde_json::Value {
 /// after answering they also sweep abandoned Creates — at most once per
 /// `controller.sweep_interval_secs` across all processes (a stamp file, flocked, in the
 /// state dir), so that Cube's Creates do not each pay for it.
-async fn sweep_if_due(bridge: &crate::bridge::Bridge) {
-    let config = bridge.config();
+async fn sweep_if_due(controller: &crate::bridge::ControllerSide, config: &Config) {
     let Some(interval) = config.controller.sweep_interval else {
         return;
     };
     let Some(_turn) = sweep_turn(&config.state.dir, interval) else {
         return;
     };
-    match bridge
+    match controller
         .sweep_abandoned_creates(config.controller.abandoned_create_after)
         .await
     {

@@ -3,6 +3,7 @@
 
 use tonic::{Code, Status};
 
+use crate::bridge::ports::StoreError;
 use crate::bridge::{BridgeError, HookError};
 
 /// The error table: which status each failure answers with.
@@ -13,7 +14,8 @@ fn code(error: &BridgeError) -> Code {
         BridgeError::Driver(e) => Code::from_i32(e.grpc_code),
         BridgeError::Precondition(_) | BridgeError::NotVisible { .. } => Code::FailedPrecondition,
         BridgeError::Busy { .. } => Code::Aborted,
-        BridgeError::Store(crate::store::StoreError::Conflict { .. }) => Code::Aborted,
+        BridgeError::Unavailable(_) => Code::Unavailable,
+        BridgeError::Store(StoreError::Conflict { .. }) => Code::Aborted,
         BridgeError::Store(e) if e.is_transient() => Code::Unavailable,
         BridgeError::Settings(e) if e.transient => Code::Unavailable,
         BridgeError::Settings(_) => Code::FailedPrecondition,
@@ -50,7 +52,6 @@ pub fn message_json(message: &str) -> String {
 mod tests {
     use super::*;
     use crate::bridge::HookKind;
-    use crate::store::StoreError;
 
     fn status_of(error: BridgeError) -> Code {
         to_status(&HookError {

@@ -134,10 +134,11 @@ fn attach_reply(attached: crate::bridge::Attached) -> HookReply {
 /// Checks and runs `request` (the rpc path: the bridge is already open).
 pub async fn handle(
     bridge: &Bridge,
+    config: &Config,
     request: HookRequest,
     caller: &Caller,
 ) -> Result<HookReply, HookError> {
-    let checked = check(request, bridge.config())?;
+    let checked = check(request, config)?;
     run(bridge, checked, caller).await
 }
 

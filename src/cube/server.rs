@@ -15,8 +15,8 @@ use super::authority::fix_incoming;
 use super::listener::{Incoming, ListenError, PeerPolicy, UnixSocket};
 use super::service::CubeService;
 use crate::bridge::reconcile::Scope;
-use crate::bridge::{Bridge, BridgeError, Deadline};
-use crate::config::{Config, Roles};
+use crate::bridge::{Bridge, BridgeError, Deadline, NodeSide};
+use crate::config::Config;
 use crate::mount::MountView;
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerServiceServer;
@@ -52,6 +52,7 @@ impl ServeError {
 
 /// An opened daemon: the bridge and its bound listeners, not yet serving.
 pub struct Daemon {
+    config: Arc<Config>,
     bridge: Arc<Bridge>,
     unix: UnixSocket,
     tcp: Option<TcpListener>,
@@ -72,10 +73,11 @@ impl Daemon {
         let tcp_addr = config.serve.tcp;
         let metrics_addr = config.metrics.listen;
         let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
-        let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts)
+        let config = Arc::new(config);
+        let bridge = crate::app::open_bridge(config.clone(), roles, mounts)
             .map_err(ServeError::Misconfigured)?;
         bridge
-            .check_driver(&Deadline::after(STARTUP_CHECK_BUDGET))
+            .check(&Deadline::after(STARTUP_CHECK_BUDGET))
             .await
             .map_err(ServeError::Misconfigured)?;
         let unix = match UnixSocket::inherited(&socket_path)? {
@@ -125,6 +127,7 @@ impl Daemon {
         };
         tracing::info!(socket = %socket_path.display(), roles = roles.as_str(), "serving Cube hooks");
         Ok(Self {
+            config,
             bridge: Arc::new(bridge),
             unix,
             tcp,
@@ -137,6 +140,7 @@ impl Daemon {
     /// Serves until `shutdown` resolves, then drains within the grace period.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
         let Daemon {
+            config,
             bridge,
             unix,
             tcp,
@@ -144,23 +148,23 @@ impl Daemon {
             policy,
             grace,
         } = self;
-        let roles = bridge.roles();
-        let housekeeping = spawn_housekeeping(bridge.clone(), roles);
+        let roles = config.serve.roles;
+        let housekeeping = spawn_housekeeping(bridge.clone(), &config);
         let metrics = metrics
             .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
         // The inventory gauges whenever metrics are served; the driver's volume stats only
         // when asked for.
         let inventory = bridge
-            .config()
-            .metrics
-            .listen
-            .filter(|_| roles.node)
-            .map(|_| {
-                let stats_every = bridge.config().metrics.volume_stats_interval;
-                tokio::spawn(poll_volume_metrics(bridge.clone(), stats_every))
+            .node
+            .clone()
+            .ok()
+            .filter(|_| config.metrics.listen.is_some())
+            .map(|node| {
+                let stats_every = config.metrics.volume_stats_interval;
+                tokio::spawn(poll_volume_metrics(node, stats_every))
             });
 
-        let health = super::health::DaemonHealth::start(bridge.config(), roles);
+        let health = super::health::DaemonHealth::start(&config, roles);
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {
@@ -170,7 +174,7 @@ impl Daemon {
             }
         };
         let router = || {
-            let service = CubeService::new(bridge.clone(), hooks.clone());
+            let service = CubeService::new(bridge.clone(), config.clone(), hooks.clone());
             let controller = roles
                 .controller
                 .then(|| VolumeControllerServiceServer::new(service.clone()));
@@ -238,33 +242,36 @@ impl Daemon {
 
 /// Start-up reconciliation and the periodic passes: abandoned node operations, and
 /// abandoned Creates on the controller side.
-fn spawn_housekeeping(bridge: Arc<Bridge>, roles: Roles) -> tokio::task::JoinHandle<()> {
+fn spawn_housekeeping(bridge: Arc<Bridge>, config: &Config) -> tokio::task::JoinHandle<()> {
+    let node = bridge.node.clone().ok();
+    let controller = bridge.controller.clone().ok();
+    let sweep = config
+        .controller
+        .sweep_interval
+        .filter(|_| controller.is_some());
+    let grace = config.controller.abandoned_create_after;
     tokio::spawn(async move {
-        if roles.node {
-            match bridge.reconcile_node(Scope::All).await {
+        if let Some(node) = &node {
+            match node.reconcile_node(Scope::All).await {
                 Ok(report) => tracing::info!(?report, "node journal reconciled"),
                 Err(error) => tracing::error!(%error, "node journal reconciliation failed"),
             }
         }
-        let sweep = bridge
-            .config()
-            .controller
-            .sweep_interval
-            .filter(|_| roles.controller);
-        let grace = bridge.config().controller.abandoned_create_after;
         let mut scan = tokio::time::interval(ABANDONED_SCAN_INTERVAL);
         let mut sweep_timer = tokio::time::interval(sweep.unwrap_or(Duration::from_secs(86_400)));
         loop {
             tokio::select! {
-                _ = scan.tick(), if roles.node => {
-                    match bridge.reconcile_node(Scope::Abandoned).await {
+                _ = scan.tick(), if node.is_some() => {
+                    let Some(node) = &node else { continue };
+                    match node.reconcile_node(Scope::Abandoned).await {
                         Ok(report) if !report.is_empty() => tracing::info!(?report, "abandoned node operations resolved"),
                         Ok(_) => {}
                         Err(error) => tracing::error!(%error, "scanning for abandoned node operations failed"),
                     }
                 }
                 _ = sweep_timer.tick(), if sweep.is_some() => {
-                    match bridge.sweep_abandoned_creates(grace).await {
+                    let Some(controller) = &controller else { continue };
+                    match controller.sweep_abandoned_creates(grace).await {
                         Ok(report) if report.reclaimed + report.failed > 0 => tracing::info!(?report, "abandoned creates swept"),
                         Ok(_) => {}
                         Err(error) => tracing::error!(%error, "sweeping abandoned creates failed"),
@@ -280,11 +287,11 @@ const INVENTORY_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Keeps the node inventory gauges, and with `stats_every` the per-volume stats gauges,
 /// current, off the hook path.
-async fn poll_volume_metrics(bridge: Arc<Bridge>, stats_every: Option<Duration>) {
+async fn poll_volume_metrics(node: Arc<NodeSide>, stats_every: Option<Duration>) {
     let mut timer = tokio::time::interval(stats_every.unwrap_or(INVENTORY_INTERVAL));
     loop {
         timer.tick().await;
-        if let Err(error) = bridge.refresh_volume_metrics(stats_every.is_some()).await {
+        if let Err(error) = node.refresh_volume_metrics(stats_every.is_some()).await {
             tracing::warn!(%error, "refreshing volume metrics failed");
         }
     }

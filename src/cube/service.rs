@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use super::errors::to_status;
 use super::hooks::{self, HookReply, HookRequest};
 use crate::bridge::{Bridge, Caller};
+use crate::config::Config;
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;
@@ -21,23 +22,28 @@ use pb::volume_plugin_service_server::VolumePluginService;
 #[derive(Debug, Clone)]
 pub struct CubeService {
     bridge: Arc<Bridge>,
+    config: Arc<Config>,
     tasks: TaskTracker,
 }
 
 impl CubeService {
     /// `tasks` tracks every hook, so that shutdown can wait for them.
-    pub fn new(bridge: Arc<Bridge>, tasks: TaskTracker) -> Self {
-        Self { bridge, tasks }
+    pub fn new(bridge: Arc<Bridge>, config: Arc<Config>, tasks: TaskTracker) -> Self {
+        Self {
+            bridge,
+            config,
+            tasks,
+        }
     }
 
     async fn run(&self, request: HookRequest) -> Result<HookReply, Status> {
         let caller = Caller::waiting();
         let left = caller.leave_on_drop();
-        let bridge = self.bridge.clone();
+        let (bridge, config) = (self.bridge.clone(), self.config.clone());
         let hook_caller = caller.clone();
         let task = self
             .tasks
-            .spawn(async move { hooks::handle(&bridge, request, &hook_caller).await });
+            .spawn(async move { hooks::handle(&bridge, &config, request, &hook_caller).await });
         let result = match task.await {
             Ok(result) => result,
             Err(join) => std::panic::resume_unwind(join.into_panic()),

@@ -16,7 +16,7 @@ use kube::api::{Api, PostParams};
 use super::{Kube, KubeError};
 use crate::bridge::BridgeError;
 use crate::bridge::integrity::{LoadedKey, RecordKey, RecordKeySource};
-use crate::store::StoreError;
+use crate::bridge::ports::StoreError;
 
 /// The data key of the Secret.
 pub const KEY_FIELD: &str = "key";

@@ -18,11 +18,11 @@ use kube::Api;
 use super::cache::Cached;
 use super::names::{is_dns_label, is_dns_subdomain};
 use super::{Kube, KubeError};
+use crate::bridge::AccessMode;
 use crate::bridge::ports::{
     Capability, SecretUse, Secrets, SettingsError, VolumeSettings, VolumeSpec,
 };
-use crate::config::AccessMode;
-use crate::store::{DeletionPolicy, SecretRef};
+use crate::bridge::records::{DeletionPolicy, SecretRef};
 
 /// The prefix of the parameters a CO consumes itself.
 pub const PARAMETER_PREFIX: &str = "csi.storage.k8s.io/";

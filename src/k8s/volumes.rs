@@ -18,9 +18,8 @@ use sha2::{Digest, Sha256};
 
 use super::names::dns_name_chars;
 use super::{Kube, KubeError};
-use crate::store::{
-    ControllerStore, DeletionPolicy, SecretRef, StoreError, VolumeRecord, VolumeState,
-};
+use crate::bridge::ports::{ControllerStore, StoreError};
+use crate::bridge::records::{DeletionPolicy, SecretRef, VolumeRecord, VolumeState};
 
 pub const CRD_GROUP: &str = "csibridge.cubesandbox.io";
 pub const CRD_VERSION: &str = "v1alpha1";

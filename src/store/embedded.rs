@@ -11,8 +11,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::controller::{ControllerStore, StoreError, VolumeRecord};
 use super::fsutil::lock_exclusive_within;
+use crate::bridge::ports::{ControllerStore, StoreError};
+use crate::bridge::records::VolumeRecord;
 
 /// Version of the records and tables in the file; recorded in the `meta` table.
 pub const STORE_FORMAT: u64 = 1;
@@ -295,7 +296,8 @@ async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::controller::{VolumeState, now_secs};
+    use crate::bridge::records::VolumeState;
+    use crate::system::now_secs;
     use std::collections::BTreeMap;
 
     fn record(id: &str) -> VolumeRecord {

@@ -16,239 +16,26 @@
 //! volume lock is free belongs to an operation that died (a killed hook): whoever finds it
 //! finishes or undoes that operation.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-use serde::{Deserialize, Serialize};
-
 use super::fsutil::{DirSync, write_atomic};
-
-/// A holder log longer than this is folded into its record at the next change: every hook
-/// reads the log, so it must stay short however long a volume stays mounted.
-pub const HOLDER_LOG_LIMIT: u64 = 4096;
-
-/// The on-disk format of a record; bumped on incompatible change. Format 1 (holders as a
-/// flat set of `namespace/sandbox`) is still read.
-pub const JOURNAL_FORMAT: u32 = 2;
-
-/// How far one mutating step has got.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Step {
-    /// Never called, or undone.
-    #[default]
-    Absent,
-    /// Called without a known result: it may or may not have taken effect.
-    Uncertain,
-    /// Succeeded.
-    Done,
-}
-
-impl Step {
-    /// Whether teardown must call the inverse of this step.
-    pub fn needs_undo(self) -> bool {
-        self != Step::Absent
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Step::Absent => "absent",
-            Step::Uncertain => "uncertain",
-            Step::Done => "done",
-        }
-    }
-}
-
-/// Sandboxes holding a volume, by containerd namespace. Cubelet counts holders per
-/// (namespace, volume), so each namespace's count is Cube's truth for that namespace; the
-/// mount is shared by all of them.
-pub type Holders = BTreeMap<String, BTreeSet<String>>;
-
-/// One change to the holders, as Cube reported it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HolderChange {
-    /// Attach. `first` when Cube's ref_count was 0: the namespace held nothing before,
-    /// so sandboxes recorded for it earlier are stale (pruned without a Detach).
-    Attach {
-        namespace: String,
-        sandbox: String,
-        first: bool,
-    },
-    /// Detach. `last` when Cube's ref_count is 0: the namespace holds nothing more.
-    Detach {
-        namespace: String,
-        sandbox: String,
-        last: bool,
-    },
-}
-
-impl HolderChange {
-    /// Applies the change. Replaying a log suffix over its own result changes nothing:
-    /// every change sets, rather than toggles, what it touches.
-    pub fn apply(&self, holders: &mut Holders) {
-        match self {
-            HolderChange::Attach {
-                namespace,
-                sandbox,
-                first,
-            } => {
-                let set = holders.entry(namespace.clone()).or_default();
-                if *first {
-                    set.clear();
-                }
-                set.insert(sandbox.clone());
-            }
-            HolderChange::Detach {
-                namespace,
-                sandbox,
-                last,
-            } => {
-                if *last {
-                    holders.remove(namespace);
-                } else if let Some(set) = holders.get_mut(namespace) {
-                    set.remove(sandbox);
-                    // Cube says others of this namespace remain even if we never saw them
-                    // attach (a record rebuilt from metadata): keep the namespace.
-                }
-            }
-        }
-    }
-
-    /// One log line; fields are free of control characters (checked at the edge).
-    fn to_line(&self) -> String {
-        let (tag, namespace, sandbox) = match self {
-            HolderChange::Attach {
-                namespace,
-                sandbox,
-                first,
-            } => (if *first { '=' } else { '+' }, namespace, sandbox),
-            HolderChange::Detach {
-                namespace,
-                sandbox,
-                last,
-            } => (if *last { '0' } else { '-' }, namespace, sandbox),
-        };
-        format!("{tag}\t{namespace}\t{sandbox}\n")
-    }
-
-    fn from_line(line: &str) -> Option<Self> {
-        let mut parts = line.splitn(3, '\t');
-        let (tag, namespace, sandbox) = (parts.next()?, parts.next()?, parts.next()?);
-        let (namespace, sandbox) = (namespace.to_string(), sandbox.to_string());
-        Some(match tag {
-            "=" | "+" => HolderChange::Attach {
-                namespace,
-                sandbox,
-                first: tag == "=",
-            },
-            "0" | "-" => HolderChange::Detach {
-                namespace,
-                sandbox,
-                last: tag == "0",
-            },
-            _ => return None,
-        })
-    }
-}
-
-/// What this node did for one volume.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NodeRecord {
-    pub format: u32,
-    /// The Cube volume id.
-    pub volume_id: String,
-    pub csi_volume_id: String,
-    #[serde(default)]
-    pub volume_context: BTreeMap<String, String>,
-    /// From ControllerPublish; passed to NodeStage and NodePublish.
-    #[serde(default)]
-    pub publish_context: BTreeMap<String, String>,
-    /// The node id ControllerPublish was called with (empty when it was not).
-    #[serde(default)]
-    pub node_id: String,
-    /// The CSI target path, which is Cube's host_path.
-    pub target_path: PathBuf,
-    /// The CSI staging path, when the driver stages.
-    #[serde(default)]
-    pub staging_path: Option<PathBuf>,
-    #[serde(default)]
-    pub controller_publish: Step,
-    #[serde(default)]
-    pub stage: Step,
-    #[serde(default)]
-    pub publish: Step,
-    #[serde(default)]
-    pub holders: Holders,
-    /// The boot (`/proc/sys/kernel/random/boot_id`) the steps were taken in; empty when
-    /// unknown (a record from before boot ids were kept).
-    #[serde(default)]
-    pub boot_id: String,
-    /// When the volume was first attached in this record (seconds since the epoch).
-    #[serde(default)]
-    pub since: u64,
-}
-
-impl NodeRecord {
-    pub fn new(volume_id: &str, csi_volume_id: &str, target_path: PathBuf) -> Self {
-        Self {
-            format: JOURNAL_FORMAT,
-            volume_id: volume_id.to_string(),
-            csi_volume_id: csi_volume_id.to_string(),
-            volume_context: BTreeMap::new(),
-            publish_context: BTreeMap::new(),
-            node_id: String::new(),
-            target_path,
-            staging_path: None,
-            controller_publish: Step::Absent,
-            stage: Step::Absent,
-            publish: Step::Absent,
-            holders: Holders::new(),
-            boot_id: String::new(),
-            since: 0,
-        }
-    }
-
-    /// Whether any namespace still holds the volume.
-    pub fn is_held(&self) -> bool {
-        !self.holders.is_empty()
-    }
-
-    /// A settled record is attached and held: nothing is left to finish or undo.
-    pub fn is_settled(&self) -> bool {
-        self.publish == Step::Done
-            && self.controller_publish != Step::Uncertain
-            && self.stage != Step::Uncertain
-            && self.is_held()
-    }
-}
-
-/// Why a record could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum JournalError {
-    #[error("node journal {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    /// Unreadable content (a torn write after a power loss, or another build's format).
-    #[error("node journal record {path} is unusable: {message}")]
-    Corrupt { path: PathBuf, message: String },
-}
+use crate::bridge::ports::{JournalError, NodeJournal};
+use crate::bridge::records::{HolderChange, Holders, JOURNAL_FORMAT, NodeRecord};
 
 /// The journal directory.
 #[derive(Debug, Clone)]
-pub struct NodeJournal {
+pub struct FileJournal {
     dir: PathBuf,
     pending: PathBuf,
     /// Durable writes of this process share the directory's fsyncs.
     dir_sync: std::sync::Arc<DirSync>,
 }
 
-impl NodeJournal {
+impl FileJournal {
     /// Opens the journal at `dir`, creating it (0700) if needed.
     pub fn open(dir: &Path) -> io::Result<Self> {
         let pending = dir.join("pending");
@@ -275,19 +62,6 @@ impl NodeJournal {
         }
     }
 
-    /// The record of `volume_id` with its holder log applied, if the node holds one.
-    pub fn load(&self, volume_id: &str) -> Result<Option<NodeRecord>, JournalError> {
-        let path = self.path(volume_id);
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Self::io(&path)(e)),
-        };
-        let mut record = decode(&path, &bytes)?;
-        self.replay_holders(&mut record)?;
-        Ok(Some(record))
-    }
-
     fn replay_holders(&self, record: &mut NodeRecord) -> Result<(), JournalError> {
         let log = self.holder_log(&record.volume_id);
         let text = match std::fs::read(&log) {
@@ -299,7 +73,7 @@ impl NodeJournal {
         // Only complete lines count: a torn last line is a change that never finished.
         let complete = text.rfind('\n').map_or("", |end| &text[..end]);
         for line in complete.lines() {
-            match HolderChange::from_line(line) {
+            match parse_holder_line(line) {
                 Some(change) => change.apply(&mut record.holders),
                 None => {
                     tracing::warn!(log = %log.display(), "skipping an unreadable holder-log line")
@@ -308,10 +82,25 @@ impl NodeJournal {
         }
         Ok(())
     }
+}
+
+impl NodeJournal for FileJournal {
+    /// The record of `volume_id` with its holder log applied, if the node holds one.
+    fn load(&self, volume_id: &str) -> Result<Option<NodeRecord>, JournalError> {
+        let path = self.path(volume_id);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Self::io(&path)(e)),
+        };
+        let mut record = decode(&path, &bytes)?;
+        self.replay_holders(&mut record)?;
+        Ok(Some(record))
+    }
 
     /// Writes `record` (holders included) and empties its holder log; `durable` waits
     /// until it is on disk (use before a CSI call).
-    pub fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
+    fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
         let path = self.path(&record.volume_id);
         let bytes = serde_json::to_vec(record).map_err(|e| JournalError::Corrupt {
             path: path.clone(),
@@ -331,11 +120,7 @@ impl NodeJournal {
     /// Records one holder change cheaply: one appended line, no fsync, no rewrite.
     /// Returns the log's size afterwards, so that the caller can fold a long log into the
     /// record (`save`) before reading it costs more than rewriting it.
-    pub fn append_holder(
-        &self,
-        volume_id: &str,
-        change: &HolderChange,
-    ) -> Result<u64, JournalError> {
+    fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError> {
         use std::io::Seek;
         let log = self.holder_log(volume_id);
         let mut file = std::fs::OpenOptions::new()
@@ -344,7 +129,7 @@ impl NodeJournal {
             .mode(0o600)
             .open(&log)
             .map_err(Self::io(&log))?;
-        file.write_all(change.to_line().as_bytes())
+        file.write_all(holder_line(change).as_bytes())
             .map_err(Self::io(&log))?;
         // Appending left the offset at the end: that is the size.
         file.stream_position().map_err(Self::io(&log))
@@ -355,7 +140,7 @@ impl NodeJournal {
     /// again only repeats idempotent inverse calls.
     /// The holder log goes first: a log left behind by a crash between the two unlinks
     /// would be replayed onto the next, unrelated record of the volume.
-    pub fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
+    fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         for path in [self.holder_log(volume_id), self.path(volume_id)] {
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
@@ -368,7 +153,7 @@ impl NodeJournal {
 
     /// Every volume id with a record (or only a holder log), for reconciliation and the
     /// inventory.
-    pub fn volume_ids(&self) -> Result<BTreeSet<String>, JournalError> {
+    fn volume_ids(&self) -> Result<BTreeSet<String>, JournalError> {
         let mut ids = BTreeSet::new();
         for entry in std::fs::read_dir(&self.dir).map_err(Self::io(&self.dir))? {
             let name = entry.map_err(Self::io(&self.dir))?.file_name();
@@ -388,7 +173,7 @@ impl NodeJournal {
 
     /// Marks `volume_id` as having an operation under way (durable: it must outlive a
     /// crash of the process that made it).
-    pub fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+    fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError> {
         let path = self.pending.join(volume_id);
         if path.exists() {
             return Ok(());
@@ -407,7 +192,7 @@ impl NodeJournal {
     }
 
     /// The operation on `volume_id` ended with the volume settled or gone.
-    pub fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+    fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError> {
         let path = self.pending.join(volume_id);
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
@@ -417,7 +202,7 @@ impl NodeJournal {
     }
 
     /// Volumes marked pending, with when each was marked (None if that cannot be read).
-    pub fn pending_since(&self) -> Result<Vec<(String, Option<SystemTime>)>, JournalError> {
+    fn pending_since(&self) -> Result<Vec<(String, Option<SystemTime>)>, JournalError> {
         let mut out = Vec::new();
         for entry in std::fs::read_dir(&self.pending).map_err(Self::io(&self.pending))? {
             let entry = entry.map_err(Self::io(&self.pending))?;
@@ -428,15 +213,44 @@ impl NodeJournal {
         }
         Ok(out)
     }
+}
 
-    /// Volumes marked pending.
-    pub fn pending(&self) -> Result<Vec<String>, JournalError> {
-        Ok(self
-            .pending_since()?
-            .into_iter()
-            .map(|(volume, _)| volume)
-            .collect())
-    }
+/// One log line of a holder change; fields are free of control characters (checked at
+/// the edge).
+fn holder_line(change: &HolderChange) -> String {
+    let (tag, namespace, sandbox) = match change {
+        HolderChange::Attach {
+            namespace,
+            sandbox,
+            first,
+        } => (if *first { '=' } else { '+' }, namespace, sandbox),
+        HolderChange::Detach {
+            namespace,
+            sandbox,
+            last,
+        } => (if *last { '0' } else { '-' }, namespace, sandbox),
+    };
+    format!("{tag}\t{namespace}\t{sandbox}\n")
+}
+
+/// The holder change of one log line, if it is one.
+fn parse_holder_line(line: &str) -> Option<HolderChange> {
+    let mut parts = line.splitn(3, '\t');
+    let (tag, namespace, sandbox) = (parts.next()?, parts.next()?, parts.next()?);
+    let (namespace, sandbox) = (namespace.to_string(), sandbox.to_string());
+    Some(match tag {
+        "=" | "+" => HolderChange::Attach {
+            namespace,
+            sandbox,
+            first: tag == "=",
+        },
+        "0" | "-" => HolderChange::Detach {
+            namespace,
+            sandbox,
+            last: tag == "0",
+        },
+        _ => return None,
+    })
 }
 
 /// Reads a record of this format, or of format 1 (holders as `namespace/sandbox`).
@@ -491,7 +305,10 @@ pub fn boot_id() -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
+    use crate::bridge::records::Step;
 
     fn attach(ns: &str, sb: &str, first: bool) -> HolderChange {
         HolderChange::Attach {
@@ -512,7 +329,7 @@ mod tests {
     #[test]
     fn save_load_remove_round_trip() {
         let tmp = tempfile::tempdir().unwrap();
-        let journal = NodeJournal::open(&tmp.path().join("node")).unwrap();
+        let journal = FileJournal::open(&tmp.path().join("node")).unwrap();
         assert_eq!(journal.load("-v1").unwrap(), None);
         let mut rec = NodeRecord::new("-v1", "csi-1", "/base/drv--v1".into());
         rec.stage = Step::Uncertain;
@@ -527,7 +344,7 @@ mod tests {
     #[test]
     fn holder_changes_are_logged_folded_and_idempotent_on_replay() {
         let tmp = tempfile::tempdir().unwrap();
-        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
         let rec = NodeRecord::new("v", "h", "/t".into());
         journal.save(&rec, false).unwrap();
         let changes = [
@@ -577,7 +394,7 @@ mod tests {
     #[test]
     fn a_torn_last_log_line_is_ignored() {
         let tmp = tempfile::tempdir().unwrap();
-        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
         journal
             .save(&NodeRecord::new("v", "h", "/t".into()), false)
             .unwrap();
@@ -597,7 +414,7 @@ mod tests {
     #[test]
     fn corrupt_empty_or_future_records_are_errors() {
         let tmp = tempfile::tempdir().unwrap();
-        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
         std::fs::write(tmp.path().join("a.json"), b"{").unwrap();
         assert!(matches!(
             journal.load("a"),
@@ -615,7 +432,7 @@ mod tests {
     #[test]
     fn format_1_records_are_read_with_holders_by_namespace() {
         let tmp = tempfile::tempdir().unwrap();
-        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
         let v1 = r#"{"format":1,"volume_id":"v","csi_volume_id":"h","target_path":"/b/d-v",
             "publish":"done","holders":["ns1/s1","ns1/s2","ns2/s3"]}"#;
         std::fs::write(tmp.path().join("v.json"), v1).unwrap();
@@ -629,7 +446,7 @@ mod tests {
     #[test]
     fn pending_markers() {
         let tmp = tempfile::tempdir().unwrap();
-        let journal = NodeJournal::open(tmp.path()).unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
         journal.mark_pending("v").unwrap();
         journal.mark_pending("v").unwrap();
         assert_eq!(journal.pending().unwrap(), ["v"]);

@@ -1,14 +1,15 @@
-//! Persistent state: the controller store (Cube volume → CSI volume; a trait, with the
-//! embedded redb backend here and the Kubernetes one in `k8s/`) and the node journal (what
-//! is staged and published on this node), plus the file helpers both rely on.
+//! Persistent state behind the core's ports: the controller store's embedded redb backend
+//! (the Kubernetes one is in `k8s/`), the node journal (what is staged and published on
+//! this node), the volume locks, the embedded store's record key, and the file helpers
+//! they rely on.
 
-pub mod controller;
 pub mod embedded;
 pub mod fsutil;
 pub mod journal;
+pub mod locks;
+pub mod record_key;
 
-pub use controller::{
-    ControllerStore, DeletionPolicy, SecretRef, StoreError, VolumeRecord, VolumeState,
-};
 pub use embedded::EmbeddedStore;
-pub use journal::{NodeJournal, NodeRecord, Step};
+pub use journal::FileJournal;
+pub use locks::FileLocks;
+pub use record_key::FileKeySource;

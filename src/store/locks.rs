@@ -13,32 +13,15 @@ use std::sync::{Arc, Mutex};
 use nix::fcntl::Flock;
 use tokio::sync::OwnedMutexGuard;
 
-use super::Deadline;
-use super::error::BridgeError;
-use crate::store::fsutil::{lock_exclusive, try_lock_exclusive};
-
-/// Which side's operations a lock serializes (Create/Destroy and Attach/Detach of one
-/// volume touch different state and may overlap).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LockScope {
-    Controller,
-    Node,
-}
-
-impl LockScope {
-    fn as_str(self) -> &'static str {
-        match self {
-            LockScope::Controller => "controller",
-            LockScope::Node => "node",
-        }
-    }
-}
+use super::fsutil::{lock_exclusive, try_lock_exclusive};
+use crate::bridge::ports::{LockGuard, LockScope, VolumeLocks};
+use crate::bridge::{BridgeError, Deadline};
 
 type LocalLocks = HashMap<(LockScope, String), Arc<tokio::sync::Mutex<()>>>;
 
-/// The per-volume locks of one process.
+/// The per-volume locks of one process, over a directory of lock files.
 #[derive(Debug)]
-pub struct VolumeLocks {
+pub struct FileLocks {
     dir: PathBuf,
     local: Mutex<LocalLocks>,
 }
@@ -51,7 +34,7 @@ pub struct VolumeGuard {
     _local: OwnedMutexGuard<()>,
 }
 
-impl VolumeLocks {
+impl FileLocks {
     pub fn new(dir: &Path) -> std::io::Result<Self> {
         // Missing parents are made searchable (0755): the lock dir often shares one with
         // the socket (/run/cube-csi-bridge), which the socket's group must be able to reach.
@@ -66,7 +49,7 @@ impl VolumeLocks {
     }
 
     /// Takes the volume's lock if nobody holds it, without waiting.
-    pub fn try_acquire(
+    pub fn try_lock(
         &self,
         scope: LockScope,
         volume_id: &str,
@@ -101,7 +84,7 @@ impl VolumeLocks {
     }
 
     /// Waits for the volume's lock until the deadline.
-    pub async fn acquire(
+    pub async fn lock(
         &self,
         scope: LockScope,
         volume_id: &str,
@@ -146,6 +129,28 @@ impl VolumeLocks {
     }
 }
 
+#[async_trait::async_trait]
+impl VolumeLocks for FileLocks {
+    fn try_acquire(
+        &self,
+        scope: LockScope,
+        volume_id: &str,
+    ) -> Result<Option<LockGuard>, BridgeError> {
+        Ok(self
+            .try_lock(scope, volume_id)?
+            .map(|guard| Box::new(guard) as LockGuard))
+    }
+
+    async fn acquire(
+        &self,
+        scope: LockScope,
+        volume_id: &str,
+        deadline: &Deadline,
+    ) -> Result<LockGuard, BridgeError> {
+        Ok(Box::new(self.lock(scope, volume_id, deadline).await?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,7 +162,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         // As on a bare host: /run/cube-csi-bridge holds both the socket and <driver>/locks.
         let run = tmp.path().join("run");
-        VolumeLocks::new(&run.join("drv").join("locks")).unwrap();
+        FileLocks::new(&run.join("drv").join("locks")).unwrap();
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&run.join("drv").join("locks")), 0o700);
         // The socket's group must be able to reach a socket in `run` (umask 022 here).
@@ -167,7 +172,7 @@ mod tests {
     #[tokio::test]
     async fn same_volume_waits_other_volumes_do_not() {
         let tmp = tempfile::tempdir().unwrap();
-        let locks = Arc::new(VolumeLocks::new(tmp.path()).unwrap());
+        let locks = Arc::new(FileLocks::new(tmp.path()).unwrap());
         let deadline = Deadline::after(Duration::from_secs(5));
         let held = locks
             .acquire(LockScope::Node, "a", &deadline)
@@ -199,8 +204,8 @@ mod tests {
     async fn file_lock_excludes_a_second_lock_table() {
         // A second VolumeLocks on the same dir stands in for another process.
         let tmp = tempfile::tempdir().unwrap();
-        let one = VolumeLocks::new(tmp.path()).unwrap();
-        let two = VolumeLocks::new(tmp.path()).unwrap();
+        let one = FileLocks::new(tmp.path()).unwrap();
+        let two = FileLocks::new(tmp.path()).unwrap();
         let deadline = Deadline::after(Duration::from_secs(5));
         let held = one.acquire(LockScope::Node, "v", &deadline).await.unwrap();
         let short = Deadline::after(Duration::from_millis(150));

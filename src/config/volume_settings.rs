@@ -3,9 +3,11 @@
 
 use async_trait::async_trait;
 
-use super::ports::{Capability, SecretUse, Secrets, SettingsError, VolumeSettings, VolumeSpec};
-use crate::config::{SecretsConfig, VolumeConfig};
-use crate::store::DeletionPolicy;
+use super::{SecretsConfig, VolumeConfig};
+use crate::bridge::ports::{
+    Capability, SecretUse, Secrets, SettingsError, VolumeSettings, VolumeSpec,
+};
+use crate::bridge::records::DeletionPolicy;
 
 /// `[volume]` and `[secrets]` of the config file.
 #[derive(Debug, Clone)]

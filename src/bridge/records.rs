@@ -1,0 +1,246 @@
+//! The core's records: what the node journal keeps for each attached volume (its steps
+//! and holders) and what the controller store keeps for each Cube volume. The core owns
+//! these words; `store/` and `k8s/` persist them behind the ports (ports.rs).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// A holder log longer than this is folded into its record at the next change: every hook
+/// reads the log, so it must stay short however long a volume stays mounted.
+pub const HOLDER_LOG_LIMIT: u64 = 4096;
+
+/// The on-disk format of a record; bumped on incompatible change. Format 1 (holders as a
+/// flat set of `namespace/sandbox`) is still read.
+pub const JOURNAL_FORMAT: u32 = 2;
+
+/// How far one mutating step has got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Step {
+    /// Never called, or undone.
+    #[default]
+    Absent,
+    /// Called without a known result: it may or may not have taken effect.
+    Uncertain,
+    /// Succeeded.
+    Done,
+}
+
+impl Step {
+    /// Whether teardown must call the inverse of this step.
+    pub fn needs_undo(self) -> bool {
+        self != Step::Absent
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Step::Absent => "absent",
+            Step::Uncertain => "uncertain",
+            Step::Done => "done",
+        }
+    }
+}
+
+/// Sandboxes holding a volume, by containerd namespace. Cubelet counts holders per
+/// (namespace, volume), so each namespace's count is Cube's truth for that namespace; the
+/// mount is shared by all of them.
+pub type Holders = BTreeMap<String, BTreeSet<String>>;
+
+/// One change to the holders, as Cube reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HolderChange {
+    /// Attach. `first` when Cube's ref_count was 0: the namespace held nothing before,
+    /// so sandboxes recorded for it earlier are stale (pruned without a Detach).
+    Attach {
+        namespace: String,
+        sandbox: String,
+        first: bool,
+    },
+    /// Detach. `last` when Cube's ref_count is 0: the namespace holds nothing more.
+    Detach {
+        namespace: String,
+        sandbox: String,
+        last: bool,
+    },
+}
+
+impl HolderChange {
+    /// Applies the change. Replaying a log suffix over its own result changes nothing:
+    /// every change sets, rather than toggles, what it touches.
+    pub fn apply(&self, holders: &mut Holders) {
+        match self {
+            HolderChange::Attach {
+                namespace,
+                sandbox,
+                first,
+            } => {
+                let set = holders.entry(namespace.clone()).or_default();
+                if *first {
+                    set.clear();
+                }
+                set.insert(sandbox.clone());
+            }
+            HolderChange::Detach {
+                namespace,
+                sandbox,
+                last,
+            } => {
+                if *last {
+                    holders.remove(namespace);
+                } else if let Some(set) = holders.get_mut(namespace) {
+                    set.remove(sandbox);
+                    // Cube says others of this namespace remain even if we never saw them
+                    // attach (a record rebuilt from metadata): keep the namespace.
+                }
+            }
+        }
+    }
+}
+
+/// What this node did for one volume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub format: u32,
+    /// The Cube volume id.
+    pub volume_id: String,
+    pub csi_volume_id: String,
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+    /// From ControllerPublish; passed to NodeStage and NodePublish.
+    #[serde(default)]
+    pub publish_context: BTreeMap<String, String>,
+    /// The node id ControllerPublish was called with (empty when it was not).
+    #[serde(default)]
+    pub node_id: String,
+    /// The CSI target path, which is Cube's host_path.
+    pub target_path: PathBuf,
+    /// The CSI staging path, when the driver stages.
+    #[serde(default)]
+    pub staging_path: Option<PathBuf>,
+    #[serde(default)]
+    pub controller_publish: Step,
+    #[serde(default)]
+    pub stage: Step,
+    #[serde(default)]
+    pub publish: Step,
+    #[serde(default)]
+    pub holders: Holders,
+    /// The boot (`/proc/sys/kernel/random/boot_id`) the steps were taken in; empty when
+    /// unknown (a record from before boot ids were kept).
+    #[serde(default)]
+    pub boot_id: String,
+    /// When the volume was first attached in this record (seconds since the epoch).
+    #[serde(default)]
+    pub since: u64,
+}
+
+impl NodeRecord {
+    pub fn new(volume_id: &str, csi_volume_id: &str, target_path: PathBuf) -> Self {
+        Self {
+            format: JOURNAL_FORMAT,
+            volume_id: volume_id.to_string(),
+            csi_volume_id: csi_volume_id.to_string(),
+            volume_context: BTreeMap::new(),
+            publish_context: BTreeMap::new(),
+            node_id: String::new(),
+            target_path,
+            staging_path: None,
+            controller_publish: Step::Absent,
+            stage: Step::Absent,
+            publish: Step::Absent,
+            holders: Holders::new(),
+            boot_id: String::new(),
+            since: 0,
+        }
+    }
+
+    /// Whether any namespace still holds the volume.
+    pub fn is_held(&self) -> bool {
+        !self.holders.is_empty()
+    }
+
+    /// A settled record is attached and held: nothing is left to finish or undo.
+    pub fn is_settled(&self) -> bool {
+        self.publish == Step::Done
+            && self.controller_publish != Step::Uncertain
+            && self.stage != Step::Uncertain
+            && self.is_held()
+    }
+}
+
+/// Where a Cube volume's creation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeState {
+    /// CreateVolume was sent but its answer is not known: a CSI volume of `csi_name`
+    /// may exist.
+    Creating,
+    /// CreateVolume succeeded; `csi_volume_id` is the handle.
+    Created,
+    /// A sweep claimed an abandoned Create to delete what it may have made; a Create of
+    /// the same volume must not adopt it.
+    Deleting,
+}
+
+impl VolumeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeState::Creating => "creating",
+            VolumeState::Created => "created",
+            VolumeState::Deleting => "deleting",
+        }
+    }
+}
+
+/// A Secret named by a StorageClass.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct SecretRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+/// How a volume is deleted, as its StorageClass said when it was created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletionPolicy {
+    /// `reclaimPolicy: Retain`: Destroy keeps the storage.
+    pub retain: bool,
+    /// The provisioner secret DeleteVolume gets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<SecretRef>,
+}
+
+/// One Cube volume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    pub volume_id: String,
+    /// The CreateVolume name (the idempotency key).
+    pub csi_name: String,
+    /// The CSI driver (GetPluginInfo name) that created the volume; Destroy refuses to
+    /// send its handle to another driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_driver: Option<String>,
+    pub state: VolumeState,
+    #[serde(default)]
+    pub csi_volume_id: Option<String>,
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+    #[serde(default)]
+    pub capacity_bytes: i64,
+    /// Seconds since the Unix epoch.
+    pub updated_at: u64,
+    /// What Destroy needs, recorded at Create from the StorageClass (as a PersistentVolume
+    /// records it) so that Destroy works even after the StorageClass changed or is gone.
+    /// None: not recorded (config-file settings, or a record from before this existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion: Option<DeletionPolicy>,
+    /// The version of the stored record this copy was read at; None for a record not
+    /// yet stored. Set by the store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// The bridge's MAC over the fields Destroy acts on (bridge/integrity.rs); None for a
+    /// record written before records were signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<String>,
+}
