@@ -2,7 +2,9 @@
 #
 # ensure_commands <command>:<debian-package>...
 #   Installs, with apt-get, the packages whose command is missing (running apt-get update
-#   only then). Installing needs root; without it, missing packages are an error.
+#   only then). Installing needs root; without it, missing packages are an error. Installers
+#   may run at once (scripts/test.sh runs one in the background): apt-get waits for the
+#   dpkg lock instead of failing on it, and a flock serialises this project's own calls.
 ensure_commands() {
 	local pair
 	local -A want=()
@@ -12,6 +14,10 @@ ensure_commands() {
 	[ ${#want[@]} -gt 0 ] || return 0
 	[ "$(id -u)" = 0 ] || die "missing packages ${!want[*]} and not root"
 	log "installing Debian packages: ${!want[*]}"
-	DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${!want[@]}" >&2
+	(
+		if command -v flock >/dev/null 2>&1; then flock 8; fi
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update -qq >&2
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+			--no-install-recommends "${!want[@]}" >&2
+	) 8>/var/lock/cube-csi-bridge-apt.lock
 }

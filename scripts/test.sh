@@ -21,9 +21,13 @@ CUBE_CSI_BRIDGE_PYTHON_BIN="$(bash scripts/install-python-peers.sh | tail -n 1)"
 export CUBE_CSI_BRIDGE_PYTHON_BIN
 
 # A real kube-apiserver, etcd and helm (tests/kubernetes.rs, tests/helm_chart.rs), built
-# from the Go module proxy once and cached (the first build takes several minutes).
-CUBE_CSI_BRIDGE_K8S_BIN="$(bash scripts/install-k8s-peers.sh | tail -n 1)"
-export CUBE_CSI_BRIDGE_K8S_BIN
+# from the Go module proxy once and cached. The first build is the longest step of a cold
+# run, so it goes on in the background, beside the cargo installs and the Rust build, and
+# is waited for just before the tests.
+k8s_out=$(mktemp)
+trap 'rm -f "$k8s_out"' EXIT
+bash scripts/install-k8s-peers.sh >"$k8s_out" &
+k8s_pid=$!
 
 # systemd-analyze (tests/systemd_units.rs) from Debian, and cargo-deny (the dependency check
 # below) built with `cargo install` once and cached.
@@ -39,6 +43,13 @@ cargo clippy --locked --all-targets --all-features -- -D warnings
 bash scripts/check-deps.sh "$CUBE_CSI_BRIDGE_OPS_BIN"
 # The fault-injection points are compiled in for the tests only: the crash matrix
 # (tests/crash_matrix.rs) needs them and fails in CI without them.
+cargo test --locked --features fault-injection --no-run
+if ! wait "$k8s_pid"; then
+    echo "scripts/test.sh: scripts/install-k8s-peers.sh failed (its log is above)" >&2
+    exit 1
+fi
+CUBE_CSI_BRIDGE_K8S_BIN="$(tail -n 1 "$k8s_out")"
+export CUBE_CSI_BRIDGE_K8S_BIN
 cargo test --locked --features fault-injection
 # Each fuzz target (the parsers of what Cube and operators hand the bridge) for 20 s.
 bash scripts/fuzz.sh "$CUBE_CSI_BRIDGE_FUZZ_BIN"
