@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's benchmark command (README "Benchmarks"; docs/benchmarks.md): installs the
-# peers the suite drives (the Go Cube client with its bench mode, the real CSI drivers,
+# peers the suite drives (the Go Cube client with its bench mode, csi-test's mock driver,
 # kube-apiserver + etcd; each cached by its installer), builds the bridge and the suite in
 # release mode, and prints one table: every figure, its baseline measured in the same run,
 # the ratio, the target and PASS/MISS. Benchmarks print; a missed target never fails.
@@ -28,9 +28,8 @@ for arg in "$@"; do
 done
 
 CUBE_CSI_BRIDGE_PEERS_BIN="$(bash scripts/install-test-peers.sh | tail -n 1)"
-CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN="$(bash scripts/install-real-drivers.sh | tail -n 1)"
 CUBE_CSI_BRIDGE_K8S_BIN="$(bash scripts/install-k8s-peers.sh | tail -n 1)"
-export CUBE_CSI_BRIDGE_PEERS_BIN CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN CUBE_CSI_BRIDGE_K8S_BIN
+export CUBE_CSI_BRIDGE_PEERS_BIN CUBE_CSI_BRIDGE_K8S_BIN
 
 # The bench profile is the release profile; this builds target/release/cube-csi-bridge too.
 cargo bench --locked --bench suite -- "$@"

@@ -63,14 +63,14 @@ pub fn run_all(world: &World) -> bool {
     println!("{}", world.work_dir_description());
     println!(
         "iterations: hot pairs {} (+{} warm-up) per target in {} interleaved rounds; \
-         first Attach {} (fake 0 ms) / {} (fake 10 ms) / {} (hostpath); binary pairs {}; \
+         first Attach {} (fake 0 ms) / {} (fake 10 ms) / {} (csi-mock); binary pairs {}; \
          {} rounds of 256; Create+Destroy pairs {} per store size; {} daemon starts\n",
         s.hot_pairs,
         s.warmup_pairs,
         s.rounds,
         s.first_fast,
         s.first_slow,
-        s.first_hostpath,
+        s.first_mock,
         s.binary_pairs,
         s.concurrent_rounds,
         s.create_destroy_pairs,
@@ -175,11 +175,9 @@ fn hot(world: &World) -> anyhow::Result<Vec<Row>> {
     let (_fake, fake_socket) = world.fake_driver("hot-fake", 0, true)?;
     let (_fake_bridge, fake_files) =
         world.bridge(&BridgeSpec::new("hot-bridge-fake", &fake_socket))?;
-    let hostpath = world.hostpath_driver("hot-hostpath")?;
-    let hostpath_bridge = match &hostpath {
-        Some((_, socket)) => {
-            Some(world.bridge(&BridgeSpec::hostpath("hot-bridge-hostpath", socket))?)
-        }
+    let mock = world.mock_driver("hot-mock")?;
+    let mock_bridge = match &mock {
+        Some((_, socket)) => Some(world.bridge(&BridgeSpec::mock("hot-bridge-mock", socket))?),
         None => None,
     };
 
@@ -205,9 +203,9 @@ fn hot(world: &World) -> anyhow::Result<Vec<Row>> {
             true,
         ),
     ];
-    if let Some((_, files)) = &hostpath_bridge {
+    if let Some((_, files)) = &mock_bridge {
         targets.push((
-            "bridge, hostpath driver",
+            "bridge, csi-mock driver",
             Via::Socket(files.socket.clone()),
             files.base_dir.clone(),
             true,
@@ -334,10 +332,10 @@ fn hot(world: &World) -> anyhow::Result<Vec<Row>> {
             None,
         ));
     }
-    if hostpath.is_none() {
+    if mock.is_none() {
         rows.push(Row::not_measured(
-            "Attach/Detach hot, rpc, hostpath driver",
-            "CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN is not set",
+            "Attach/Detach hot, rpc, csi-mock driver",
+            world::CSI_MOCK_MISSING,
         ));
     }
     Ok(rows)
@@ -374,9 +372,9 @@ fn first(world: &World) -> anyhow::Result<Vec<Row>> {
         ),
         (
             FirstCase {
-                label: "hostpath driver",
-                name: "first-hostpath",
-                rounds: s.first_hostpath,
+                label: "csi-mock driver",
+                name: "first-mock",
+                rounds: s.first_mock,
             },
             None,
         ),
@@ -389,16 +387,16 @@ fn first(world: &World) -> anyhow::Result<Vec<Row>> {
                 let spec = BridgeSpec::new(case.name, &socket);
                 (proc, spec, AccessMode::MultiNodeMultiWriter)
             }
-            None => match world.hostpath_driver(&format!("{}-driver", case.name))? {
+            None => match world.mock_driver(&format!("{}-driver", case.name))? {
                 Some((proc, socket)) => (
                     proc,
-                    BridgeSpec::hostpath(case.name, &socket),
-                    AccessMode::SingleNodeMultiWriter,
+                    BridgeSpec::mock(case.name, &socket),
+                    AccessMode::MultiNodeMultiWriter,
                 ),
                 None => {
                     rows.push(Row::not_measured(
                         format!("first Attach, rpc, {}", case.label),
-                        "CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN is not set",
+                        world::CSI_MOCK_MISSING,
                     ));
                     continue;
                 }

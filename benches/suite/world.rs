@@ -1,6 +1,6 @@
 //! The suite's surroundings: options and iteration counts, the executables it drives
-//! (the release bridge, the Go runner, the real driver, the Kubernetes peers), its work
-//! directory, and starting drivers, floors and bridge daemons in it.
+//! (the release bridge, the Go runner, csi-test's mock driver, the Kubernetes peers),
+//! its work directory, and starting drivers, floors and bridge daemons in it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,6 +17,10 @@ use crate::procs::Proc;
 pub const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
 /// The Cube driver name every bench bridge serves.
 pub const DRIVER: &str = "bench";
+
+/// Why the csi-mock figures are not measured when `World::csi_mock` is None.
+pub const CSI_MOCK_MISSING: &str =
+    "no csi-mock in CUBE_CSI_BRIDGE_PEERS_BIN (scripts/install-test-peers.sh builds it)";
 
 /// Every section, in the order they run.
 pub const SECTIONS: &[&str] = &[
@@ -95,7 +99,7 @@ pub struct Sizes {
     /// First Attach + last Detach per driver.
     pub first_fast: usize,
     pub first_slow: usize,
-    pub first_hostpath: usize,
+    pub first_mock: usize,
     /// Forked hook pairs.
     pub binary_pairs: usize,
     /// Rounds of 256 concurrent first Attaches.
@@ -117,7 +121,7 @@ impl Sizes {
                 warmup_pairs: 60,
                 first_fast: 90,
                 first_slow: 15,
-                first_hostpath: 30,
+                first_mock: 30,
                 binary_pairs: 90,
                 concurrent_rounds: 1,
                 create_destroy_pairs: 90,
@@ -131,7 +135,7 @@ impl Sizes {
                 warmup_pairs: 300,
                 first_fast: 600,
                 first_slow: 90,
-                first_hostpath: 150,
+                first_mock: 150,
                 binary_pairs: 600,
                 concurrent_rounds: 3,
                 create_destroy_pairs: 300,
@@ -151,8 +155,8 @@ pub struct World {
     /// This executable (re-run for `fake-csi` and `tonic-floor`).
     pub suite: PathBuf,
     pub cubeclient: PathBuf,
-    /// The directory holding hostpathplugin, when built.
-    pub real_drivers: Option<PathBuf>,
+    /// csi-test's mock driver (`csi-mock`, built beside cubeclient), when there.
+    pub csi_mock: Option<PathBuf>,
     /// The directory holding kube-apiserver and etcd, when built.
     pub k8s: Option<PathBuf>,
     pub root: tempfile::TempDir,
@@ -189,13 +193,14 @@ impl World {
         let bridge = bridge
             .canonicalize()
             .with_context(|| format!("the bridge executable {}", bridge.display()))?;
+        let csi_mock = Some(peers.join("csi-mock")).filter(|p| p.is_file());
         Ok(World {
             sizes: Sizes::new(options.quick),
             bridge,
             options,
             suite: std::env::current_exe()?,
             cubeclient,
-            real_drivers: env_dir("CUBE_CSI_BRIDGE_REAL_DRIVERS_BIN"),
+            csi_mock,
             k8s: env_dir("CUBE_CSI_BRIDGE_K8S_BIN"),
             root,
         })
@@ -229,18 +234,21 @@ impl World {
         Ok((proc, options.socket))
     }
 
-    /// Starts csi-driver-host-path's hostpathplugin, when it is built.
-    pub fn hostpath_driver(&self, name: &str) -> anyhow::Result<Option<(Proc, PathBuf)>> {
-        let Some(bin) = &self.real_drivers else {
+    /// Starts csi-test's mock driver (`cmd/mock-driver`, v4.2.0), when it is built:
+    /// `-disable-attach` (no ControllerPublish; NodeStage/NodePublish need no `device`
+    /// in the publish context), klog at its default verbosity (no per-call log line).
+    /// It mounts nothing: NodePublish only makes the target directory.
+    pub fn mock_driver(&self, name: &str) -> anyhow::Result<Option<(Proc, PathBuf)>> {
+        let Some(exe) = &self.csi_mock else {
             return Ok(None);
         };
         let dir = self.dir(name)?;
         let socket = dir.join("csi.sock");
-        let mut cmd = Command::new(bin.join("hostpathplugin"));
-        cmd.arg(format!("--endpoint=unix://{}", socket.display()))
-            .arg("--nodeid=bench-node")
-            .arg(format!("--statedir={}", dir.join("state").display()))
-            .arg("--v=1");
+        let mut cmd = Command::new(exe);
+        cmd.env("CSI_ENDPOINT", &socket)
+            .env_remove("CSI_CONTROLLER_ENDPOINT")
+            .arg("-name=mock.csi.test")
+            .arg("-disable-attach");
         let mut proc = Proc::spawn(name, cmd, &dir.join("driver.log"))?;
         proc.wait_for_socket(&socket, Duration::from_secs(20))?;
         Ok(Some((proc, socket)))
@@ -324,6 +332,9 @@ pub struct BridgeSpec {
     pub access_mode: &'static str,
     pub capacity_bytes: u64,
     pub store: Store,
+    /// `node.mount_view`: "self" (the suite has no separate Cubelet namespace), or
+    /// "none" for a driver that mounts nothing.
+    pub mount_view: &'static str,
 }
 
 impl BridgeSpec {
@@ -335,14 +346,14 @@ impl BridgeSpec {
             access_mode: "multi_node_multi_writer",
             capacity_bytes: 0,
             store: Store::Embedded,
+            mount_view: "self",
         }
     }
 
-    /// What csi-driver-host-path accepts (as the README's example).
-    pub fn hostpath(name: &str, csi_socket: &Path) -> BridgeSpec {
+    /// For csi-mock: it mounts nothing, so no mount check (`mount_view = "none"`).
+    pub fn mock(name: &str, csi_socket: &Path) -> BridgeSpec {
         BridgeSpec {
-            access_mode: "single_node_multi_writer",
-            capacity_bytes: 1 << 20,
+            mount_view: "none",
             ..BridgeSpec::new(name, csi_socket)
         }
     }
@@ -360,7 +371,8 @@ pub struct BridgeFiles {
 
 impl World {
     /// Writes the config of a bridge instance. Production defaults everywhere except the
-    /// paths and `mount_view = "self"` (the suite has no separate Cubelet namespace).
+    /// paths and `mount_view` (`"self"`: the suite has no separate Cubelet namespace;
+    /// `"none"` for csi-mock, which mounts nothing).
     pub fn bridge_files(&self, spec: &BridgeSpec) -> anyhow::Result<BridgeFiles> {
         let dir = self.dir(&spec.name)?;
         let files = BridgeFiles {
@@ -402,7 +414,7 @@ controller_store = "{store}"
 
 [node]
 default_volume_base_dir = "{base}"
-mount_view = "self"
+mount_view = "{mount_view}"
 
 {kube}"#,
             csi = spec.csi_socket.display(),
@@ -413,6 +425,7 @@ mount_view = "self"
             dir = dir.display(),
             state = files.state_dir.display(),
             base = files.base_dir.display(),
+            mount_view = spec.mount_view,
         );
         std::fs::write(&files.config, text)?;
         Ok(files)
