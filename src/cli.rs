@@ -10,10 +10,10 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bridge::HookKind;
 use crate::config::{self, Config};
-use crate::cube::binary::{HookOutput, HookRequest};
 use crate::mount::view::{MOUNTINFO_SUBCOMMAND, print_mountinfo_in_namespace};
 use crate::proto::cube::v1 as pb;
 use crate::telemetry::{self, LogFormat};
+use crate::transport::forked::{HookOutput, HookRequest};
 
 /// Exit code for a hook or command that failed.
 const EXIT_FAILURE: u8 = 1;
@@ -70,7 +70,7 @@ pub enum Command {
     List(ListArgs),
     /// Ask the running daemon over its socket whether it is alive (or, with --ready, ready:
     /// its CSI driver answers Probe); exit 0 if so, 1 if not, 78 for a bad config.
-    Probe(crate::probe::ProbeArgs),
+    Probe(ProbeArgs),
 }
 
 #[derive(Debug, Args)]
@@ -92,6 +92,20 @@ pub struct ListArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
     pub output: crate::admin::Output,
+}
+
+/// The `probe` command line.
+#[derive(Debug, Args)]
+pub struct ProbeArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Readiness: also require the daemon's CSI driver to answer Probe (without it:
+    /// liveness, the daemon answers).
+    #[arg(long)]
+    pub ready: bool,
+    /// How long to wait for the daemon's answer, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub timeout: u64,
 }
 
 #[derive(Debug, Args)]
@@ -261,8 +275,10 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
             let served = runtime.block_on(async {
-                let daemon = crate::cube::server::Daemon::open(config).await?;
-                daemon.run(crate::cube::server::shutdown_signal()).await
+                let daemon = crate::transport::server::Daemon::open(config).await?;
+                daemon
+                    .run(crate::transport::server::shutdown_signal())
+                    .await
             });
             match served {
                 Ok(()) => ExitCode::SUCCESS,
@@ -392,8 +408,8 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
         Err(e) => return finish_hook(HookOutput::failure(&e.to_string()), EXIT_CONFIG),
     };
     // Still single-threaded: the hook runs in a worker that outlives a SIGKILL of this
-    // process (see cube::worker).
-    let output = crate::cube::worker::run_in_worker(config, request);
+    // process (see transport::worker).
+    let output = crate::transport::worker::run_in_worker(config, request);
     finish_hook(output, EXIT_FAILURE)
 }
 

@@ -20,3 +20,4 @@ pub mod proto;
 pub mod store;
 pub mod system;
 pub mod telemetry;
+pub mod transport;

@@ -6,30 +6,14 @@
 use std::path::Path;
 use std::time::Duration;
 
-use clap::Args;
 use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use crate::cli::ConfigArg;
 use crate::config::Config;
 use crate::csi::Endpoint;
-use crate::cube::health::READY_SERVICE;
-
-/// The `probe` command line.
-#[derive(Debug, Args)]
-pub struct ProbeArgs {
-    #[command(flatten)]
-    pub config: ConfigArg,
-    /// Readiness: also require the daemon's CSI driver to answer Probe (without it:
-    /// liveness, the daemon answers).
-    #[arg(long)]
-    pub ready: bool,
-    /// How long to wait for the daemon's answer, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300))]
-    pub timeout: u64,
-}
+use crate::transport::health::READY_SERVICE;
 
 /// The outcome of one probe: whether it passed, and the line to print.
 #[derive(Debug, Clone, PartialEq, Eq)]

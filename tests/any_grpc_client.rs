@@ -2,7 +2,7 @@
 //! a Python grpcio client (grpc-core) with default options, and grpcurl, each call all four
 //! hooks and succeed. grpc-core sends the percent-encoded socket path as the HTTP/2
 //! `:authority` (`tmp%2Fccb-test-…%2Fbridge.sock`), grpc-java the raw path; h2 alone
-//! resets such streams with PROTOCOL_ERROR (src/cube/authority.rs has the details and the
+//! resets such streams with PROTOCOL_ERROR (src/transport/authority_filter.rs has the details and the
 //! fix). grpcurl v1.9.4 sends `localhost`, so it also runs with `-authority` set to the
 //! socket path, as grpc-java and older grpcurl releases send it.
 //!

@@ -55,7 +55,7 @@ const CONVERGE_LIMIT: Duration = Duration::from_secs(30);
 enum Transport {
     /// `cube-csi-bridge serve`, driven over its socket.
     Daemon,
-    /// The forked hook's worker process (src/cube/worker.rs).
+    /// The forked hook's worker process (src/transport/worker.rs).
     Worker,
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::fake_driver::Caps;
 use common::{BRIDGE, Mode, World};
-use cube_csi_bridge::cube::health::PROBE_INTERVAL;
+use cube_csi_bridge::transport::health::PROBE_INTERVAL;
 
 /// One `cube-csi-bridge probe` run.
 #[derive(Debug)]

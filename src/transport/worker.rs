@@ -16,7 +16,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pipe};
 
-use super::binary::{self, HookOutput, HookRequest};
+use super::forked::{self as binary, HookOutput, HookRequest};
 use crate::bridge::{Caller, HookKind};
 use crate::config::Config;
 

@@ -10,12 +10,12 @@ use std::time::{Duration, SystemTime};
 use nix::fcntl::Flock;
 use serde_json::json;
 
-use super::errors;
-pub use super::hooks::HookRequest;
-use super::hooks::{self, HookReply};
 use crate::bridge::reconcile::Scope;
 use crate::bridge::{Caller, HookError};
 use crate::config::{Config, Roles};
+use crate::cube::errors;
+pub use crate::cube::hooks::HookRequest;
+use crate::cube::hooks::{self, HookReply};
 use crate::mount::MountView;
 
 /// The outcome of a forked hook: what to print on stdout, and whether it succeeded.
@@ -39,7 +39,7 @@ impl HookOutput {
 /// started answers by itself, without forking a worker. (If Cube kills it after the line is
 /// written and before it answers, the holder stays recorded for a sandbox Cube considers
 /// failed; the window is the print of one line, and the holder goes with the namespace's
-/// next Detach at ref_count 0.) `None`: the full hook must run (see cube::worker). Bad
+/// next Detach at ref_count 0.) `None`: the full hook must run (see transport::worker). Bad
 /// requests are answered here too (they change nothing).
 pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<HookOutput> {
     use crate::config::MountViewSetting;

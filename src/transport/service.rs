@@ -10,10 +10,10 @@ use std::sync::Arc;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
 
-use super::errors::to_status;
-use super::hooks::{self, HookReply, HookRequest};
 use crate::bridge::{Bridge, Caller};
 use crate::config::Config;
+use crate::cube::errors::to_status;
+use crate::cube::hooks::{self, HookReply, HookRequest};
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;

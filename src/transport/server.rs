@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
 
-use super::authority::fix_incoming;
+use super::authority_filter::fix_incoming;
 use super::listener::{Incoming, ListenError, PeerPolicy, UnixSocket};
 use super::service::CubeService;
 use crate::bridge::reconcile::Scope;
@@ -186,7 +186,7 @@ impl Daemon {
         };
         let UnixSocket { listener, file } = unix;
         // grpc-core and grpc-java clients send the socket path as :authority, which h2
-        // refuses; the shim rewrites it to what grpc-go sends (see cube/authority.rs).
+        // refuses; the shim rewrites it to what grpc-go sends (see transport/authority_filter.rs).
         let unix_server = router().serve_with_incoming_shutdown(
             fix_incoming(Incoming::new(listener, policy.clone())),
             stopped(),
