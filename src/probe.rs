@@ -41,14 +41,25 @@ pub async fn probe(config: &Config, ready: bool, timeout: Duration) -> Verdict {
                 format!("alive: {who} is serving")
             },
         },
-        Ok(status) if ready && status == ServingStatus::NotServing as i32 => Verdict {
-            healthy: false,
-            line: format!(
-                "not ready: {who} is serving, but its CSI driver ({}) does not answer Probe \
-                 (the daemon's log says why)",
-                config.csi.endpoint
-            ),
-        },
+        Ok(status) if ready && status == ServingStatus::NotServing as i32 => {
+            let down = down_roles(socket, timeout).await;
+            Verdict {
+                healthy: false,
+                line: if down.is_empty() {
+                    format!(
+                        "not ready: {who} is serving, but its CSI driver ({}) does not answer \
+                         Probe (the daemon's log says why)",
+                        config.csi.endpoint
+                    )
+                } else {
+                    format!(
+                        "not ready: {who} is serving, but its {} role is down: its hooks answer \
+                         UNAVAILABLE (the daemon's log says why; restart it once that is fixed)",
+                        down.join(" and ")
+                    )
+                },
+            }
+        }
         Ok(status) => Verdict {
             healthy: false,
             line: format!(
@@ -64,6 +75,24 @@ pub async fn probe(config: &Config, ready: bool, timeout: Duration) -> Verdict {
             line: format!("not {}: {failure}", if ready { "ready" } else { "alive" }),
         },
     }
+}
+
+/// The Cube roles the daemon reports NOT_SERVING (their side could not open).
+async fn down_roles(socket: &Path, timeout: Duration) -> Vec<&'static str> {
+    use crate::proto::cube::v1 as pb;
+    use pb::volume_controller_service_server::VolumeControllerServiceServer as Controller;
+    use pb::volume_plugin_service_server::VolumePluginServiceServer as Node;
+    use tonic::server::NamedService;
+    let mut down = Vec::new();
+    for (role, service) in [
+        ("controller", <Controller<()> as NamedService>::NAME),
+        ("node", <Node<()> as NamedService>::NAME),
+    ] {
+        if check(socket, service, timeout).await == Ok(ServingStatus::NotServing as i32) {
+            down.push(role);
+        }
+    }
+    down
 }
 
 /// One `grpc.health.v1.Health/Check` of `service` on the Unix socket `socket`.

@@ -97,6 +97,18 @@ impl Unserved {
 }
 
 impl Bridge {
+    /// The sides among `roles` that could not open, as (role, reason): "controller" first.
+    pub fn down_roles(&self, roles: Roles) -> Vec<(&'static str, String)> {
+        let mut down = Vec::new();
+        if let (true, Err(why)) = (roles.controller, &self.controller) {
+            down.push(("controller", why.0.clone()));
+        }
+        if let (true, Err(why)) = (roles.node, &self.node) {
+            down.push(("node", why.0.clone()));
+        }
+        down
+    }
+
     /// The controller side, or why there is none here.
     pub fn controller(&self) -> Result<&Arc<ControllerSide>, BridgeError> {
         self.controller

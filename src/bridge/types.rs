@@ -72,3 +72,46 @@ pub enum AccessMode {
     SingleNodeSingleWriter,
     SingleNodeMultiWriter,
 }
+
+/// Which Cube services an instance (or one forked hook) answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roles {
+    /// VolumeControllerService (CubeMaster's Create/Destroy).
+    pub controller: bool,
+    /// VolumePluginService (Cubelet's Attach/Detach).
+    pub node: bool,
+}
+
+impl Roles {
+    pub const BOTH: Roles = Roles {
+        controller: true,
+        node: true,
+    };
+    pub const CONTROLLER: Roles = Roles {
+        controller: true,
+        node: false,
+    };
+    pub const NODE: Roles = Roles {
+        controller: false,
+        node: true,
+    };
+
+    /// The config spelling: `controller`, `node` or `both`.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "controller" => Ok(Roles::CONTROLLER),
+            "node" => Ok(Roles::NODE),
+            "both" => Ok(Roles::BOTH),
+            other => Err(format!("{other:?} must be controller, node or both")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match (self.controller, self.node) {
+            (true, true) => "both",
+            (true, false) => "controller",
+            (false, true) => "node",
+            (false, false) => "none",
+        }
+    }
+}

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use crate::bridge::AccessMode;
+pub use crate::bridge::{AccessMode, Roles};
 use crate::csi::Endpoint;
 use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};
 pub use locate::{CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, EXECUTABLE_PREFIX, locate};
@@ -89,49 +89,6 @@ impl CsiSettings {
     /// Where controller calls go.
     pub fn controller(&self) -> &Endpoint {
         self.controller_endpoint.as_ref().unwrap_or(&self.endpoint)
-    }
-}
-
-/// Which Cube services an instance (or one forked hook) answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Roles {
-    /// VolumeControllerService (CubeMaster's Create/Destroy).
-    pub controller: bool,
-    /// VolumePluginService (Cubelet's Attach/Detach).
-    pub node: bool,
-}
-
-impl Roles {
-    pub const BOTH: Roles = Roles {
-        controller: true,
-        node: true,
-    };
-    pub const CONTROLLER: Roles = Roles {
-        controller: true,
-        node: false,
-    };
-    pub const NODE: Roles = Roles {
-        controller: false,
-        node: true,
-    };
-
-    /// The config spelling: `controller`, `node` or `both`.
-    pub fn parse(value: &str) -> Result<Self, String> {
-        match value {
-            "controller" => Ok(Roles::CONTROLLER),
-            "node" => Ok(Roles::NODE),
-            "both" => Ok(Roles::BOTH),
-            other => Err(format!("{other:?} must be controller, node or both")),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match (self.controller, self.node) {
-            (true, true) => "both",
-            (true, false) => "controller",
-            (false, true) => "node",
-            (false, false) => "none",
-        }
     }
 }
 

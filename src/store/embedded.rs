@@ -74,9 +74,26 @@ impl EmbeddedStore {
                 transient: e.kind() == std::io::ErrorKind::TimedOut,
                 source: e.into(),
             })?;
-        let db = redb::Database::create(&self.path).map_err(|e| self.err(e))?;
-        self.check_format(&db)?;
-        f(&db)
+        // redb panics on some damaged files (an invalid page type, a truncated region)
+        // instead of answering an error: a damaged store must fail its own calls, not
+        // the process that also serves Attach and Detach.
+        let work = std::panic::AssertUnwindSafe(|| {
+            let db = redb::Database::create(&self.path).map_err(|e| self.err(e))?;
+            self.check_format(&db)?;
+            f(&db)
+        });
+        std::panic::catch_unwind(work).unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("redb panicked");
+            Err(StoreError::Corrupt {
+                store: self.path.display().to_string(),
+                what: "the database file".into(),
+                message: format!("{message}; restore it from a backup"),
+            })
+        })
     }
 
     fn check_format(&self, db: &redb::Database) -> Result<(), StoreError> {
@@ -314,6 +331,17 @@ mod tests {
             revision: None,
             integrity: None,
         }
+    }
+
+    /// A damaged file is an error of the store's calls, never a panic of the process
+    /// (redb panics on some damage; a panic took the whole daemon down).
+    #[test]
+    fn a_damaged_file_is_an_error_not_a_panic() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("controller.redb");
+        std::fs::write(&path, b"not a redb file").unwrap();
+        let error = EmbeddedStore::open(&path).unwrap_err().to_string();
+        assert!(error.contains(&path.display().to_string()), "{error}");
     }
 
     #[test]

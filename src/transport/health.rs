@@ -1,6 +1,8 @@
 //! The daemon's health, served on its own socket as the standard gRPC health service
 //! (`grpc.health.v1.Health`): service `""` is SERVING while the daemon runs (liveness), and
-//! [`READY_SERVICE`] is SERVING only while the CSI driver answers `Probe` (readiness).
+//! [`READY_SERVICE`] is SERVING only while every served role is up and the CSI driver
+//! answers `Probe` (readiness). Each Cube service has its own status under its gRPC name:
+//! NOT_SERVING for a role whose side could not open (its hooks answer UNAVAILABLE).
 //!
 //! Readiness is kept up to date by a background task that probes the driver at an
 //! interval, each attempt bounded by a timeout. A health check only reads the last verdict:
@@ -41,7 +43,8 @@ impl DaemonHealth {
     /// Starts probing the driver endpoints the served `roles` call: the node endpoint for
     /// Attach/Detach, the controller endpoint for Create/Destroy. Must run inside a Tokio
     /// runtime. Readiness is NOT_SERVING until the first probe succeeds.
-    pub fn start(config: &Config, roles: Roles) -> Self {
+    /// `down` lists the served roles whose side could not open, with why.
+    pub fn start(config: &Config, roles: Roles, down: Vec<(&'static str, String)>) -> Self {
         let reporter = HealthReporter::new();
         let server = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
         let mut endpoints = Vec::new();
@@ -51,7 +54,7 @@ impl DaemonHealth {
         if roles.controller && !endpoints.contains(config.csi.controller()) {
             endpoints.push(config.csi.controller().clone());
         }
-        let prober = tokio::spawn(keep_readiness(reporter, roles, endpoints));
+        let prober = tokio::spawn(keep_readiness(reporter, roles, down, endpoints));
         Self { server, prober }
     }
 
@@ -75,15 +78,29 @@ impl std::fmt::Debug for DaemonHealth {
 
 /// Marks the served Cube services SERVING, then probes the driver forever, publishing each
 /// change of verdict (and logging it once, not at every interval).
-async fn keep_readiness(reporter: HealthReporter, roles: Roles, endpoints: Vec<Endpoint>) {
+async fn keep_readiness(
+    reporter: HealthReporter,
+    roles: Roles,
+    down: Vec<(&'static str, String)>,
+    endpoints: Vec<Endpoint>,
+) {
     use pb::volume_controller_service_server::VolumeControllerServiceServer as Controller;
     use pb::volume_plugin_service_server::VolumePluginServiceServer as Node;
     // Per-service statuses, for callers that check a Cube service by name.
+    let is_down = |role| down.iter().any(|(r, _)| *r == role);
     if roles.controller {
-        reporter.set_serving::<Controller<()>>().await;
+        if is_down("controller") {
+            reporter.set_not_serving::<Controller<()>>().await;
+        } else {
+            reporter.set_serving::<Controller<()>>().await;
+        }
     }
     if roles.node {
-        reporter.set_serving::<Node<()>>().await;
+        if is_down("node") {
+            reporter.set_not_serving::<Node<()>>().await;
+        } else {
+            reporter.set_serving::<Node<()>>().await;
+        }
     }
     reporter
         .set_service_status(READY_SERVICE, ServingStatus::NotServing)
@@ -103,7 +120,11 @@ async fn keep_readiness(reporter: HealthReporter, roles: Roles, endpoints: Vec<E
     let mut was_ready = None;
     loop {
         ticker.tick().await;
-        let verdict = probe_all(&clients).await;
+        let verdict = match down.first() {
+            // A role that cannot serve does not come back without a restart.
+            Some((role, why)) => Err(format!("the {role} role is down: {why}")),
+            None => probe_all(&clients).await,
+        };
         let ready = verdict.is_ok();
         if was_ready == Some(ready) {
             continue;
@@ -279,7 +300,7 @@ mod tests {
             socket.display()
         );
         let config = Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
-        let health = DaemonHealth::start(&config, Roles::NODE);
+        let health = DaemonHealth::start(&config, Roles::NODE, Vec::new());
         let mut client = health_client(&health, dir.path()).await;
 
         assert_eq!(status(&mut client, "").await, Ok(Wire::Serving as i32));

@@ -74,8 +74,19 @@ impl Daemon {
         let metrics_addr = config.metrics.listen;
         let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
         let config = Arc::new(config);
-        let bridge = crate::app::open_bridge(config.clone(), roles, mounts)
-            .map_err(ServeError::Misconfigured)?;
+        // Each served role opens on its own: a controller store that cannot be opened must
+        // not take Cubelet's Attach and Detach down with it (and the other way round). The
+        // role that failed answers UNAVAILABLE with its error, and readiness says it is down.
+        let bridge =
+            crate::app::open_sides(&config, roles, mounts).map_err(ServeError::Misconfigured)?;
+        let down = bridge.down_roles(roles);
+        for (role, why) in &down {
+            tracing::error!(role, reason = %why, "this role cannot serve; its hooks answer UNAVAILABLE until the daemon is restarted with it fixed");
+        }
+        if down.len() == usize::from(roles.controller) + usize::from(roles.node) {
+            let (_, why) = down.into_iter().next().expect("a served role");
+            return Err(ServeError::Misconfigured(BridgeError::Unavailable(why)));
+        }
         bridge
             .check(&Deadline::after(STARTUP_CHECK_BUDGET))
             .await
@@ -164,7 +175,7 @@ impl Daemon {
                 tokio::spawn(poll_volume_metrics(node, stats_every))
             });
 
-        let health = super::health::DaemonHealth::start(&config, roles);
+        let health = super::health::DaemonHealth::start(&config, roles, bridge.down_roles(roles));
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {
