@@ -29,8 +29,15 @@ fn probe(w: &World, extra: &[&str]) -> (i32, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_corrupt_controller_store_leaves_attach_and_detach_serving() {
     require_root!();
-    // A volume created while the store was sound (a forked controller hook).
-    let mut w = World::start(Mode::Binary, Caps::staging(), "").await;
+    // A volume created while the store was sound (a forked controller hook). No sweep:
+    // the forked hook's worker would otherwise open the store after answering, racing
+    // the damage below (and redb rewrites what it opens).
+    let mut w = World::start(
+        Mode::Binary,
+        Caps::staging(),
+        "[controller]\nsweep_interval_secs = 0\n",
+    )
+    .await;
     let created = w.create("v1").await.expect("create before the damage");
     let store = w.dir.path().join("state/controller.redb");
     assert!(store.is_file(), "the embedded store is {}", store.display());

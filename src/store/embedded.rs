@@ -333,14 +333,29 @@ mod tests {
         }
     }
 
-    /// A damaged file is an error of the store's calls, never a panic of the process
-    /// (redb panics on some damage; a panic took the whole daemon down).
+    /// A damaged file is an error of the store's calls, never a panic of the process:
+    /// redb panics on some damage (here every page past the header zeroed: "Invalid page
+    /// type byte 0"), and a panic took the whole daemon down.
     #[test]
     fn a_damaged_file_is_an_error_not_a_panic() {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("controller.redb");
         std::fs::write(&path, b"not a redb file").unwrap();
         let error = EmbeddedStore::open(&path).unwrap_err().to_string();
+        assert!(error.contains(&path.display().to_string()), "{error}");
+
+        let path = tmp.path().join("zeroed.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        store.put(&record("v1")).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096..].fill(0);
+        std::fs::write(&path, bytes).unwrap();
+        let outcome =
+            std::panic::catch_unwind(|| EmbeddedStore::open(&path).and_then(|store| store.list()));
+        let error = outcome
+            .expect("the store's own call, not the caller, meets redb's panic")
+            .unwrap_err()
+            .to_string();
         assert!(error.contains(&path.display().to_string()), "{error}");
     }
 
