@@ -35,6 +35,18 @@ fn sides_with(
     roles: Roles,
     settings: ConfigSettings,
 ) -> Bridge {
+    let journal = Arc::new(crate::store::FileJournal::open(&config.state.journal_dir()).unwrap());
+    sides_over(config, fake, store, roles, settings, journal)
+}
+
+fn sides_over(
+    config: &Config,
+    fake: &Fake,
+    store: Arc<dyn ControllerStore>,
+    roles: Roles,
+    settings: ConfigSettings,
+    journal: Arc<dyn NodeJournal>,
+) -> Bridge {
     let core = crate::app::core_settings(config);
     let driver = Arc::new(discovery::DriverView::new(
         Arc::new(fake.clone()),
@@ -70,9 +82,7 @@ fn sides_with(
             core,
             NodePorts {
                 driver,
-                journal: Arc::new(
-                    crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
-                ),
+                journal,
                 settings,
                 mounts: Arc::new(fake.clone()),
                 host_paths: Arc::new(crate::mount::HostDirs),
@@ -1571,4 +1581,100 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
     // The key exists now, but this process still owes the signing pass.
     destroy().await.unwrap();
     assert!(!w.backend_volumes().contains_key("cube-old"));
+}
+
+/// A journal whose record writes fail on demand (a full disk) while appends still work.
+#[derive(Debug)]
+struct FailingSaves {
+    inner: crate::store::FileJournal,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl NodeJournal for FailingSaves {
+    fn load(&self, volume_id: &str) -> Result<Option<NodeRecord>, JournalError> {
+        self.inner.load(volume_id)
+    }
+    fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(JournalError::Io {
+                path: "record".into(),
+                source: std::io::Error::from_raw_os_error(28),
+            });
+        }
+        self.inner.save(record, durable)
+    }
+    fn append_holder(
+        &self,
+        volume_id: &str,
+        change: &super::records::HolderChange,
+    ) -> Result<u64, JournalError> {
+        self.inner.append_holder(volume_id, change)
+    }
+    fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
+        self.inner.remove(volume_id)
+    }
+    fn volume_ids(&self) -> Result<BTreeSet<String>, JournalError> {
+        self.inner.volume_ids()
+    }
+    fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+        self.inner.mark_pending(volume_id)
+    }
+    fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+        self.inner.clear_pending(volume_id)
+    }
+    fn pending_since(&self) -> Result<Vec<(String, Option<std::time::SystemTime>)>, JournalError> {
+        self.inner.pending_since()
+    }
+}
+
+/// Once a hot Attach or Detach has appended its line, the change is kept: a fold of the
+/// long log into the record that fails (a full disk) does not fail the hook Cube sees.
+#[tokio::test]
+async fn a_failed_fold_after_the_holder_line_is_written_does_not_fail_the_hook() {
+    let mut w = World::new(Fake::new(false, false));
+    let config = Config::parse(
+        &format!(
+            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n",
+            d = w.dir.path().display()
+        ),
+        Path::new("test.toml"),
+    )
+    .unwrap();
+    let journal = Arc::new(FailingSaves {
+        inner: crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
+        fail: Default::default(),
+    });
+    w.bridge = sides_over(
+        &config,
+        &w.fake,
+        w.store.clone(),
+        Roles::BOTH,
+        ConfigSettings::new(&config.volume, &config.secrets),
+        journal.clone(),
+    );
+    w.attach("v", "ns1", "holder", 0).await.unwrap();
+    journal
+        .fail
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    for n in 0..200 {
+        let sandbox = format!("sandbox-with-a-long-name-{n}");
+        w.attach("v", "ns1", &sandbox, 1)
+            .await
+            .unwrap_or_else(|e| panic!("hot attach {n}: {e}"));
+        w.detach("v", "ns1", &sandbox, 1)
+            .await
+            .unwrap_or_else(|e| panic!("hot detach {n}: {e}"));
+    }
+    let log = w.dir.path().join("state/node/v.holders");
+    assert!(
+        std::fs::metadata(&log).unwrap().len() > super::records::HOLDER_LOG_LIMIT,
+        "the folds were tried and failed"
+    );
+    journal
+        .fail
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        w.record("v").unwrap().holders["ns1"],
+        BTreeSet::from(["holder".to_string()])
+    );
 }

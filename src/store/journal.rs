@@ -17,7 +17,7 @@
 //! finishes or undoes that operation.
 
 use std::collections::BTreeSet;
-use std::io::{self, Write};
+use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -121,18 +121,43 @@ impl NodeJournal for FileJournal {
     /// Returns the log's size afterwards, so that the caller can fold a long log into the
     /// record (`save`) before reading it costs more than rewriting it.
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError> {
-        use std::io::Seek;
+        use std::os::unix::fs::FileExt;
         let log = self.holder_log(volume_id);
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
+        let io = Self::io(&log);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
             .create(true)
+            .truncate(false)
             .mode(0o600)
             .open(&log)
             .map_err(Self::io(&log))?;
-        file.write_all(holder_line(change).as_bytes())
-            .map_err(Self::io(&log))?;
-        // Appending left the offset at the end: that is the size.
-        file.stream_position().map_err(Self::io(&log))
+        let mut end = file.metadata().map_err(Self::io(&log))?.len();
+        // A torn last line (a write cut short by a full disk, or by a crash) is a change
+        // that never finished: cut it off, or the new line would be glued to it and read
+        // back as a holder nobody attached.
+        if end > 0 {
+            let mut last = [0u8];
+            file.read_exact_at(&mut last, end - 1)
+                .map_err(Self::io(&log))?;
+            if last[0] != b'\n' {
+                let mut text = vec![0u8; end as usize];
+                file.read_exact_at(&mut text, 0).map_err(Self::io(&log))?;
+                end = text
+                    .iter()
+                    .rposition(|b| *b == b'\n')
+                    .map_or(0, |i| i as u64 + 1);
+                file.set_len(end).map_err(Self::io(&log))?;
+            }
+        }
+        let line = holder_line(change);
+        if let Err(e) = file.write_all_at(line.as_bytes(), end) {
+            // Whatever part of the line made it to the file goes again, so that the log
+            // ends where it did (best effort: the next append cuts a torn line anyway).
+            let _ = file.set_len(end);
+            return Err(io(e));
+        }
+        Ok(end + line.len() as u64)
     }
 
     /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
@@ -235,8 +260,14 @@ fn holder_line(change: &HolderChange) -> String {
 
 /// The holder change of one log line, if it is one.
 fn parse_holder_line(line: &str) -> Option<HolderChange> {
-    let mut parts = line.splitn(3, '\t');
+    let mut parts = line.split('\t');
     let (tag, namespace, sandbox) = (parts.next()?, parts.next()?, parts.next()?);
+    // Exactly three fields, none empty, no control character: anything else is a line
+    // glued to a torn one or damaged, and must not become a holder.
+    let plain = |field: &str| !field.is_empty() && !field.chars().any(char::is_control);
+    if parts.next().is_some() || !plain(namespace) || !plain(sandbox) {
+        return None;
+    }
     let (namespace, sandbox) = (namespace.to_string(), sandbox.to_string());
     Some(match tag {
         "=" | "+" => HolderChange::Attach {
@@ -306,6 +337,7 @@ pub fn boot_id() -> String {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::io::Write;
 
     use super::*;
     use crate::bridge::records::Step;
@@ -409,6 +441,123 @@ mod tests {
             .unwrap();
         let holders = journal.load("v").unwrap().unwrap().holders;
         assert_eq!(holders["ns"], BTreeSet::from(["a".to_string()]));
+    }
+
+    /// A torn line left by a failed or killed append is cut off by the next append, not
+    /// glued to it (which read back as a holder with a tab in its sandbox id, and lost the
+    /// new change); a malformed line anywhere is skipped.
+    #[test]
+    fn a_torn_line_is_cut_before_the_next_append_and_malformed_lines_are_skipped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        journal
+            .save(&NodeRecord::new("v", "h", "/t".into()), false)
+            .unwrap();
+        journal
+            .append_holder("v", &attach("nsA", "a", true))
+            .unwrap();
+        let log = journal.holder_log("v");
+        let torn = b"=\tnsA\tsandbox-12";
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .unwrap()
+            .write_all(&torn[..torn.len() - 1])
+            .unwrap();
+        let size = journal
+            .append_holder("v", &attach("nsB", "b", true))
+            .unwrap();
+        assert_eq!(size, std::fs::metadata(&log).unwrap().len());
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(text, "=\tnsA\ta\n=\tnsB\tb\n");
+        let holders = journal.load("v").unwrap().unwrap().holders;
+        assert_eq!(
+            holders,
+            BTreeMap::from([
+                ("nsA".to_string(), BTreeSet::from(["a".to_string()])),
+                ("nsB".to_string(), BTreeSet::from(["b".to_string()])),
+            ])
+        );
+
+        // A glued or damaged line in the middle of a log is skipped, the rest replayed.
+        std::fs::write(
+            &log,
+            "=\tnsA\ta\n=\tnsA\taaa=\tnsB\tbbb\n+\t\tx\n+\tns\u{7}\ty\n=\tnsB\tb\n",
+        )
+        .unwrap();
+        let holders = journal.load("v").unwrap().unwrap().holders;
+        assert_eq!(
+            holders,
+            BTreeMap::from([
+                ("nsA".to_string(), BTreeSet::from(["a".to_string()])),
+                ("nsB".to_string(), BTreeSet::from(["b".to_string()])),
+            ])
+        );
+    }
+
+    /// An append that fails on a full file system leaves no part of its line behind
+    /// (needs root for a small tmpfs; CI runs it).
+    #[test]
+    fn an_append_on_a_full_disk_leaves_no_torn_line() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to mount a small tmpfs");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = tmp.path().join("fs");
+        std::fs::create_dir(&fs).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &fs,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=64k"),
+        )
+        .unwrap();
+        let outcome = std::panic::catch_unwind(|| {
+            let journal = FileJournal::open(&fs.join("node")).unwrap();
+            let log = journal.holder_log("v");
+            // The log's one page holds complete lines up to 10 bytes short of its end.
+            let line = |sandbox: &str| format!("+\tns\t{sandbox}\n");
+            let mut text = String::new();
+            while text.len() + line("x").len() <= 4096 - 10 - line("x").len() {
+                text.push_str(&line("x"));
+            }
+            text.push_str(&line(&"p".repeat(4096 - 10 - text.len() - line("").len())));
+            assert_eq!(text.len(), 4096 - 10);
+            std::fs::write(&log, &text).unwrap();
+            // Every other page is taken.
+            let mut fill = std::fs::File::create(fs.join("filler")).unwrap();
+            while fill.write_all(&[0u8; 4096]).is_ok() {}
+            drop(fill);
+            let long = attach("namespace", &"s".repeat(200), false);
+            let error = journal.append_holder("v", &long).unwrap_err();
+            assert!(error.to_string().contains("No space left"), "{error}");
+            let left = std::fs::read_to_string(&log).unwrap();
+            assert!(
+                left == text,
+                "the part of the line that fitted was not cut again: the log ends {:?}",
+                &left[left.len().saturating_sub(24)..]
+            );
+            std::fs::remove_file(fs.join("filler")).unwrap();
+            journal
+                .append_holder("v", &attach("nsB", "b", false))
+                .unwrap();
+            let after = std::fs::read_to_string(&log).unwrap();
+            assert!(
+                after == format!("{text}+\tnsB\tb\n"),
+                "the log ends {:?}",
+                &after[after.len().saturating_sub(24)..]
+            );
+        });
+        nix::mount::umount(&fs).unwrap();
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
     }
 
     #[test]
