@@ -8,7 +8,7 @@ mod common;
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::fake_driver::Caps;
@@ -58,11 +58,58 @@ async fn peer_client() {
     }
 }
 
+/// Whether every user may traverse `dir` and each directory above it.
+fn traversable_by_all(dir: &Path) -> bool {
+    dir.ancestors()
+        .all(|d| std::fs::metadata(d).is_ok_and(|m| m.mode() & 0o001 != 0))
+}
+
+/// This test executable copied where any uid can run it: the build's own copy may lie
+/// below a directory other uids cannot traverse (a checkout in a 0700 home or `mktemp -d`).
+struct Helper {
+    dir: tempfile::TempDir,
+    exe: PathBuf,
+}
+
+impl Helper {
+    /// Copies the executable into a fresh root-owned 0755 directory under the temp dir
+    /// (or /tmp, when the temp dir is not traversable by all).
+    fn new() -> Helper {
+        let base = [std::env::temp_dir(), PathBuf::from("/tmp")]
+            .into_iter()
+            .filter_map(|d| d.canonicalize().ok())
+            .find(|d| traversable_by_all(d))
+            .expect("neither the temp dir nor /tmp can be traversed by every user");
+        let dir = tempfile::Builder::new()
+            .prefix("ccb-peer-client-")
+            .tempdir_in(&base)
+            .unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = dir.path().join("peer-client");
+        std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(traversable_by_all(dir.path()), "{}", dir.path().display());
+        Helper { dir, exe }
+    }
+}
+
+/// Fails clearly when other uids could not reach the world's socket for a reason the test
+/// does not mean (a temp dir below a directory they cannot traverse).
+fn assert_reachable_by_all(w: &World) {
+    assert!(
+        traversable_by_all(w.dir.path()),
+        "other uids cannot reach {}: set TMPDIR to a directory every user can traverse",
+        w.dir.path().display()
+    );
+}
+
 /// Runs `peer_client` as `uid`:`gid` against `target`; true if the daemon answered.
-fn call_as(uid: u32, gid: u32, target: &str) -> (bool, String) {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+fn call_as(helper: &Helper, uid: u32, gid: u32, target: &str) -> (bool, String) {
+    let out = std::process::Command::new(&helper.exe)
         .args(["--ignored", "--exact", "peer_client", "--nocapture"])
         .env(HELPER_ENV, target)
+        // Not the checkout (cargo's working directory), which `uid` may not reach.
+        .current_dir(helper.dir.path())
         .uid(uid)
         .gid(gid)
         .output()
@@ -121,6 +168,8 @@ async fn the_socket_group_and_the_peer_allow_list_hold_over_the_socket_and_tcp()
     let mut w = World::start(Mode::Binary, Caps::default(), "").await;
     // Others may search the temp dir: the socket's own mode and group decide.
     std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_reachable_by_all(&w);
+    let helper = Helper::new();
     let port = free_port();
     let unix = format!("unix:{}", w.socket().display());
     let tcp = format!("tcp:127.0.0.1:{port}");
@@ -141,12 +190,12 @@ async fn the_socket_group_and_the_peer_allow_list_hold_over_the_socket_and_tcp()
     call(&unix).await.expect("root over the socket");
     call(&tcp).await.expect("root over loopback TCP");
     // nobody may open the socket (its group) but is not on the list: dropped.
-    let (admitted, line) = call_as(NOBODY, NOBODY, &unix);
+    let (admitted, line) = call_as(&helper, NOBODY, NOBODY, &unix);
     assert!(!admitted, "nobody over the socket: {line}");
-    let (admitted, line) = call_as(NOBODY, NOBODY, &tcp);
+    let (admitted, line) = call_as(&helper, NOBODY, NOBODY, &tcp);
     assert!(!admitted, "nobody over loopback TCP: {line}");
     // A stranger cannot even open the socket.
-    let (admitted, line) = call_as(STRANGER, STRANGER, &unix);
+    let (admitted, line) = call_as(&helper, STRANGER, STRANGER, &unix);
     assert!(
         !admitted && line.to_lowercase().contains("permission denied"),
         "stranger: {line}"
@@ -167,11 +216,11 @@ async fn the_socket_group_and_the_peer_allow_list_hold_over_the_socket_and_tcp()
         &format!("socket_group = \"{NOBODY}\"\ntcp = \"127.0.0.1:{port}\""),
     );
     w.start_daemon().await.unwrap();
-    let (admitted, line) = call_as(NOBODY, NOBODY, &unix);
+    let (admitted, line) = call_as(&helper, NOBODY, NOBODY, &unix);
     assert!(admitted, "nobody in the socket's group: {line}");
-    let (admitted, line) = call_as(NOBODY, NOBODY, &tcp);
+    let (admitted, line) = call_as(&helper, NOBODY, NOBODY, &tcp);
     assert!(admitted, "nobody over TCP with no list: {line}");
-    let (admitted, line) = call_as(STRANGER, STRANGER, &unix);
+    let (admitted, line) = call_as(&helper, STRANGER, STRANGER, &unix);
     assert!(!admitted, "stranger: {line}");
     stop_daemon(&mut w).await;
 }
