@@ -16,6 +16,10 @@ use common::{BRIDGE, MODES, Mode, World};
 use cube_csi_bridge::csi::Endpoint;
 use cube_csi_bridge::proto::cube::v1 as pb;
 
+/// How long a test waits for a call to reach the fake driver or for the daemon to log
+/// something: generous, for a debug build on a loaded machine.
+const SIGNAL: Duration = Duration::from_secs(30);
+
 /// Waits until `done` holds, or `limit` passes; returns whether it held.
 async fn eventually(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     let until = Instant::now() + limit;
@@ -23,6 +27,7 @@ async fn eventually(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
         if done() {
             return true;
         }
+        // The poll interval (each caller asserts on the result with its own message).
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     done()
@@ -120,16 +125,15 @@ async fn an_rpc_attach_cancelled_by_its_callers_deadline_is_rolled_back() {
         .unwrap();
 }
 
-/// A forked Attach that Cube SIGKILLs after 1 s while NodePublishVolume takes 3 s.
+/// A forked Attach that Cube SIGKILLs while its NodePublishVolume is in flight.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_binary_attach_killed_by_cube_is_rolled_back() {
     require_root!();
     let w = World::start(Mode::Binary, Caps::staging(), "").await;
     let created = w.create("killed").await.unwrap();
-    w.driver.script(
-        "NodePublishVolume",
-        [Behavior::Delay(Duration::from_secs(3))],
-    );
+    // NodePublishVolume stays in flight until released.
+    let publish = w.driver.hold("NodePublishVolume");
+    let next = w.driver.arrivals("NodePublishVolume") + 1;
     let mut hook = w.binary_caller().spawn(&Hook::Attach(attach_request(
         "default",
         &w.base_dir,
@@ -138,15 +142,20 @@ async fn a_binary_attach_killed_by_cube_is_rolled_back() {
         0,
         &created.private_data,
     )));
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    w.driver
+        .wait_for_call("NodePublishVolume", next, SIGNAL)
+        .await;
     // What Go's exec.CommandContext does at the deadline: SIGKILL the process it started.
     hook.start_kill().unwrap();
-    // Cube then waits for the pipes: nothing may hold them for long.
+    // Cube then waits for the pipes: nothing may hold them for long (the worker is still
+    // in NodePublishVolume).
     let waited = tokio::time::timeout(Duration::from_secs(2), hook.wait_with_output()).await;
     assert!(
         waited.is_ok(),
         "a child of the killed hook kept Cube's pipes open"
     );
+    // The driver finishes the publish after the caller was killed; the bridge undoes it.
+    publish.release();
     assert!(
         eventually(Duration::from_secs(15), || nothing_left(&w, "killed")).await,
         "left behind: mounts {:?}, calls {:?}",
@@ -198,19 +207,29 @@ async fn start_up_reconciliation_never_acts_on_a_stale_copy() {
             no_holders(json);
         });
     }
-    // Reconciling a-slow takes 3 s; meanwhile Cube attaches b-live again.
-    w.driver.script(
-        "NodeUnpublishVolume",
-        [Behavior::Delay(Duration::from_secs(3))],
-    );
+    // Reconciling a-slow stays in NodeUnpublishVolume until released; meanwhile Cube
+    // attaches b-live again.
+    let unpublish = w.driver.hold("NodeUnpublishVolume");
+    let next = w.driver.arrivals("NodeUnpublishVolume") + 1;
+    let reconciled = w.daemon_log_lines("node journal reconciled");
     w.start_daemon().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.driver
+        .wait_for_call("NodeUnpublishVolume", next, SIGNAL)
+        .await;
+    let held = w.driver.calls();
+    let held = held.iter().rfind(|c| c.method == "NodeUnpublishVolume");
+    assert!(
+        held.is_some_and(|c| c.volume_id.ends_with("a-slow")),
+        "reconciliation began with another volume than a-slow: {held:?}"
+    );
     let live = w
         .attach("sb", "b-live", 0, &handles["b-live"])
         .await
         .unwrap();
     // Reconciliation reaches b-live after the Attach: it must see the fresh record.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    unpublish.release();
+    w.wait_for_daemon_log("node journal reconciled", reconciled + 1, SIGNAL)
+        .await;
     assert!(
         is_mounted(Path::new(&live.host_path)),
         "reconciliation tore down the volume an Attach had just re-established"
@@ -302,10 +321,8 @@ async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
                  [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
     let mut w = World::start(Mode::Rpc, Caps::default(), extra).await;
     // CreateVolume answers after the daemon is gone: the handle is never recorded.
-    w.driver.script(
-        "CreateVolume",
-        [Behavior::Delay(Duration::from_millis(500))],
-    );
+    let create_volume = w.driver.hold("CreateVolume");
+    let next = w.driver.arrivals("CreateVolume") + 1;
     let creating = {
         let channel = cube_csi_bridge::csi::client::channel(&Endpoint::Unix(w.socket()));
         let mut client =
@@ -319,9 +336,10 @@ async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    w.driver.wait_for_call("CreateVolume", next, SIGNAL).await;
     let mut daemon = w.daemon.take().unwrap();
     daemon.kill().await.unwrap();
+    create_volume.release();
     let _ = creating.await;
     w.driver.clear_calls();
     w.start_daemon().await.unwrap();
@@ -407,10 +425,9 @@ async fn forked_controller_hooks_sweep_an_abandoned_create() {
     let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 2\n\
                  [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
     let w = World::start(Mode::Binary, Caps::default(), extra).await;
-    w.driver.script(
-        "CreateVolume",
-        [Behavior::Delay(Duration::from_millis(800))],
-    );
+    // CreateVolume stays in flight until both processes are killed.
+    let create_volume = w.driver.hold("CreateVolume");
+    let next = w.driver.arrivals("CreateVolume") + 1;
     let mut front = tokio::process::Command::new(BRIDGE)
         .args(["--op", "create", "--volume-id", "leak", "--name", "leak"])
         .env("CUBE_CSI_BRIDGE_CONFIG", &w.config_path)
@@ -419,7 +436,8 @@ async fn forked_controller_hooks_sweep_an_abandoned_create() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The worker (the front's child) is the one calling CreateVolume.
+    w.driver.wait_for_call("CreateVolume", next, SIGNAL).await;
     // Kill the worker itself (the front's child), then the front: nothing undoes it.
     let pid = front.id().unwrap();
     let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
@@ -431,7 +449,10 @@ async fn forked_controller_hooks_sweep_an_abandoned_create() {
     }
     front.start_kill().unwrap();
     let _ = front.wait().await;
-    // The record says creating; the driver may or may not have made the volume.
+    create_volume.release();
+    // The record says creating; the driver may or may not have made the volume. A sweep
+    // reclaims it only once it is older than abandoned_create_secs (2 s): this sleep is
+    // that age, the threshold under test, which no process signals.
     tokio::time::sleep(Duration::from_secs(3)).await;
     w.driver.clear_calls();
     // Any later forked controller hook sweeps (here a Destroy of another volume).

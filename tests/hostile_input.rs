@@ -14,7 +14,7 @@ use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::fake_driver::Caps;
 use common::{BRIDGE, DRIVER, Mode, World};
@@ -839,8 +839,20 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, String> {
     out
 }
 
-/// Waits until the tree stops changing (a daemon's start-up housekeeping).
-async fn settled(root: &Path) -> BTreeMap<PathBuf, String> {
+/// The world's tree once nothing changes it in the background. Without a daemon nothing
+/// runs there. A daemon's start-up housekeeping is its start-up reconciliation, which logs
+/// its end, and right after it the first scan for abandoned node operations and the first
+/// sweep of abandoned Creates, which log nothing when they find nothing but open (and so
+/// rewrite) the controller store: after the log line, the tree is polled until two
+/// snapshots 300 ms apart agree.
+async fn settled(w: &World) -> BTreeMap<PathBuf, String> {
+    let root = w.dir.path();
+    if w.daemon.is_none() {
+        return snapshot(root);
+    }
+    w.wait_for_daemon_log("node journal reconciled", 1, Duration::from_secs(30))
+        .await;
+    let until = Instant::now() + Duration::from_secs(30);
     let mut last = snapshot(root);
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -848,6 +860,11 @@ async fn settled(root: &Path) -> BTreeMap<PathBuf, String> {
         if now == last {
             return now;
         }
+        assert!(
+            Instant::now() < until,
+            "the daemon's tree still changed 30 s after its start-up reconciliation: {}",
+            changes(&last, root).unwrap_err()
+        );
         last = now;
     }
 }
@@ -994,7 +1011,7 @@ async fn hostile_requests_get_clear_errors_and_change_nothing() {
     let mut failures = Vec::new();
     for mode in [Mode::Binary, Mode::Rpc] {
         let (w, ctx) = world(mode).await;
-        let mut before = settled(w.dir.path()).await;
+        let mut before = settled(&w).await;
         if mode == Mode::Binary {
             assert!(
                 !before.contains_key(Path::new("state"))
@@ -1046,7 +1063,7 @@ async fn hostile_requests_get_clear_errors_and_change_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn grpc_messages_at_the_4_mib_limit_are_refused_cleanly() {
     let (w, ctx) = world(Mode::Rpc).await;
-    let before = settled(w.dir.path()).await;
+    let before = settled(&w).await;
     const LIMIT: usize = 4 * 1024 * 1024;
     for (overhead, code, expect) in [
         (1024, tonic::Code::InvalidArgument, "private_data is"),

@@ -572,19 +572,26 @@ async fn sigterm_lets_in_flight_hooks_finish_and_refuses_new_ones() {
     require_root!();
     let mut w = World::start(Mode::Rpc, Caps::staging(), "").await;
     let created = w.create("slow").await.unwrap();
-    w.driver.script(
-        "NodePublishVolume",
-        [Behavior::Delay(Duration::from_millis(1500))],
-    );
+    // The Attach stays in NodePublishVolume until released: SIGTERM comes meanwhile.
+    let publish = w.driver.hold("NodePublishVolume");
+    let next = w.driver.arrivals("NodePublishVolume") + 1;
     let daemon = w.daemon.take().unwrap();
     let pid = nix::unistd::Pid::from_raw(daemon.id().unwrap() as i32);
     let socket = w.socket();
     let (attached, gone_while_draining) =
         tokio::join!(w.attach("sb", "slow", 0, &created.private_data), async {
-            tokio::time::sleep(Duration::from_millis(400)).await;
+            w.driver
+                .wait_for_call("NodePublishVolume", next, Duration::from_secs(30))
+                .await;
             nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            !socket.exists()
+            // Polled while the Attach is held in flight, so the daemon is still draining.
+            let until = Instant::now() + Duration::from_secs(30);
+            while socket.exists() && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let gone = !socket.exists();
+            publish.release();
+            gone
         });
     let attached = attached.expect("the in-flight Attach finishes");
     // Removed as soon as shutdown begins, while the listener still holds its inode: a
@@ -613,8 +620,12 @@ async fn daemon_reconnects_after_the_driver_restarts() {
     // Down: the call fails after retrying within its budget (kept short here).
     let restart = w.driver.clone();
     let socket = w.dir.path().join("csi.sock");
-    let (created, server) = tokio::join!(w.create("r2"), async move {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+    let retrying = r#"CSI call failed non-finally; retrying call="CreateVolume""#;
+    let retries = w.daemon_log_lines(retrying);
+    let (created, server) = tokio::join!(w.create("r2"), async {
+        // The bridge found the driver down and is retrying: bring it back.
+        w.wait_for_daemon_log(retrying, retries + 1, Duration::from_secs(30))
+            .await;
         restart.serve(&socket)
     });
     w.driver_server = Some(server);

@@ -93,6 +93,7 @@ async fn metrics_move_with_hooks_and_list_shows_both_stores_in_json() {
             std::time::Instant::now() < deadline,
             "inventory gauges never moved:\n{text}"
         );
+        // The poll interval of this wait on the metrics endpoint (a deadline above).
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
@@ -180,8 +181,18 @@ async fn check_proves_that_a_mount_under_the_base_dir_reaches_the_mount_view() {
         .args(["--mount", "--propagation", "private", "sleep", "60"])
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let ns = format!("/proc/{}/ns/mnt", private.id());
+    // unshare execs `sleep` only once its namespace exists and propagates nothing.
+    let comm = format!("/proc/{}/comm", private.id());
+    common::wait_until(
+        "unshare did not make its private mount namespace and exec sleep",
+        Duration::from_secs(30),
+        || {
+            std::fs::read_to_string(&comm).is_ok_and(|c| c.trim() == "sleep")
+                && std::fs::read_link(&ns).ok() != std::fs::read_link("/proc/self/ns/mnt").ok()
+        },
+    )
+    .await;
     let text = std::fs::read_to_string(&w.config_path).unwrap();
     std::fs::write(
         &w.config_path,
@@ -250,6 +261,10 @@ fn cubeclient() -> Option<std::path::PathBuf> {
     }
 }
 
+/// How many of the loop's Attaches each daemon serves before it is restarted (four daemons:
+/// with their Detaches, more than the 20 calls the test requires).
+const CALLS_PER_DAEMON: usize = 4;
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restart_under_socket_activation_fails_no_call() {
     require_root!();
@@ -277,8 +292,15 @@ async fn a_restart_under_socket_activation_fails_no_call() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Each daemon serves some of the loop's Attaches before it goes: they reach the driver.
+    let served = async |w: &World| {
+        let next = w.driver.arrivals("NodePublishVolume") + CALLS_PER_DAEMON;
+        w.driver
+            .wait_for_call("NodePublishVolume", next, Duration::from_secs(60))
+            .await;
+    };
     for _ in 0..3 {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        served(&w).await;
         // systemctl restart: SIGTERM, wait for the drain, start again on the same socket.
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(daemon.id() as i32),
@@ -289,7 +311,7 @@ async fn a_restart_under_socket_activation_fails_no_call() {
         assert!(status.success(), "daemon exit: {status}");
         daemon = start_activated(&w, &listener);
     }
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    served(&w).await;
     std::fs::write(&stop_file, "").unwrap();
     let out = tokio::time::timeout(Duration::from_secs(60), looping.wait_with_output())
         .await

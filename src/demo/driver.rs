@@ -3,14 +3,17 @@
 //! the staging path (or, without staging, the volume) at the target.
 //!
 //! It serves the demo and, as the test double, the project's tests: a [`Profile`] sets what
-//! it advertises and how it names things, and it can record every call and react to the
-//! next calls of a method as scripted (fail, or answer late).
+//! it advertises and how it names things, and it can record every call, react to the next
+//! calls of a method as scripted (fail, answer late, or hold the call until released), and
+//! tell a waiting test when the Nth call of a method has arrived.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tonic::{Code, Request, Response, Status};
 
 use crate::mount::ops;
@@ -79,6 +82,41 @@ pub enum Behavior {
     Fail(Code, &'static str),
     /// Sleep, then behave normally (the call is dropped if the client gives up).
     Delay(Duration),
+    /// Wait until the gate is released, then behave normally: the call stays in flight
+    /// exactly as long as a test needs (it is dropped if the client gives up first).
+    Hold(Gate),
+}
+
+/// Holds the calls scripted with [`Behavior::Hold`] until [`Gate::release`]; clones share
+/// one gate, and once released it stays open (a call arriving later passes at once).
+#[derive(Debug, Clone)]
+pub struct Gate {
+    open: Arc<watch::Sender<bool>>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Gate {
+    pub fn new() -> Self {
+        Self {
+            open: Arc::new(watch::channel(false).0),
+        }
+    }
+
+    /// Lets the held calls, and any later ones, go on.
+    pub fn release(&self) {
+        self.open.send_replace(true);
+    }
+
+    async fn passed(&self) {
+        let mut open = self.open.subscribe();
+        // The sender lives as long as `self`: this returns only once released.
+        let _ = open.wait_for(|open| *open).await;
+    }
 }
 
 /// One recorded call.
@@ -122,6 +160,9 @@ struct Inner {
     profile: Profile,
     data_dir: PathBuf,
     state: Mutex<State>,
+    /// How many calls of each method have arrived since the driver was made (whether or
+    /// not the profile records them; never cleared), for [`LocalDirDriver::arrived`].
+    arrivals: watch::Sender<HashMap<&'static str, usize>>,
 }
 
 /// Volumes as subdirectories of a data directory; clones share state.
@@ -142,6 +183,7 @@ impl LocalDirDriver {
                 profile,
                 data_dir: data_dir.to_path_buf(),
                 state: Mutex::default(),
+                arrivals: watch::channel(HashMap::new()).0,
             }),
         }
     }
@@ -176,9 +218,33 @@ impl LocalDirDriver {
         self.state().calls.clone()
     }
 
-    /// Forgets recorded calls (the script is kept).
+    /// Forgets recorded calls (the script and the arrival counts are kept).
     pub fn clear_calls(&self) {
         self.state().calls.clear();
+    }
+
+    /// How many calls of `method` have arrived since the driver was made (recorded or not,
+    /// and whatever [`LocalDirDriver::clear_calls`] forgot).
+    pub fn arrivals(&self, method: &str) -> usize {
+        self.inner
+            .arrivals
+            .borrow()
+            .get(method)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Resolves once the `n`th call of `method` (counted as [`LocalDirDriver::arrivals`]
+    /// counts) has arrived: it is recorded and its scripted reaction has begun, so a call
+    /// scripted with [`Behavior::Hold`] is then in flight. False if the driver is gone first.
+    pub fn arrived(&self, method: &'static str, n: usize) -> impl Future<Output = bool> + use<> {
+        let mut arrivals = self.inner.arrivals.subscribe();
+        async move {
+            arrivals
+                .wait_for(|counts| counts.get(method).copied().unwrap_or(0) >= n)
+                .await
+                .is_ok()
+        }
     }
 
     /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
@@ -228,21 +294,29 @@ impl LocalDirDriver {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records `call` (if the profile says so) and applies the next scripted reaction.
+    /// Records `call` (if the profile says so), counts its arrival and applies the next
+    /// scripted reaction.
     async fn enter(&self, call: Call) -> Result<(), Status> {
+        let method = call.method;
         let behavior = {
             let mut state = self.state();
-            let method = call.method;
             if self.inner.profile.record_calls {
                 state.calls.push(call);
             }
             state.script.get_mut(method).and_then(VecDeque::pop_front)
         };
+        self.inner
+            .arrivals
+            .send_modify(|counts| *counts.entry(method).or_default() += 1);
         match behavior {
             None => Ok(()),
             Some(Behavior::Fail(code, message)) => Err(Status::new(code, message)),
             Some(Behavior::Delay(d)) => {
                 tokio::time::sleep(d).await;
+                Ok(())
+            }
+            Some(Behavior::Hold(gate)) => {
+                gate.passed().await;
                 Ok(())
             }
         }

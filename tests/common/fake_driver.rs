@@ -1,15 +1,17 @@
 //! The tests' CSI driver: the program's own local-directory driver (src/demo/driver.rs)
 //! with the fake's profile (name `fake.csi.test`, ids `fake-<name>`), every call recorded,
-//! and scripted failures and delays. It makes real bind mounts (volume data lives in
-//! `<data_dir>/<volume id>`, so it outlives attachments).
+//! and scripted failures, delays and holds. A test waits for a call to reach the fake with
+//! [`FakeDriver::wait_for_call`], never by sleeping. It makes real bind mounts (volume data
+//! lives in `<data_dir>/<volume id>`, so it outlives attachments).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use cube_csi_bridge::demo::driver::{LocalDirDriver, Profile};
 use tokio_stream::wrappers::UnixListenerStream;
 
-pub use cube_csi_bridge::demo::driver::{Behavior, Call, MUTATING};
+pub use cube_csi_bridge::demo::driver::{Behavior, Call, Gate, MUTATING};
 
 pub const FAKE_NODE_ID: &str = "fake-node-1";
 
@@ -167,9 +169,37 @@ impl FakeDriver {
             .collect()
     }
 
-    /// Forgets recorded calls (the script is kept).
+    /// Forgets recorded calls (the script and the arrival counts are kept).
     pub fn clear_calls(&self) {
         self.driver.clear_calls();
+    }
+
+    /// How many calls of `method` have reached the fake since it was made (not reset by
+    /// [`FakeDriver::clear_calls`]); the next one is number `arrivals(method) + 1`.
+    pub fn arrivals(&self, method: &str) -> usize {
+        self.driver.arrivals(method)
+    }
+
+    /// Waits until the `n`th call of `method` (counted as [`FakeDriver::arrivals`] counts)
+    /// has reached the fake and its scripted reaction has begun (a [`Behavior::Hold`] call
+    /// is then in flight); panics, naming the calls that did arrive, after `timeout`.
+    pub async fn wait_for_call(&self, method: &'static str, n: usize, timeout: Duration) {
+        let arrived = tokio::time::timeout(timeout, self.driver.arrived(method, n)).await;
+        assert!(
+            matches!(arrived, Ok(true)),
+            "call {n} of {method} did not reach the fake driver within {timeout:?} \
+             ({} arrived); calls recorded: {:?}",
+            self.arrivals(method),
+            self.calls().iter().map(|c| c.method).collect::<Vec<_>>()
+        );
+    }
+
+    /// Scripts the next call of `method` to stay in flight until the returned gate is
+    /// released ([`Behavior::Hold`]).
+    pub fn hold(&self, method: &'static str) -> Gate {
+        let gate = Gate::new();
+        self.script(method, [Behavior::Hold(gate.clone())]);
+        gate
     }
 
     /// How many times CreateVolume or DeleteVolume mounted the share.

@@ -45,6 +45,20 @@ pub fn skip(reason: &str) {
     eprintln!("skipped: {reason}");
 }
 
+/// Polls `done` (a condition outside the fake driver: a file, a mount, a process) until it
+/// holds; panics with `what` and the time waited after `limit`. The way to wait for
+/// something that sends no signal, instead of sleeping and hoping it happened.
+pub async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let until = std::time::Instant::now() + limit;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < until,
+            "not within {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Skips a test that needs root (real mounts) when not root; fails it in CI.
 #[macro_export]
 macro_rules! require_root {
@@ -186,6 +200,29 @@ impl World {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         Err("daemon did not listen within 30 s".into())
+    }
+
+    /// How many lines of the daemon log (every daemon this world started) contain `needle`.
+    pub fn daemon_log_lines(&self, needle: &str) -> usize {
+        std::fs::read_to_string(self.daemon_log_path())
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
+    /// Waits until `count` lines of the daemon log contain `needle`; panics with the log
+    /// after `limit`.
+    pub async fn wait_for_daemon_log(&self, needle: &str, count: usize, limit: Duration) {
+        let until = std::time::Instant::now() + limit;
+        while self.daemon_log_lines(needle) < count {
+            assert!(
+                std::time::Instant::now() < until,
+                "the daemon did not log {needle:?} {count} time(s) within {limit:?}:\n{}",
+                std::fs::read_to_string(self.daemon_log_path()).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Everything the bridge logged: the daemon's stderr and every forked hook's.
