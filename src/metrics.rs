@@ -302,7 +302,51 @@ pub fn encode() -> String {
     out
 }
 
-/// Serves `GET /metrics` on `addr` until `shutdown` resolves.
+/// At most this many metrics connections are served at once; more are closed at accept.
+/// A scraper needs one; the cap keeps anyone who can reach the port from taking the file
+/// descriptors the hooks need.
+pub const MAX_CONNECTIONS: usize = 16;
+/// How long one metrics connection may stay open, headers and answer included (an idle
+/// or half-sent request is cut off then).
+pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest pause after a failed accept (EMFILE and the like), doubled from 10 ms.
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+/// At most one log line per this long about refused or failed accepts, with a count.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Counts refused or failed accepts and logs them at most once per `REFUSAL_LOG_EVERY`.
+struct RateLimitedWarning {
+    what: &'static str,
+    count: u64,
+    since: Option<std::time::Instant>,
+}
+
+impl RateLimitedWarning {
+    fn new(what: &'static str) -> Self {
+        Self {
+            what,
+            count: 0,
+            since: None,
+        }
+    }
+
+    fn note(&mut self, error: &dyn std::fmt::Display) {
+        self.count += 1;
+        let now = std::time::Instant::now();
+        if self
+            .since
+            .is_none_or(|since| now.duration_since(since) >= REFUSAL_LOG_EVERY)
+        {
+            tracing::warn!(count = self.count, last = %error, "metrics endpoint: {}", self.what);
+            self.count = 0;
+            self.since = Some(now);
+        }
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves: one request per
+/// connection, at most `MAX_CONNECTIONS` at once, each cut off after `CONNECTION_TIMEOUT`;
+/// a failed accept backs off instead of spinning.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()>,
@@ -328,24 +372,43 @@ pub async fn serve(
             .header("content-type", kind)
             .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
     };
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut refused = RateLimitedWarning::new("refused connections over the limit");
+    let mut failed = RateLimitedWarning::new("accept failed; backing off");
+    let mut backoff = Duration::ZERO;
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    backoff = Duration::ZERO;
+                    stream
+                }
                 Err(error) => {
-                    tracing::warn!(%error, "metrics endpoint: accept failed");
-                    continue;
+                    failed.note(&error);
+                    backoff = (backoff * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_BACKOFF);
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => continue,
+                        () = &mut shutdown => return,
+                    }
                 }
             },
             () = &mut shutdown => return,
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            refused.note(&format_args!("{MAX_CONNECTIONS} connections open"));
+            drop(stream);
+            continue;
+        };
         tokio::spawn(async move {
-            let served = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), hyper::service::service_fn(answer))
-                .await;
-            if let Err(error) = served {
-                tracing::debug!(%error, "metrics connection ended");
+            let _slot = slot;
+            let connection = hyper::server::conn::http1::Builder::new()
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), hyper::service::service_fn(answer));
+            match tokio::time::timeout(CONNECTION_TIMEOUT, connection).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::debug!(%error, "metrics connection ended"),
+                Err(_) => tracing::debug!("metrics connection cut off after its time"),
             }
         });
     }

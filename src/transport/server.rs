@@ -65,6 +65,7 @@ impl Daemon {
     /// Opens the bridge for the configured roles, checks the driver, and binds (or takes
     /// from systemd) the listeners. When this returns, calls can be made.
     pub async fn open(config: Config) -> Result<Self, ServeError> {
+        raise_open_file_limit();
         let roles = config.serve.roles;
         let grace = config.serve.shutdown_grace;
         let policy = PeerPolicy::new(config.serve.allowed_uids.clone());
@@ -248,6 +249,19 @@ impl Daemon {
         file.remove_if_ours();
         tracing::info!(socket = %file.path.display(), "stopped");
         result
+    }
+}
+
+/// Raises the soft limit on open files to the hard one: a daemon serving many sandboxes
+/// holds many connections and files, and the default soft limit (1024) is easy to reach.
+/// (The unit sets LimitNOFILE; the metrics endpoint caps its own share either way.)
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(error) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::warn!(%error, soft, hard, "could not raise the open-file limit");
     }
 }
 
