@@ -209,17 +209,27 @@ async fn the_socket_group_and_the_peer_allow_list_hold_over_the_socket_and_tcp()
     stop_daemon(&mut w).await;
     assert!(!w.socket().exists(), "removed at shutdown");
 
-    // Without the list, the group alone decides: nobody is admitted (so the refusals
-    // above came from the list, not from the file mode), the stranger still is not.
+    // A TCP port without the list would let any local user call every hook (a TCP port
+    // has no mode and no group): such a config is refused before anything listens.
     set_serve(
         &w,
         &format!("socket_group = \"{NOBODY}\"\ntcp = \"127.0.0.1:{port}\""),
     );
+    let refused = w.start_daemon().await.unwrap_err();
+    assert!(
+        refused.contains("exit status: 78") && refused.contains("serve.allowed_uids"),
+        "{refused}"
+    );
+    let (admitted, line) = call_as(&helper, STRANGER, STRANGER, &tcp);
+    assert!(!admitted, "nothing listens on TCP: {line}");
+
+    // Without the list (and without TCP), the group alone decides: nobody is admitted (so
+    // the refusals above came from the list, not from the file mode), the stranger still
+    // is not.
+    set_serve(&w, &format!("socket_group = \"{NOBODY}\""));
     w.start_daemon().await.unwrap();
     let (admitted, line) = call_as(&helper, NOBODY, NOBODY, &unix);
     assert!(admitted, "nobody in the socket's group: {line}");
-    let (admitted, line) = call_as(&helper, NOBODY, NOBODY, &tcp);
-    assert!(admitted, "nobody over TCP with no list: {line}");
     let (admitted, line) = call_as(&helper, STRANGER, STRANGER, &unix);
     assert!(!admitted, "stranger: {line}");
     stop_daemon(&mut w).await;

@@ -601,6 +601,19 @@ impl Checker<'_> {
                 "is empty, which would refuse every caller; remove it to allow any caller",
             ));
         }
+        if let (Some(addr), None) = (tcp, &raw.allowed_uids) {
+            // A socket file has a mode and a group; a TCP port has neither, and Cube's rpc
+            // transport no authentication: without the list any local user could call
+            // every hook (and Destroy another user's volume).
+            return Err(self.invalid(
+                "serve.tcp",
+                format!(
+                    "{addr} is set without serve.allowed_uids, so any local user could call \
+                     every hook over it; list the uids of Cubelet and CubeMaster in \
+                     serve.allowed_uids (e.g. [0]), or remove serve.tcp"
+                ),
+            ));
+        }
         Ok(ServeSettings {
             socket,
             roles,
@@ -1025,6 +1038,10 @@ endpoint = "unix:///run/csi/nfs.sock"
             ),
             (
                 &format!("{MINIMAL}[serve]\nallowed_uids = []\n"),
+                "serve.allowed_uids",
+            ),
+            (
+                &format!("{MINIMAL}[serve]\ntcp = \"127.0.0.1:9100\"\n"),
                 "serve.allowed_uids",
             ),
             (&format!("{MINIMAL}bogus = 1\n"), "bogus"),
