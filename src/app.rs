@@ -138,7 +138,7 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
         volume_settings,
         locks,
         clock: Arc::new(SystemClock),
-        recorder: Arc::new(PrometheusRecorder),
+        recorder: Arc::new(PrometheusRecorder::new(config.metrics.volume_ids)),
         kube,
     })
 }

@@ -419,9 +419,33 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
-/// The core's `Recorder` port, recording into this process's registry.
+/// The core's `Recorder` port, recording into this process's registry, with volume ids
+/// labelled as `metrics.volume_ids` says.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct PrometheusRecorder;
+pub struct PrometheusRecorder {
+    volume_ids: crate::config::VolumeIdLabels,
+}
+
+impl PrometheusRecorder {
+    pub fn new(volume_ids: crate::config::VolumeIdLabels) -> Self {
+        Self { volume_ids }
+    }
+
+    /// The label a volume's series carry; `None`: no per-volume series.
+    fn volume_label(&self, volume_id: &str) -> Option<String> {
+        use crate::config::VolumeIdLabels;
+        use sha2::Digest;
+        match self.volume_ids {
+            VolumeIdLabels::Plain => Some(volume_id.to_string()),
+            VolumeIdLabels::None => None,
+            VolumeIdLabels::Hashed => {
+                let digest = sha2::Sha256::digest(volume_id.as_bytes());
+                let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+                Some(format!("sha256:{hex}"))
+            }
+        }
+    }
+}
 
 impl crate::bridge::ports::Recorder for PrometheusRecorder {
     fn hook(&self, hook_name: &'static str, outcome: &'static str, elapsed: Duration) {
@@ -445,17 +469,46 @@ impl crate::bridge::ports::Recorder for PrometheusRecorder {
     }
 
     fn volume_stats(&self, volume_id: &str, stats: Option<&crate::bridge::ports::VolumeStats>) {
-        volume_stats(volume_id, stats);
+        if let Some(label) = self.volume_label(volume_id) {
+            volume_stats(&label, stats);
+        }
     }
 
     fn forget_volumes_except(&self, keep: &std::collections::BTreeSet<String>) {
-        forget_volumes_except(keep);
+        let labels = keep
+            .iter()
+            .filter_map(|volume_id| self.volume_label(volume_id))
+            .collect();
+        forget_volumes_except(&labels);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn volume_ids_are_hashed_by_default_plain_or_left_out_on_request() {
+        use crate::config::VolumeIdLabels;
+        let hashed = PrometheusRecorder::default().volume_label("tenant-acme-payroll");
+        let hashed = hashed.expect("a series");
+        assert!(
+            hashed.starts_with("sha256:") && hashed.len() == 7 + 16,
+            "{hashed}"
+        );
+        assert!(!hashed.contains("acme"));
+        assert_eq!(
+            PrometheusRecorder::default().volume_label("tenant-acme-payroll"),
+            Some(hashed),
+            "stable"
+        );
+        let plain = PrometheusRecorder::new(VolumeIdLabels::Plain);
+        assert_eq!(plain.volume_label("v1").as_deref(), Some("v1"));
+        assert_eq!(
+            PrometheusRecorder::new(VolumeIdLabels::None).volume_label("v1"),
+            None
+        );
+    }
 
     #[test]
     fn recorded_metrics_appear_with_their_conventional_names() {

@@ -335,9 +335,18 @@ async fn volume_stats_and_hook_metrics_reach_the_metrics_endpoint() {
     };
     let node = CubeNode::start(&peers, DriverKind::Staging, Mode::Rpc, options).await;
     let cube = node.cube();
-    let (_, private_data) = cube.create("stats").await.unwrap();
+    // A volume id that says whose data it holds: the endpoint has no authentication, so by
+    // default (metrics.volume_ids = "hashed") it never shows the id, only a stable hash.
+    let volume = "tenant-acme-payroll";
+    let label = {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(volume.as_bytes());
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        format!("sha256:{hex}")
+    };
+    let (_, private_data) = cube.create(volume).await.unwrap();
     let a = cube
-        .attach(&node.base_dir, "sb", "stats", 0, &private_data)
+        .attach(&node.base_dir, "sb", volume, 0, &private_data)
         .await
         .unwrap_or_else(|f| panic!("attach: {f:?}\n{}", node.logs()));
     std::fs::write(a.host_path.join("data"), vec![7u8; 1 << 20]).unwrap();
@@ -354,20 +363,25 @@ async fn volume_stats_and_hook_metrics_reach_the_metrics_endpoint() {
         stream.read_to_string(&mut text).await.unwrap();
         text
     };
-    let gauge = "cube_csi_bridge_volume_capacity_bytes{volume_id=\"stats\"}";
+    let series = |name: &str| format!("cube_csi_bridge_{name}{{volume_id=\"{label}\"}}");
+    let gauge = series("volume_capacity_bytes");
     let mut text = scrape().await;
     for _ in 0..60 {
-        if text.contains(gauge) {
+        if text.contains(&gauge) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
         text = scrape().await;
     }
+    assert!(
+        !text.contains(volume),
+        "the volume id is on the endpoint:\n{text}"
+    );
     for needle in [
-        gauge,
-        "cube_csi_bridge_volume_used_bytes{volume_id=\"stats\"}",
-        "cube_csi_bridge_volume_available_bytes{volume_id=\"stats\"}",
-        "cube_csi_bridge_volume_abnormal{volume_id=\"stats\"}",
+        gauge.as_str(),
+        &series("volume_used_bytes"),
+        &series("volume_available_bytes"),
+        &series("volume_abnormal"),
         "cube_csi_bridge_attached_volumes 1",
         "cube_csi_bridge_volume_holders 1",
         "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\"} 1",
@@ -382,8 +396,8 @@ async fn volume_stats_and_hook_metrics_reach_the_metrics_endpoint() {
             node.logs()
         );
     }
-    cube.detach("sb", "stats", 0, &a.metadata).await.unwrap();
-    cube.destroy("stats").await.unwrap();
+    cube.detach("sb", volume, 0, &a.metadata).await.unwrap();
+    cube.destroy(volume).await.unwrap();
     let text = scrape().await;
     assert!(
         text.contains("cube_csi_bridge_hook_calls_total{hook=\"detach\",outcome=\"success\"} 1"),

@@ -104,4 +104,6 @@ pub(super) struct MetricsFile {
     pub listen: Option<String>,
     #[serde(default)]
     pub volume_stats_interval_secs: Option<u64>,
+    #[serde(default)]
+    pub volume_ids: Option<String>,
 }

@@ -349,6 +349,22 @@ pub struct MetricsSettings {
     /// How often the daemon asks the driver for attached volumes' stats
     /// (NodeGetVolumeStats, when the driver offers it); `None` never.
     pub volume_stats_interval: Option<Duration>,
+    /// How the per-volume series name their volume.
+    pub volume_ids: VolumeIdLabels,
+}
+
+/// How the per-volume metrics series (`volume_id` label) name their volume: the endpoint
+/// has no authentication, and Cube volume ids often say whose data they hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VolumeIdLabels {
+    /// A stable hash of the id (`sha256:` and 16 hex digits): series stay apart and can
+    /// be matched to a volume by whoever knows its id, but do not reveal it. The default.
+    #[default]
+    Hashed,
+    /// The volume id itself.
+    Plain,
+    /// No per-volume series at all (the node totals remain).
+    None,
 }
 
 /// Per-hook budgets: all CSI calls and retries of one hook fit in its budget.
@@ -781,10 +797,22 @@ impl Checker<'_> {
                 "must be 0 (off), or at least 5 and at most 86400",
             ));
         }
+        let volume_ids = match raw.volume_ids.as_deref() {
+            None | Some("hashed") => VolumeIdLabels::Hashed,
+            Some("plain") => VolumeIdLabels::Plain,
+            Some("none") => VolumeIdLabels::None,
+            Some(other) => {
+                return Err(self.invalid(
+                    "metrics.volume_ids",
+                    format!("{other:?} must be hashed, plain or none"),
+                ));
+            }
+        };
         Ok(MetricsSettings {
             listen,
             volume_stats_interval: (interval > 0 && listen.is_some())
                 .then(|| Duration::from_secs(interval)),
+            volume_ids,
         })
     }
 
