@@ -508,8 +508,37 @@ impl NodeSide {
                     .await?;
                 Ok(fresh())
             }
-            None => Ok(fresh()),
+            None => {
+                self.refuse_foreign_mounts(paths, deadline).await?;
+                Ok(fresh())
+            }
         }
+    }
+
+    /// Refuses a first Attach whose host_path or staging path is already a mount point:
+    /// no record of this instance accounts for it (every mount this instance makes is
+    /// recorded before the call that makes it), so another bridge instance or driver put it
+    /// there. Publishing onto it would hand Cube that mount's data, and a later teardown
+    /// would unmount it from under its owner.
+    async fn refuse_foreign_mounts(
+        &self,
+        paths: &VolumePaths,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        for path in [&paths.target, &paths.staging] {
+            if self.visibility(path, deadline).await? == Visibility::Mounted {
+                return Err(BridgeError::Precondition(format!(
+                    "{} is already a mount point, but this bridge (driver {:?}) has no record \
+                     of mounting it: another bridge instance or CSI driver owns it. Refusing \
+                     to publish onto it. Two driver names whose paths collide (driver \"nfs\" \
+                     with volume \"prod-x\" and driver \"nfs-prod\" with volume \"x\" both \
+                     use <base>/nfs-prod-x) need different volume base dirs",
+                    path.display(),
+                    self.config.driver
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Undoes what one failed or abandoned Attach did. When no other namespace held the

@@ -1678,3 +1678,26 @@ async fn a_failed_fold_after_the_holder_line_is_written_does_not_fail_the_hook()
         BTreeSet::from(["holder".to_string()])
     );
 }
+
+/// A first Attach whose host_path is already a mount point (another instance's: colliding
+/// driver and volume names) is refused before any CSI call, and leaves that mount alone.
+#[tokio::test]
+async fn a_first_attach_never_publishes_onto_a_mount_it_did_not_make() {
+    let w = World::new(Fake::new(true, false));
+    w.fake.mounted.lock().unwrap().insert(w.target("v"));
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(err.to_string().contains("no record"), "{err}");
+    assert!(
+        w.fake
+            .state
+            .lock()
+            .unwrap()
+            .calls
+            .iter()
+            .all(|c| !c.starts_with("Node") && !c.starts_with("ControllerPublish")),
+        "{:?}",
+        w.fake.state.lock().unwrap().calls
+    );
+    assert!(w.fake.is_mounted(&w.target("v")), "the other mount stays");
+    assert!(w.record("v").is_none());
+}
