@@ -35,6 +35,11 @@ impl Redactions {
             }
         }
         hidden.retain(|s| s.len() >= MIN_SECRET_LEN);
+        // Drivers echo requests as Go's encoding/json or %q does, or base64-encoded: each
+        // escaped or encoded form of a value is hidden too.
+        let forms: Vec<String> = hidden.iter().flat_map(|s| encoded_forms(s)).collect();
+        hidden.extend(forms);
+        hidden.retain(|s| s.len() >= MIN_SECRET_LEN);
         hidden.sort_by_key(|s| std::cmp::Reverse(s.len()));
         hidden.dedup();
         Redactions(hidden)
@@ -49,6 +54,66 @@ impl Redactions {
         }
         out
     }
+}
+
+/// The forms a driver may echo `value` in besides the plain one: JSON-escaped (as Rust and
+/// Go's %q write printable text), Go's encoding/json (which also writes `<`, `>`, `&` as
+/// `\u003c`, `\u003e`, `\u0026`), every character as `\uXXXX`, each of those escaped
+/// once more (a JSON document quoted inside a message), and base64 (standard and URL-safe,
+/// at each of the three alignments it can have inside a longer encoded text).
+fn encoded_forms(value: &str) -> Vec<String> {
+    let json = |text: &str| {
+        let quoted = serde_json::to_string(text).expect("a string serializes");
+        quoted[1..quoted.len() - 1].to_string()
+    };
+    let go_json = |text: &str| {
+        json(text)
+            .replace('<', "\\u003c")
+            .replace('>', "\\u003e")
+            .replace('&', "\\u0026")
+    };
+    let all_unicode: String = value
+        .encode_utf16()
+        .map(|unit| format!("\\u{unit:04x}"))
+        .collect();
+    let mut forms = vec![json(value), go_json(value), all_unicode.clone()];
+    for form in forms.clone() {
+        forms.push(json(&form));
+    }
+    forms.push(all_unicode.to_uppercase().replace("\\U", "\\u"));
+    forms.extend(base64_forms(value.as_bytes()));
+    forms.retain(|form| form != value);
+    forms
+}
+
+/// The part of the base64 encoding of `bytes` that every encoding of a text containing
+/// them shares, at each of the three alignments, in both alphabets.
+fn base64_forms(bytes: &[u8]) -> Vec<String> {
+    const STANDARD: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut forms = Vec::new();
+    for offset in 0..3 {
+        let mut data = vec![0u8; offset];
+        data.extend_from_slice(bytes);
+        let bits = data.len() * 8;
+        let mut chars = String::new();
+        for index in 0..bits / 6 {
+            let mut sextet = 0u8;
+            for bit in 0..6 {
+                let at = index * 6 + bit;
+                let set = data[at / 8] & (0x80 >> (at % 8)) != 0;
+                sextet = (sextet << 1) | u8::from(set);
+            }
+            chars.push(STANDARD[usize::from(sextet)] as char);
+        }
+        // Characters that mix in the filler before the value are not shared.
+        let skip = (offset * 8).div_ceil(6);
+        let core = &chars[skip.min(chars.len())..];
+        if core.len() >= 4 {
+            forms.push(core.to_string());
+            forms.push(core.replace('+', "-").replace('/', "_"));
+        }
+    }
+    forms
 }
 
 /// Versions and sizes (`nfsvers=4.1`, `rsize=1048576`) are not secrets, and hiding them
@@ -95,5 +160,53 @@ mod tests {
         let scrubbed = r.apply("mount error: password=s3cr3t-pw,vers=3 rejected (s3cr3t-pw)");
         assert!(!scrubbed.contains("s3cr3t"), "{scrubbed}");
         assert!(scrubbed.contains("rejected"), "{scrubbed}");
+    }
+
+    #[test]
+    fn escaped_and_encoded_echoes_are_hidden_too() {
+        let secrets = Secrets(BTreeMap::from([(
+            "key".into(),
+            "ak\"PROVSECRET\"42".into(),
+        )]));
+        let cap = Capability {
+            access_mode: AccessMode::MultiNodeMultiWriter,
+            fs_type: String::new(),
+            mount_flags: vec!["Fl<g>SECRET".into()],
+        };
+        let r = Redactions::of(&secrets, Some(&cap));
+        let b64 = |text: &str| {
+            let mut forms = base64_forms(text.as_bytes());
+            forms.truncate(1);
+            forms.remove(0)
+        };
+        for echo in [
+            // Go's encoding/json and %q of the request.
+            r#"{"secrets":{"key":"ak\"PROVSECRET\"42"}}"#.to_string(),
+            r#"mount -o Fl\u003cg\u003eSECRET failed"#.to_string(),
+            // \uXXXX for every character, and a JSON document quoted in a message.
+            "\\u0046\\u006c\\u003c\\u0067\\u003e\\u0053\\u0045\\u0043\\u0052\\u0045\\u0054"
+                .to_string(),
+            format!(
+                "error: {}",
+                serde_json::to_string(
+                    &serde_json::json!({"key": "ak\"PROVSECRET\"42"}).to_string()
+                )
+                .unwrap()
+            ),
+            // base64 of the whole request, the secret at any alignment.
+            format!("request={}", b64("{\"key\":\"ak\"PROVSECRET\"42\"}")),
+            format!("request={}", b64("x{\"key\":\"ak\"PROVSECRET\"42\"}")),
+            format!("request={}", b64("xy{\"key\":\"ak\"PROVSECRET\"42\"}")),
+        ] {
+            let scrubbed = r.apply(&echo);
+            assert!(
+                !scrubbed.contains("PROVSECRET") && !scrubbed.contains("SECRET"),
+                "{echo} -> {scrubbed}"
+            );
+            let plain_b64 = base64_forms(b"PROVSECRET");
+            for form in &plain_b64 {
+                assert!(!scrubbed.contains(form.as_str()), "{echo} -> {scrubbed}");
+            }
+        }
     }
 }
