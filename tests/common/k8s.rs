@@ -61,12 +61,25 @@ impl ApiServer {
             .prefix("ccb-k8s-")
             .tempdir()
             .unwrap();
-        let out = Command::new("bash")
-            .arg(Path::new(PEERS_DIR).join("start-apiserver.sh"))
-            .arg(dir.path())
-            .arg(bin)
-            .output()
-            .unwrap();
+        // The script picks free loopback ports and lets them go before etcd and
+        // kube-apiserver bind them; another test may take one meanwhile. Such a start is
+        // tried again (the script stops what a failed start left, in the same dir).
+        let mut attempt = 0;
+        let out = loop {
+            attempt += 1;
+            let out = Command::new("bash")
+                .arg(Path::new(PEERS_DIR).join("start-apiserver.sh"))
+                .arg(dir.path())
+                .arg(bin)
+                .output()
+                .unwrap();
+            let lost_a_port =
+                String::from_utf8_lossy(&out.stderr).contains("address already in use");
+            if out.status.success() || !lost_a_port || attempt == 3 {
+                break out;
+            }
+            eprintln!("start-apiserver.sh lost a port to another process; starting again");
+        };
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
