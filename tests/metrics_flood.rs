@@ -21,14 +21,6 @@ use tokio::io::AsyncWriteExt;
 /// Idle connections opened against the metrics port: more than the daemon's fd limit.
 const FLOOD: usize = 1100;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Raises this process's soft open-file limit to its hard one (the flood needs > 1024).
 fn raise_own_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -111,7 +103,7 @@ fn median(mut times: Vec<Duration>) -> Duration {
 async fn a_flood_of_idle_metrics_connections_does_not_starve_the_hooks() {
     require_root!();
     raise_own_limit();
-    let port = free_port();
+    let port = common::free_port();
     let mut w = World::start(
         Mode::Binary,
         Caps::staging(),

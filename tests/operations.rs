@@ -12,14 +12,6 @@ use std::time::Duration;
 use common::fake_driver::Caps;
 use common::{BRIDGE, Mode, World};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 async fn scrape(port: u16) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -60,7 +52,7 @@ fn run_cli(w: &World, args: &[&str]) -> (bool, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_move_with_hooks_and_list_shows_both_stores_in_json() {
     require_root!();
-    let port = free_port();
+    let port = common::free_port();
     // No volume stats polling: the inventory gauges must move all the same.
     let w = World::start(
         Mode::Rpc,

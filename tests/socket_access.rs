@@ -128,14 +128,6 @@ fn call_as(helper: &Helper, uid: u32, gid: u32, target: &str) -> (bool, String) 
     (line == "PEER-RESULT admitted", line)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 async fn stop_daemon(w: &mut World) {
     let mut child = w.daemon.take().expect("a running daemon");
     let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
@@ -170,7 +162,7 @@ async fn the_socket_group_and_the_peer_allow_list_hold_over_the_socket_and_tcp()
     std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     assert_reachable_by_all(&w);
     let helper = Helper::new();
-    let port = free_port();
+    let port = common::free_port();
     let unix = format!("unix:{}", w.socket().display());
     let tcp = format!("tcp:127.0.0.1:{port}");
     set_serve(

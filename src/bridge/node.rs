@@ -364,8 +364,9 @@ impl NodeSide {
                 first: req.ref_count == 0,
             };
             let mut record = self.record_for_attach(&req, &paths, &deadline).await?;
-            // Only a published or held volume can be mounted for someone: a fresh first
-            // Attach pays no mount check.
+            // Only a published or held volume can be mounted for someone here: a fresh
+            // record needs no check of its own (record_for_attach has already refused one
+            // whose paths another instance mounted).
             let visible = (record.publish == Step::Done || record.is_held())
                 && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
 

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::cube_peers::{PEERS_BIN_ENV, peer_dir};
+use super::fake_driver::MUTATING;
 
 /// The mock's CSI name; also its node id (NodeGetInfo), which ControllerPublishVolume
 /// must be given.
@@ -139,16 +140,6 @@ impl MockDriver {
 
     /// The methods of the successful state-changing calls, in order.
     pub fn mutating(&self) -> Vec<String> {
-        const MUTATING: [&str; 8] = [
-            "CreateVolume",
-            "DeleteVolume",
-            "ControllerPublishVolume",
-            "ControllerUnpublishVolume",
-            "NodeStageVolume",
-            "NodeUnstageVolume",
-            "NodePublishVolume",
-            "NodeUnpublishVolume",
-        ];
         self.calls()
             .into_iter()
             .filter(|c| c.error.is_empty() && MUTATING.contains(&c.method.as_str()))

@@ -29,6 +29,15 @@ pub const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
 /// The Cube driver name the tests register.
 pub const DRIVER: &str = "fake";
 
+/// A loopback TCP port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// Whether the tests run in CI (`CI` set, as `CI=true bash .ci/run` does), where no test
 /// may skip itself.
 pub fn in_ci() -> bool {
