@@ -226,6 +226,64 @@ pub enum Output {
     Json,
 }
 
+/// `list` over the drivers of one file: one driver prints as it always has; several print
+/// one section each (text) or one object keyed by driver name (JSON).
+pub async fn list_drivers(
+    configs: &[Config],
+    controller: bool,
+    output: Output,
+) -> anyhow::Result<String> {
+    async fn one(config: &Config, controller: bool, output: Output) -> anyhow::Result<String> {
+        if controller {
+            list_controller(config, output).await
+        } else {
+            list(config, output).await
+        }
+    }
+    if let [config] = configs {
+        return one(config, controller, output).await;
+    }
+    let mut text = String::new();
+    let mut json = serde_json::Map::new();
+    for config in configs {
+        let listed = one(config, controller, output)
+            .await
+            .map_err(|e| e.context(format!("driver {}", config.driver)))?;
+        match output {
+            Output::Text => {
+                let _ = write!(text, "== driver {} ==\n{listed}", config.driver);
+            }
+            Output::Json => {
+                json.insert(config.driver.clone(), serde_json::from_str(&listed)?);
+            }
+        }
+    }
+    if output == Output::Json {
+        text = serde_json::to_string_pretty(&json)? + "\n";
+    }
+    Ok(text)
+}
+
+/// The socket unit for `cube-csi-bridge.service` serving every driver of one file: one
+/// listening socket per driver, passed to the daemon, which tells them apart by path.
+pub fn systemd_socket_unit(configs: &[Config]) -> String {
+    let mut out = String::from(
+        "# --- systemd, one daemon for every driver (cube-csi-bridge.service) ---\n\
+         # /etc/systemd/system/cube-csi-bridge.socket:\n\
+         [Unit]\n\
+         Description=cube-csi-bridge sockets for every driver of /etc/cube-csi-bridge/config.toml\n\n\
+         [Socket]\n",
+    );
+    for config in configs {
+        let _ = writeln!(out, "ListenStream={}", config.socket_path().display());
+    }
+    out.push_str(
+        "SocketMode=0660\nSocketUser=root\nSocketGroup=root\nDirectoryMode=0755\n\
+         RemoveOnStop=yes\n\n[Install]\nWantedBy=sockets.target\n",
+    );
+    out
+}
+
 /// This node's volumes: the node journal joined with the mount table.
 pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
     let journal = FileJournal::open(&config.state.journal_dir())?;

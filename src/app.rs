@@ -20,7 +20,7 @@ use crate::config::{Config, ControllerStoreKind, Roles};
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::k8s::record_key::SecretKeySource;
 use crate::k8s::{CubeVolumeStore, Kube, StorageClassSource};
-use crate::metrics::PrometheusRecorder;
+use crate::metrics::{DriverLabel, PrometheusRecorder};
 use crate::mount::HostDirs;
 use crate::store::{EmbeddedStore, FileJournal, FileKeySource, FileLocks};
 use crate::system::SystemClock;
@@ -102,9 +102,11 @@ pub fn open_sides(
 }
 
 fn shared(config: &Config) -> Result<Shared, BridgeError> {
-    let node_driver = Arc::new(GrpcDriver::new(CsiClient::new(&config.csi.endpoint)));
+    let label = DriverLabel::of(config);
+    let client = |endpoint| CsiClient::new(endpoint).labelled(label.clone());
+    let node_driver = Arc::new(GrpcDriver::new(client(&config.csi.endpoint)));
     let controller_driver: Arc<dyn ControllerDriver> = match &config.csi.controller_endpoint {
-        Some(endpoint) => Arc::new(GrpcDriver::new(CsiClient::new(endpoint))),
+        Some(endpoint) => Arc::new(GrpcDriver::new(client(endpoint))),
         None => node_driver.clone(),
     };
     let node_driver: Arc<dyn NodeDriver> = node_driver;
@@ -138,7 +140,7 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
         volume_settings,
         locks,
         clock: Arc::new(SystemClock),
-        recorder: Arc::new(PrometheusRecorder::new(config.metrics.volume_ids)),
+        recorder: Arc::new(PrometheusRecorder::new(config.metrics.volume_ids, label)),
         kube,
     })
 }

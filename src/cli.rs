@@ -34,7 +34,10 @@ const EXIT_CONFIG: u8 = 78;
         into CSI calls on an unmodified CSI driver.",
     after_help = "The config file of `serve`, `check`, `list`, `register` and `probe` is --config, else \
         $CUBE_CSI_BRIDGE_CONFIG, else /etc/cube-csi-bridge/<name>.toml when the executable is \
-        invoked as cube-csi-bridge-<name>, else /etc/cube-csi-bridge/config.toml."
+        invoked as cube-csi-bridge-<name> and that file exists, else \
+        /etc/cube-csi-bridge/config.toml. A file may list several drivers ([[drivers]]): `serve` \
+        serves them all, the other commands cover them all unless --driver names one, and a \
+        forked hook serves the one its executable name cube-csi-bridge-<driver> names."
 )]
 pub struct Cli {
     /// Log line format on stderr (filter with RUST_LOG, e.g. RUST_LOG=debug).
@@ -113,6 +116,9 @@ pub struct ConfigArg {
     /// The config file (TOML).
     #[arg(long, short = 'c', value_name = "PATH")]
     pub config: Option<PathBuf>,
+    /// In a config file listing several drivers: only this one (default: every driver).
+    #[arg(long, value_name = "NAME")]
+    pub driver: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -167,6 +173,10 @@ pub struct HookArgs {
     /// The config file (not passed by Cube; see the config lookup rule in --help).
     #[arg(long, short = 'c', value_name = "PATH")]
     pub config: Option<PathBuf>,
+    /// In a config file listing several drivers, the one this hook is for (not passed
+    /// by Cube: the executable's name cube-csi-bridge-<driver> picks it).
+    #[arg(long, value_name = "NAME")]
+    pub driver: Option<String>,
 }
 
 impl HookArgs {
@@ -269,13 +279,13 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         Command::Hook(hook) => run_hook(cli.log_format, hook, argv0.as_deref()),
         Command::Serve(arg) => {
             telemetry::init(cli.log_format, "info");
-            let config = match load_config(arg.config, argv0.as_deref()) {
+            let configs = match load_configs(arg, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
             let served = runtime.block_on(async {
-                let daemon = crate::transport::server::Daemon::open(config).await?;
+                let daemon = crate::transport::server::Daemon::open(configs).await?;
                 daemon
                     .run(crate::transport::server::shutdown_signal())
                     .await
@@ -302,29 +312,38 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         Command::Check(args) => {
             // Findings are printed; retry warnings would only repeat them.
             telemetry::init(cli.log_format, "error");
-            let config = match load_config(args.config.config, argv0.as_deref()) {
+            let configs = match load_configs(args.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
-            match runtime.block_on(crate::admin::check(config, Duration::from_secs(10))) {
-                Ok(findings) => {
-                    print!("{}", crate::admin::render_findings(&findings, args.output));
-                    if findings.iter().all(|f| f.ok) {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(EXIT_FAILURE)
+            let several = configs.len() > 1;
+            let mut all_ok = true;
+            for config in configs {
+                let driver = config.driver.clone();
+                match runtime.block_on(crate::admin::check(config, Duration::from_secs(10))) {
+                    Ok(findings) => {
+                        if several && args.output == crate::admin::Output::Text {
+                            println!("== driver {driver} ==");
+                        }
+                        print!("{}", crate::admin::render_findings(&findings, args.output));
+                        all_ok &= findings.iter().all(|f| f.ok);
+                    }
+                    Err(e) => {
+                        eprintln!("check of driver {driver} failed: {e:#}");
+                        all_ok = false;
                     }
                 }
-                Err(e) => {
-                    eprintln!("check failed: {e:#}");
-                    ExitCode::from(EXIT_FAILURE)
-                }
+            }
+            if all_ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_FAILURE)
             }
         }
         Command::Register(reg) => {
             telemetry::init(cli.log_format, "warn");
-            let config = match load_config(reg.config.config, argv0.as_deref()) {
+            let configs = match load_configs(reg.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
@@ -332,12 +351,17 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 .binary_path
                 .or_else(|| std::env::current_exe().ok())
                 .unwrap_or_else(|| PathBuf::from("/usr/local/bin/cube-csi-bridge"));
-            print!("{}", crate::admin::registration_snippets(&config, &binary));
+            for config in &configs {
+                print!("{}", crate::admin::registration_snippets(config, &binary));
+            }
+            if configs.first().is_some_and(|c| c.metrics.driver_label) {
+                print!("{}", crate::admin::systemd_socket_unit(&configs));
+            }
             ExitCode::SUCCESS
         }
         Command::Probe(args) => {
             telemetry::init(cli.log_format, "off");
-            let config = match load_config(args.config.config, argv0.as_deref()) {
+            let configs = match load_configs(args.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
@@ -346,13 +370,22 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 .build()
                 .expect("starting the async runtime");
             let timeout = Duration::from_secs(args.timeout);
-            let verdict = runtime.block_on(crate::probe::probe(&config, args.ready, timeout));
-            println!("{}", verdict.line);
-            ExitCode::from(if verdict.healthy { 0 } else { EXIT_FAILURE })
+            let several = configs.len() > 1;
+            let mut healthy = true;
+            for config in &configs {
+                let verdict = runtime.block_on(crate::probe::probe(config, args.ready, timeout));
+                if several {
+                    println!("{}: {}", config.driver, verdict.line);
+                } else {
+                    println!("{}", verdict.line);
+                }
+                healthy &= verdict.healthy;
+            }
+            ExitCode::from(if healthy { 0 } else { EXIT_FAILURE })
         }
         Command::List(args) => {
             telemetry::init(cli.log_format, "warn");
-            let config = match load_config(args.config.config, argv0.as_deref()) {
+            let configs = match load_configs(args.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
@@ -360,11 +393,11 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 .enable_all()
                 .build()
                 .expect("starting the async runtime");
-            let listed = if args.controller {
-                runtime.block_on(crate::admin::list_controller(&config, args.output))
-            } else {
-                runtime.block_on(crate::admin::list(&config, args.output))
-            };
+            let listed = runtime.block_on(crate::admin::list_drivers(
+                &configs,
+                args.controller,
+                args.output,
+            ));
             match listed {
                 Ok(text) => {
                     print!("{text}");
@@ -379,10 +412,35 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     }
 }
 
-fn load_config(flag: Option<PathBuf>, argv0: Option<&str>) -> Result<Config, ExitCode> {
+/// Where a command's config is and which of its drivers it is about: `--config` (every
+/// driver in it), else the lookup rule; `--driver` narrows either to one.
+fn locate_config(
+    flag: Option<PathBuf>,
+    driver: Option<String>,
+    argv0: Option<&str>,
+) -> config::Located {
     let env = std::env::var(config::CONFIG_ENV).ok();
-    let path = flag.unwrap_or_else(|| config::locate(env.as_deref(), argv0));
-    Config::load(&path).map_err(|e| {
+    let mut located = match flag {
+        Some(path) => config::Located {
+            path,
+            driver: config::DriverChoice::Any,
+        },
+        None => config::locate(env.as_deref(), argv0, |p| p.exists()),
+    };
+    if let Some(name) = driver {
+        located.driver = config::DriverChoice::Named(name);
+    }
+    located
+}
+
+/// The drivers a command is about (every driver of the file unless one is chosen).
+fn load_configs(arg: ConfigArg, argv0: Option<&str>) -> Result<Vec<Config>, ExitCode> {
+    let located = locate_config(arg.config, arg.driver, argv0);
+    let loaded = match &located.driver {
+        config::DriverChoice::Any => Config::load_all(&located.path),
+        choice => Config::load_driver(&located.path, choice).map(|c| vec![c]),
+    };
+    loaded.map_err(|e| {
         tracing::error!("{e}");
         eprintln!("{e}");
         ExitCode::from(EXIT_CONFIG)
@@ -398,12 +456,8 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
         Ok(r) => r,
         Err(message) => return finish_hook(HookOutput::failure(&message), EXIT_USAGE),
     };
-    let env = std::env::var(config::CONFIG_ENV).ok();
-    let path = hook
-        .config
-        .clone()
-        .unwrap_or_else(|| config::locate(env.as_deref(), argv0));
-    let config = match Config::load(&path) {
+    let located = locate_config(hook.config.clone(), hook.driver.clone(), argv0);
+    let config = match Config::load_driver(&located.path, &located.driver) {
         Ok(c) => c,
         Err(e) => return finish_hook(HookOutput::failure(&e.to_string()), EXIT_CONFIG),
     };

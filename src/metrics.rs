@@ -2,13 +2,15 @@
 //!
 //! Recording is always on (a few atomic operations); the endpoint is served only when
 //! `[metrics] listen` is set. Names follow Prometheus conventions: the
-//! `cube_csi_bridge_` prefix, base units (seconds, bytes) and `_total` counters.
+//! `cube_csi_bridge_` prefix, base units (seconds, bytes) and `_total` counters. A daemon
+//! serving the drivers of a file listing `[[drivers]]` adds a `driver` label to every
+//! series; a one-driver daemon's series carry none, as before.
 
 use std::net::SocketAddr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, LabelSetEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -37,22 +39,51 @@ struct VolumeLabels {
     volume_id: String,
 }
 
+/// The driver a series belongs to: none in a one-driver process, so its series keep the
+/// labels they always had.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DriverLabel(Option<Arc<str>>);
+
+impl DriverLabel {
+    /// The label `config`'s series carry (only a file listing `[[drivers]]` has one).
+    pub fn of(config: &crate::config::Config) -> Self {
+        Self(
+            config
+                .metrics
+                .driver_label
+                .then(|| Arc::from(config.driver.as_str())),
+        )
+    }
+}
+
+impl EncodeLabelSet for DriverLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        match &self.0 {
+            Some(driver) => [("driver", driver.as_ref())].as_slice().encode(encoder),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A series' own labels and its driver's.
+type Labeled<L> = (L, DriverLabel);
+
 /// Every metric of the process.
 pub struct Metrics {
     registry: Registry,
-    hook_calls: Family<HookLabels, Counter>,
-    hook_seconds: Family<HookLabels, Histogram>,
-    csi_seconds: Family<CsiLabels, Histogram>,
-    csi_retries: Family<CsiLabels, Counter>,
-    rollbacks: Family<HookLabels, Counter>,
-    reconcile_findings: Family<FindingLabels, Counter>,
-    sweep_findings: Family<FindingLabels, Counter>,
-    attached_volumes: Gauge,
-    holders: Gauge,
-    volume_capacity: Family<VolumeLabels, Gauge>,
-    volume_used: Family<VolumeLabels, Gauge>,
-    volume_available: Family<VolumeLabels, Gauge>,
-    volume_abnormal: Family<VolumeLabels, Gauge>,
+    hook_calls: Family<Labeled<HookLabels>, Counter>,
+    hook_seconds: Family<Labeled<HookLabels>, Histogram>,
+    csi_seconds: Family<Labeled<CsiLabels>, Histogram>,
+    csi_retries: Family<Labeled<CsiLabels>, Counter>,
+    rollbacks: Family<Labeled<HookLabels>, Counter>,
+    reconcile_findings: Family<Labeled<FindingLabels>, Counter>,
+    sweep_findings: Family<Labeled<FindingLabels>, Counter>,
+    attached_volumes: Family<DriverLabel, Gauge>,
+    holders: Family<DriverLabel, Gauge>,
+    volume_capacity: Family<Labeled<VolumeLabels>, Gauge>,
+    volume_used: Family<Labeled<VolumeLabels>, Gauge>,
+    volume_available: Family<Labeled<VolumeLabels>, Gauge>,
+    volume_abnormal: Family<Labeled<VolumeLabels>, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -63,86 +94,88 @@ fn latency_histogram() -> Histogram {
 impl Metrics {
     fn new() -> Self {
         let mut registry = Registry::with_prefix("cube_csi_bridge");
-        let hook_calls = Family::<HookLabels, Counter>::default();
+        let hook_calls = Family::<Labeled<HookLabels>, Counter>::default();
         registry.register(
             "hook_calls",
             "Cube hooks answered, by hook and outcome",
             hook_calls.clone(),
         );
-        let hook_seconds =
-            Family::<HookLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        let hook_seconds = Family::<Labeled<HookLabels>, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> _,
+        );
         registry.register_with_unit(
             "hook_duration",
             "Time to answer a Cube hook",
             Unit::Seconds,
             hook_seconds.clone(),
         );
-        let csi_seconds =
-            Family::<CsiLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        let csi_seconds = Family::<Labeled<CsiLabels>, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> _,
+        );
         registry.register_with_unit(
             "csi_call_duration",
             "Time of one CSI call attempt, by RPC and gRPC code",
             Unit::Seconds,
             csi_seconds.clone(),
         );
-        let csi_retries = Family::<CsiLabels, Counter>::default();
+        let csi_retries = Family::<Labeled<CsiLabels>, Counter>::default();
         registry.register(
             "csi_retries",
             "CSI calls retried after a non-final error, by RPC and the code that caused it",
             csi_retries.clone(),
         );
-        let rollbacks = Family::<HookLabels, Counter>::default();
+        let rollbacks = Family::<Labeled<HookLabels>, Counter>::default();
         registry.register(
             "rollbacks",
             "Partial work undone after a failed or abandoned hook, by hook and outcome",
             rollbacks.clone(),
         );
-        let reconcile_findings = Family::<FindingLabels, Counter>::default();
+        let reconcile_findings = Family::<Labeled<FindingLabels>, Counter>::default();
         registry.register(
             "reconcile_findings",
             "Volumes judged by node reconciliation, by finding",
             reconcile_findings.clone(),
         );
-        let sweep_findings = Family::<FindingLabels, Counter>::default();
+        let sweep_findings = Family::<Labeled<FindingLabels>, Counter>::default();
         registry.register(
             "sweep_findings",
             "Abandoned Creates judged by the controller sweep, by finding",
             sweep_findings.clone(),
         );
-        let attached_volumes = Gauge::default();
+        let attached_volumes = Family::<DriverLabel, Gauge>::default();
         registry.register(
             "attached_volumes",
             "Volumes attached on this node (node journal records)",
             attached_volumes.clone(),
         );
-        let holders = Gauge::default();
+        let holders = Family::<DriverLabel, Gauge>::default();
         registry.register(
             "volume_holders",
             "Sandboxes holding volumes on this node",
             holders.clone(),
         );
-        let volume_capacity = Family::<VolumeLabels, Gauge>::default();
+        let volume_capacity = Family::<Labeled<VolumeLabels>, Gauge>::default();
         registry.register_with_unit(
             "volume_capacity",
             "Capacity of an attached volume (NodeGetVolumeStats)",
             Unit::Bytes,
             volume_capacity.clone(),
         );
-        let volume_used = Family::<VolumeLabels, Gauge>::default();
+        let volume_used = Family::<Labeled<VolumeLabels>, Gauge>::default();
         registry.register_with_unit(
             "volume_used",
             "Used space of an attached volume (NodeGetVolumeStats)",
             Unit::Bytes,
             volume_used.clone(),
         );
-        let volume_available = Family::<VolumeLabels, Gauge>::default();
+        let volume_available = Family::<Labeled<VolumeLabels>, Gauge>::default();
         registry.register_with_unit(
             "volume_available",
             "Available space of an attached volume (NodeGetVolumeStats)",
             Unit::Bytes,
             volume_available.clone(),
         );
-        let volume_abnormal = Family::<VolumeLabels, Gauge>::default();
+        let volume_abnormal = Family::<Labeled<VolumeLabels>, Gauge>::default();
         registry.register(
             "volume_abnormal",
             "1 when the driver reports an attached volume's condition as abnormal",
@@ -174,8 +207,8 @@ pub fn metrics() -> &'static Metrics {
 }
 
 /// One answered hook; `outcome` is `success` or the kind of failure.
-pub fn hook(hook: &'static str, outcome: &'static str, elapsed: Duration) {
-    let labels = HookLabels { hook, outcome };
+pub fn hook(driver: &DriverLabel, hook: &'static str, outcome: &'static str, elapsed: Duration) {
+    let labels = (HookLabels { hook, outcome }, driver.clone());
     let m = metrics();
     m.hook_calls.get_or_create(&labels).inc();
     m.hook_seconds
@@ -184,85 +217,99 @@ pub fn hook(hook: &'static str, outcome: &'static str, elapsed: Duration) {
 }
 
 /// One CSI call attempt; `code` is the gRPC code name (`Ok` on success).
-pub fn csi_call(rpc: &'static str, code: &'static str, elapsed: Duration) {
+pub fn csi_call(driver: &DriverLabel, rpc: &'static str, code: &'static str, elapsed: Duration) {
     metrics()
         .csi_seconds
-        .get_or_create(&CsiLabels { rpc, code })
+        .get_or_create(&(CsiLabels { rpc, code }, driver.clone()))
         .observe(elapsed.as_secs_f64());
 }
 
-pub fn csi_retry(rpc: &'static str, code: &'static str) {
+pub fn csi_retry(driver: &DriverLabel, rpc: &'static str, code: &'static str) {
     metrics()
         .csi_retries
-        .get_or_create(&CsiLabels { rpc, code })
+        .get_or_create(&(CsiLabels { rpc, code }, driver.clone()))
         .inc();
 }
 
 /// A rollback of `hook`'s partial work; `outcome` is `undone` or `failed`.
-pub fn rollback(hook: &'static str, outcome: &'static str) {
+pub fn rollback(driver: &DriverLabel, hook: &'static str, outcome: &'static str) {
     metrics()
         .rollbacks
-        .get_or_create(&HookLabels { hook, outcome })
+        .get_or_create(&(HookLabels { hook, outcome }, driver.clone()))
         .inc();
 }
 
-pub fn reconcile_finding(finding: &'static str, count: usize) {
+pub fn reconcile_finding(driver: &DriverLabel, finding: &'static str, count: usize) {
     if count > 0 {
         metrics()
             .reconcile_findings
-            .get_or_create(&FindingLabels { finding })
+            .get_or_create(&(FindingLabels { finding }, driver.clone()))
             .inc_by(count as u64);
     }
 }
 
-pub fn sweep_finding(finding: &'static str, count: usize) {
+pub fn sweep_finding(driver: &DriverLabel, finding: &'static str, count: usize) {
     if count > 0 {
         metrics()
             .sweep_findings
-            .get_or_create(&FindingLabels { finding })
+            .get_or_create(&(FindingLabels { finding }, driver.clone()))
             .inc_by(count as u64);
     }
 }
 
 /// What the node journal holds now.
-pub fn node_inventory(attached_volumes: usize, holders: usize) {
+pub fn node_inventory(driver: &DriverLabel, attached_volumes: usize, holders: usize) {
     let m = metrics();
-    m.attached_volumes.set(attached_volumes as i64);
-    m.holders.set(holders as i64);
+    m.attached_volumes
+        .get_or_create(driver)
+        .set(attached_volumes as i64);
+    m.holders.get_or_create(driver).set(holders as i64);
 }
 
-/// Volumes whose stats gauges exist.
-fn volumes_with_stats() -> &'static std::sync::Mutex<std::collections::BTreeSet<String>> {
-    static KNOWN: OnceLock<std::sync::Mutex<std::collections::BTreeSet<String>>> = OnceLock::new();
+/// Volumes whose stats gauges exist, by driver and volume label.
+fn volumes_with_stats()
+-> &'static std::sync::Mutex<std::collections::BTreeSet<(DriverLabel, String)>> {
+    static KNOWN: OnceLock<std::sync::Mutex<std::collections::BTreeSet<(DriverLabel, String)>>> =
+        OnceLock::new();
     KNOWN.get_or_init(Default::default)
 }
 
-/// Drops the stats gauges of volumes not in `keep` (detached since the last refresh).
-pub fn forget_volumes_except(keep: &std::collections::BTreeSet<String>) {
+/// Drops the stats gauges of `driver`'s volumes not in `keep` (detached since the last
+/// refresh).
+pub fn forget_volumes_except(driver: &DriverLabel, keep: &std::collections::BTreeSet<String>) {
     let gone: Vec<String> = volumes_with_stats()
         .lock()
         .expect("poisoned")
-        .difference(keep)
-        .cloned()
+        .iter()
+        .filter(|(d, volume)| d == driver && !keep.contains(volume))
+        .map(|(_, volume)| volume.clone())
         .collect();
     for volume_id in gone {
-        volume_stats(&volume_id, None);
+        volume_stats(driver, &volume_id, None);
     }
 }
 
 /// One volume's stats, or `None` to forget a volume that is no longer attached.
-pub fn volume_stats(volume_id: &str, stats: Option<&crate::bridge::ports::VolumeStats>) {
+pub fn volume_stats(
+    driver: &DriverLabel,
+    volume_id: &str,
+    stats: Option<&crate::bridge::ports::VolumeStats>,
+) {
     {
         let mut known = volumes_with_stats().lock().expect("poisoned");
+        let key = (driver.clone(), volume_id.to_string());
         match stats {
-            Some(_) => known.insert(volume_id.to_string()),
-            None => known.remove(volume_id),
+            Some(_) => known.insert(key),
+            None => known.remove(&key),
         };
     }
     let m = metrics();
-    let labels = VolumeLabels {
-        volume_id: volume_id.to_string(),
-    };
+    let labels = (
+        VolumeLabels {
+            volume_id: volume_id.to_string(),
+        },
+        driver.clone(),
+    );
     let families = [
         &m.volume_capacity,
         &m.volume_used,
@@ -419,16 +466,17 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
-/// The core's `Recorder` port, recording into this process's registry, with volume ids
-/// labelled as `metrics.volume_ids` says.
-#[derive(Debug, Default, Clone, Copy)]
+/// The core's `Recorder` port, recording one driver's series into this process's
+/// registry, with volume ids labelled as `metrics.volume_ids` says.
+#[derive(Debug, Default, Clone)]
 pub struct PrometheusRecorder {
     volume_ids: crate::config::VolumeIdLabels,
+    driver: DriverLabel,
 }
 
 impl PrometheusRecorder {
-    pub fn new(volume_ids: crate::config::VolumeIdLabels) -> Self {
-        Self { volume_ids }
+    pub fn new(volume_ids: crate::config::VolumeIdLabels, driver: DriverLabel) -> Self {
+        Self { volume_ids, driver }
     }
 
     /// The label a volume's series carry; `None`: no per-volume series.
@@ -449,28 +497,28 @@ impl PrometheusRecorder {
 
 impl crate::bridge::ports::Recorder for PrometheusRecorder {
     fn hook(&self, hook_name: &'static str, outcome: &'static str, elapsed: Duration) {
-        hook(hook_name, outcome, elapsed);
+        hook(&self.driver, hook_name, outcome, elapsed);
     }
 
     fn rollback(&self, hook: &'static str, outcome: &'static str) {
-        rollback(hook, outcome);
+        rollback(&self.driver, hook, outcome);
     }
 
     fn reconcile_finding(&self, finding: &'static str, count: usize) {
-        reconcile_finding(finding, count);
+        reconcile_finding(&self.driver, finding, count);
     }
 
     fn sweep_finding(&self, finding: &'static str, count: usize) {
-        sweep_finding(finding, count);
+        sweep_finding(&self.driver, finding, count);
     }
 
     fn node_inventory(&self, attached_volumes: usize, holders: usize) {
-        node_inventory(attached_volumes, holders);
+        node_inventory(&self.driver, attached_volumes, holders);
     }
 
     fn volume_stats(&self, volume_id: &str, stats: Option<&crate::bridge::ports::VolumeStats>) {
         if let Some(label) = self.volume_label(volume_id) {
-            volume_stats(&label, stats);
+            volume_stats(&self.driver, &label, stats);
         }
     }
 
@@ -479,7 +527,7 @@ impl crate::bridge::ports::Recorder for PrometheusRecorder {
             .iter()
             .filter_map(|volume_id| self.volume_label(volume_id))
             .collect();
-        forget_volumes_except(&labels);
+        forget_volumes_except(&self.driver, &labels);
     }
 }
 
@@ -502,22 +550,25 @@ mod tests {
             Some(hashed),
             "stable"
         );
-        let plain = PrometheusRecorder::new(VolumeIdLabels::Plain);
+        let plain = PrometheusRecorder::new(VolumeIdLabels::Plain, DriverLabel::default());
         assert_eq!(plain.volume_label("v1").as_deref(), Some("v1"));
         assert_eq!(
-            PrometheusRecorder::new(VolumeIdLabels::None).volume_label("v1"),
+            PrometheusRecorder::new(VolumeIdLabels::None, DriverLabel::default())
+                .volume_label("v1"),
             None
         );
     }
 
     #[test]
     fn recorded_metrics_appear_with_their_conventional_names() {
-        hook("attach", "success", Duration::from_millis(2));
-        csi_call("NodePublishVolume", "Ok", Duration::from_millis(3));
-        csi_retry("NodePublishVolume", "Unavailable");
-        rollback("attach", "undone");
-        node_inventory(2, 3);
+        let none = DriverLabel::default();
+        hook(&none, "attach", "success", Duration::from_millis(2));
+        csi_call(&none, "NodePublishVolume", "Ok", Duration::from_millis(3));
+        csi_retry(&none, "NodePublishVolume", "Unavailable");
+        rollback(&none, "attach", "undone");
+        node_inventory(&none, 2, 3);
         volume_stats(
+            &none,
             "v1",
             Some(&crate::bridge::ports::VolumeStats {
                 total_bytes: Some(100),
@@ -539,7 +590,40 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }
-        volume_stats("v1", None);
+        volume_stats(&none, "v1", None);
         assert!(!encode().contains("volume_id=\"v1\""));
+    }
+
+    #[test]
+    fn a_named_driver_labels_its_series_apart_from_the_others() {
+        let (a, b) = (
+            DriverLabel(Some(Arc::from("drv-a"))),
+            DriverLabel(Some(Arc::from("drv-b"))),
+        );
+        hook(&a, "detach", "success", Duration::from_millis(1));
+        node_inventory(&a, 7, 9);
+        node_inventory(&b, 1, 1);
+        let stats = crate::bridge::ports::VolumeStats {
+            total_bytes: Some(5),
+            used_bytes: None,
+            available_bytes: None,
+            abnormal: None,
+        };
+        volume_stats(&a, "shared-id", Some(&stats));
+        volume_stats(&b, "shared-id", Some(&stats));
+        forget_volumes_except(&a, &Default::default());
+        let text = encode();
+        for needle in [
+            "cube_csi_bridge_hook_calls_total{hook=\"detach\",outcome=\"success\",driver=\"drv-a\"} 1",
+            "cube_csi_bridge_attached_volumes{driver=\"drv-a\"} 7",
+            "cube_csi_bridge_attached_volumes{driver=\"drv-b\"} 1",
+            "cube_csi_bridge_volume_capacity_bytes{volume_id=\"shared-id\",driver=\"drv-b\"} 5",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        assert!(
+            !text.contains("volume_id=\"shared-id\",driver=\"drv-a\""),
+            "forgetting a's volumes left b's alone and dropped a's:\n{text}"
+        );
     }
 }

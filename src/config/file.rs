@@ -28,8 +28,27 @@ pub(super) struct ConfigFile {
     pub kubernetes: KubernetesConfig,
     #[serde(default)]
     pub controller: ControllerFile,
+    /// Only in a one-driver file: a file listing `[[drivers]]` sets `[metrics]` once, at
+    /// its top level.
+    #[serde(default)]
+    pub metrics: Option<MetricsFile>,
+}
+
+/// A file that lists several drivers served by one daemon: `[[drivers]]` entries, each
+/// what a one-driver file holds (less `[metrics]`), and the process-wide `[metrics]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DriversFile {
+    pub drivers: Vec<ConfigFile>,
     #[serde(default)]
     pub metrics: MetricsFile,
+}
+
+/// Just enough of a file to tell its form: whether it lists `[[drivers]]`.
+#[derive(Debug, Deserialize)]
+pub(super) struct FileForm {
+    #[serde(default)]
+    pub drivers: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -1,11 +1,13 @@
 //! The bridge's config: the typed settings every other module reads.
 //!
-//! One file configures one bridge instance, which serves one Cube driver name backed by
-//! one CSI driver. The file (file.rs) is parsed into typed values here, every field
-//! checked with its name in the error, before anything is bound, mounted or written:
-//! endpoints are parsed endpoints, the mount view and the roles are enums, and every
-//! default is resolved, so nothing later can find an invalid value. Where the file is
-//! found is in locate.rs.
+//! A `Config` is one Cube driver name backed by one CSI driver. A file configures one
+//! driver (its tables at the top level), or several served by one daemon (a `[[drivers]]`
+//! list of such entries, and one `[metrics]` for the process). The file (file.rs) is parsed
+//! into typed values here, every field checked with its name in the error, before anything
+//! is bound, mounted or written: endpoints are parsed endpoints, the mount view and the
+//! roles are enums, and every default is resolved, so nothing later can find an invalid
+//! value. Where the file is found, and which of its drivers a forked hook serves, is in
+//! locate.rs.
 
 mod file;
 pub mod locate;
@@ -22,7 +24,9 @@ use serde::Deserialize;
 pub use crate::bridge::{AccessMode, Roles};
 use crate::csi::Endpoint;
 use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};
-pub use locate::{CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, EXECUTABLE_PREFIX, locate};
+pub use locate::{
+    CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, DriverChoice, EXECUTABLE_PREFIX, Located, locate,
+};
 
 /// Where Cube's node agent keeps plugin volumes when the request does not say.
 pub const DEFAULT_VOLUME_BASE_DIR: &str = "/data/cube-shared/volume";
@@ -45,12 +49,20 @@ pub enum ConfigError {
     /// The file's permissions let other users read its secrets or change it.
     #[error("config file {path}: {message}")]
     Insecure { path: PathBuf, message: String },
-    #[error("config file {path}: {field}: {message}")]
+    #[error(
+        "config file {path}: {}{field}: {message}",
+        .entry.as_deref().map(|e| format!("{e}: ")).unwrap_or_default()
+    )]
     Invalid {
         path: PathBuf,
+        /// In a file listing `[[drivers]]`: which entry (`drivers[1] (nfs)`).
+        entry: Option<String>,
         field: &'static str,
         message: String,
     },
+    /// The file's drivers, taken together, or the choice of one of them, do not work.
+    #[error("config file {path}: {message}")]
+    Drivers { path: PathBuf, message: String },
 }
 
 /// The whole, validated config.
@@ -351,6 +363,10 @@ pub struct MetricsSettings {
     pub volume_stats_interval: Option<Duration>,
     /// How the per-volume series name their volume.
     pub volume_ids: VolumeIdLabels,
+    /// Every series carries a `driver` label: the file lists `[[drivers]]`, so several
+    /// drivers share the process's endpoint. A one-driver file keeps its series as they
+    /// were.
+    pub driver_label: bool,
 }
 
 /// How the per-volume metrics series (`volume_id` label) name their volume: the endpoint
@@ -443,28 +459,80 @@ const DEFAULT_SWEEP_INTERVAL_SECS: u64 = 300;
 const MIN_ABANDONED_CREATE_SECS: u64 = 600;
 
 impl Config {
-    /// Reads, parses and validates a config file.
+    /// Reads, parses and validates a config file that configures one driver (or lists
+    /// exactly one); a file listing several needs `load_driver`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_driver(path, &DriverChoice::Any)
+    }
+
+    /// Reads a config file and takes the driver `choice` names from it.
+    pub fn load_driver(path: &Path, choice: &DriverChoice) -> Result<Self, ConfigError> {
+        choose(Self::load_all(path)?, choice, path)
+    }
+
+    /// Reads, parses and validates a config file: every driver it configures, in order.
+    pub fn load_all(path: &Path) -> Result<Vec<Self>, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
-        let config = Self::parse(&text, path)?;
-        locate::check_access(path, !config.secrets.is_empty(), &config.volume.mount_flags)
-            .map_err(|message| ConfigError::Insecure {
+        let configs = Self::parse_all(&text, path)?;
+        let holds_secrets = configs.iter().any(|c| !c.secrets.is_empty());
+        let mount_flags: Vec<String> = configs
+            .iter()
+            .flat_map(|c| c.volume.mount_flags.iter().cloned())
+            .collect();
+        locate::check_access(path, holds_secrets, &mount_flags).map_err(|message| {
+            ConfigError::Insecure {
                 path: path.to_path_buf(),
                 message,
-            })?;
-        Ok(config)
+            }
+        })?;
+        Ok(configs)
     }
 
-    /// Parses and validates config text; `path` only names it in errors.
+    /// Parses and validates the text of a one-driver config; `path` only names it in
+    /// errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let raw: file::ConfigFile = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        choose(Self::parse_all(text, path)?, &DriverChoice::Any, path)
+    }
+
+    /// Parses and validates config text of either form: every driver, in order.
+    pub fn parse_all(text: &str, path: &Path) -> Result<Vec<Self>, ConfigError> {
+        let parse_error = |e: toml::de::Error| ConfigError::Parse {
             path: path.to_path_buf(),
             message: describe_toml_error(text, &e),
+        };
+        let form: file::FileForm = toml::from_str(text).map_err(parse_error)?;
+        if form.drivers.is_none() {
+            let mut raw: file::ConfigFile = toml::from_str(text).map_err(parse_error)?;
+            let metrics = raw.metrics.take().unwrap_or_default();
+            let checker = Checker { path, entry: None };
+            let metrics = checker.metrics(metrics, false)?;
+            return Ok(vec![checker.config(raw, metrics)?]);
+        }
+        let raw: file::DriversFile = toml::from_str(text).map_err(parse_error)?;
+        let metrics = Checker { path, entry: None }.metrics(raw.metrics, true)?;
+        let mut configs = Vec::with_capacity(raw.drivers.len());
+        for (index, entry) in raw.drivers.into_iter().enumerate() {
+            let checker = Checker {
+                path,
+                entry: Some(format!("drivers[{index}] ({})", entry.driver)),
+            };
+            if entry.metrics.is_some() {
+                return Err(checker.invalid(
+                    "metrics",
+                    "is set once for the daemon, at the top level of a file listing \
+                     [[drivers]]; move it there",
+                ));
+            }
+            configs.push(checker.config(entry, metrics.clone())?);
+        }
+        check_apart(&configs).map_err(|message| ConfigError::Drivers {
+            path: path.to_path_buf(),
+            message,
         })?;
-        Checker { path }.config(raw)
+        Ok(configs)
     }
 
     /// Whether anything in this config needs the Kubernetes API.
@@ -494,21 +562,130 @@ impl Config {
     }
 }
 
+/// The driver `choice` names among `configs`, all read from `path`.
+fn choose(
+    mut configs: Vec<Config>,
+    choice: &DriverChoice,
+    path: &Path,
+) -> Result<Config, ConfigError> {
+    let names = || {
+        configs
+            .iter()
+            .map(|c| c.driver.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let listed = configs.first().is_some_and(|c| c.metrics.driver_label);
+    let wanted = match choice {
+        DriverChoice::Any => None,
+        DriverChoice::IfListed(name) => listed.then_some(name),
+        DriverChoice::Named(name) => Some(name),
+    };
+    let found = match wanted {
+        Some(name) => configs
+            .iter()
+            .position(|c| &c.driver == name)
+            .ok_or_else(|| {
+                format!(
+                    "has no driver {name:?} (it configures {}); name one of those with --driver, \
+                 or invoke the hook as cube-csi-bridge-<driver>",
+                    names()
+                )
+            }),
+        None if configs.len() == 1 => Ok(0),
+        None => Err(format!(
+            "configures several drivers ({}); name one with --driver, or invoke the hook as \
+             cube-csi-bridge-<driver>",
+            names()
+        )),
+    };
+    match found {
+        Ok(index) => Ok(configs.swap_remove(index)),
+        Err(message) => Err(ConfigError::Drivers {
+            path: path.to_path_buf(),
+            message,
+        }),
+    }
+}
+
+/// Refuses drivers of one file that would share what each must own alone: a name, a
+/// socket, a TCP port, state and lock dirs, a record-key Secret, or host_paths.
+fn check_apart(configs: &[Config]) -> Result<(), String> {
+    if configs.is_empty() {
+        return Err("[[drivers]] lists no driver".to_string());
+    }
+    for (i, a) in configs.iter().enumerate() {
+        for b in &configs[i + 1..] {
+            let (x, y) = (&a.driver, &b.driver);
+            let shared = [
+                (x == y, "a driver name"),
+                (a.serve.socket == b.serve.socket, "serve.socket"),
+                (
+                    a.serve.tcp.is_some() && a.serve.tcp == b.serve.tcp,
+                    "serve.tcp",
+                ),
+                (a.state.dir == b.state.dir, "state.dir"),
+                (a.state.lock_dir == b.state.lock_dir, "state.lock_dir"),
+                (
+                    a.state.controller_store == ControllerStoreKind::Kubernetes
+                        && b.state.controller_store == ControllerStoreKind::Kubernetes
+                        && a.record_key_secret() == b.record_key_secret(),
+                    "kubernetes.record_key_secret",
+                ),
+            ];
+            if let Some((_, what)) = shared.iter().find(|(same, _)| *same) {
+                return Err(format!(
+                    "drivers {x:?} and {y:?} share {what}; each driver needs its own"
+                ));
+            }
+            // host_path is <base>/<driver>-<volume_id>: driver "nfs" with volume "prod-x"
+            // and driver "nfs-prod" with volume "x" would meet on one directory.
+            let (short, long) = if x.len() <= y.len() { (x, y) } else { (y, x) };
+            let prefixed = long
+                .strip_prefix(short.as_str())
+                .is_some_and(|rest| rest.starts_with('-'));
+            let shared_base = a
+                .node
+                .allowed_base_dirs
+                .iter()
+                .find(|dir| b.node.allowed_base_dirs.contains(dir));
+            if let (true, Some(dir)) = (prefixed, shared_base) {
+                return Err(format!(
+                    "drivers {short:?} and {long:?} share the base dir {}, where their \
+                     host_paths can meet (<driver>-<volume_id>: {short:?} with volume \
+                     \"{}-x\" is {long:?} with volume \"x\"); rename one or give them \
+                     different node.allowed_base_dirs",
+                    dir.display(),
+                    &long[short.len() + 1..],
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Turns the file into typed settings, naming the field of the first problem.
 struct Checker<'a> {
     path: &'a Path,
+    /// Which `[[drivers]]` entry is checked, in a file listing several.
+    entry: Option<String>,
 }
 
 impl Checker<'_> {
     fn invalid(&self, field: &'static str, message: impl Into<String>) -> ConfigError {
         ConfigError::Invalid {
             path: self.path.to_path_buf(),
+            entry: self.entry.clone(),
             field,
             message: message.into(),
         }
     }
 
-    fn config(&self, raw: file::ConfigFile) -> Result<Config, ConfigError> {
+    fn config(
+        &self,
+        raw: file::ConfigFile,
+        metrics: MetricsSettings,
+    ) -> Result<Config, ConfigError> {
         let driver = raw.driver;
         let driver_ok = !driver.is_empty()
             && driver.len() <= 63
@@ -531,7 +708,6 @@ impl Checker<'_> {
         let node = self.node(raw.node)?;
         self.timeouts(&raw.timeouts)?;
         let controller = self.controller(raw.controller, &raw.timeouts)?;
-        let metrics = self.metrics(raw.metrics)?;
         let config = Config {
             driver,
             csi,
@@ -781,7 +957,11 @@ impl Checker<'_> {
         })
     }
 
-    fn metrics(&self, raw: file::MetricsFile) -> Result<MetricsSettings, ConfigError> {
+    fn metrics(
+        &self,
+        raw: file::MetricsFile,
+        driver_label: bool,
+    ) -> Result<MetricsSettings, ConfigError> {
         let listen = raw
             .listen
             .map(|addr| {
@@ -813,6 +993,7 @@ impl Checker<'_> {
             volume_stats_interval: (interval > 0 && listen.is_some())
                 .then(|| Duration::from_secs(interval)),
             volume_ids,
+            driver_label,
         })
     }
 
@@ -984,6 +1165,136 @@ endpoint = "unix:///run/csi/nfs.sock"
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(text, Path::new("/etc/test.toml"))
+    }
+
+    fn parse_all(text: &str) -> Result<Vec<Config>, ConfigError> {
+        Config::parse_all(text, Path::new("/etc/test.toml"))
+    }
+
+    const TWO_DRIVERS: &str = r#"
+[metrics]
+listen = "127.0.0.1:9810"
+
+[[drivers]]
+driver = "nfs"
+[drivers.csi]
+endpoint = "unix:///run/csi/nfs.sock"
+
+[[drivers]]
+driver = "local"
+[drivers.csi]
+endpoint = "unix:///run/csi/local.sock"
+[drivers.volume]
+access_mode = "single_node_writer"
+"#;
+
+    #[test]
+    fn a_file_listing_drivers_gives_each_its_own_defaults_and_the_shared_metrics() {
+        let configs = parse_all(TWO_DRIVERS).unwrap();
+        let names: Vec<_> = configs.iter().map(|c| c.driver.as_str()).collect();
+        assert_eq!(names, ["nfs", "local"]);
+        let (nfs, local) = (&configs[0], &configs[1]);
+        assert_eq!(nfs.serve.socket, Path::new("/run/cube-csi-bridge/nfs.sock"));
+        assert_eq!(
+            local.serve.socket,
+            Path::new("/run/cube-csi-bridge/local.sock")
+        );
+        assert_eq!(local.state.dir, Path::new("/var/lib/cube-csi-bridge/local"));
+        assert_ne!(nfs.volume.access_mode, local.volume.access_mode);
+        for config in &configs {
+            assert_eq!(
+                config.metrics.listen,
+                Some("127.0.0.1:9810".parse().unwrap())
+            );
+            assert!(config.metrics.driver_label, "listed drivers are labelled");
+        }
+        assert!(
+            !parse(MINIMAL).unwrap().metrics.driver_label,
+            "a one-driver file keeps its series unlabelled"
+        );
+    }
+
+    #[test]
+    fn one_driver_is_chosen_by_name_and_never_guessed() {
+        let path = Path::new("/etc/test.toml");
+        let all = || parse_all(TWO_DRIVERS).unwrap();
+        let named = |n: &str| DriverChoice::Named(n.into());
+        assert_eq!(
+            choose(all(), &named("local"), path).unwrap().driver,
+            "local"
+        );
+        assert_eq!(
+            choose(all(), &DriverChoice::IfListed("nfs".into()), path)
+                .unwrap()
+                .driver,
+            "nfs"
+        );
+        let several = choose(all(), &DriverChoice::Any, path).unwrap_err();
+        assert!(
+            several.to_string().contains("several drivers (nfs, local)"),
+            "{several}"
+        );
+        let unknown = choose(all(), &named("ceph"), path).unwrap_err();
+        assert!(
+            unknown.to_string().contains("no driver \"ceph\"")
+                && unknown.to_string().contains("nfs, local"),
+            "{unknown}"
+        );
+        // A one-driver file chosen by its own name serves that driver, whatever the
+        // executable is called; a file found by another driver's name is refused.
+        let one = || vec![parse(MINIMAL).unwrap()];
+        assert_eq!(
+            choose(one(), &DriverChoice::IfListed("other".into()), path)
+                .unwrap()
+                .driver,
+            "nfs"
+        );
+        assert!(choose(one(), &named("other"), path).is_err());
+        assert!(parse(TWO_DRIVERS).is_err(), "parse wants one driver");
+    }
+
+    #[test]
+    fn listed_drivers_must_not_share_what_each_owns() {
+        let with = |a: &str, b: &str| {
+            format!(
+                "[[drivers]]\ndriver = \"nfs\"\n[drivers.csi]\nendpoint = \"unix:///a.sock\"\n{a}\n\
+                 [[drivers]]\ndriver = \"nfs-prod\"\n[drivers.csi]\nendpoint = \"unix:///b.sock\"\n{b}\n"
+            )
+        };
+        let err = |text: String| parse_all(&text).unwrap_err().to_string();
+        let e = err(with("", ""));
+        assert!(
+            e.contains("\"nfs\" and \"nfs-prod\" share the base dir /data/cube-shared/volume")
+                && e.contains("\"prod-x\""),
+            "prefix names on one base dir can meet: {e}"
+        );
+        let apart = "[drivers.node]\ndefault_volume_base_dir = \"/data/prod\"";
+        assert!(
+            parse_all(&with("", apart)).is_ok(),
+            "apart on their base dirs"
+        );
+        let sock = "[drivers.serve]\nsocket = \"/run/x.sock\"";
+        let e = err(with(sock, &format!("{sock}\n{apart}")));
+        assert!(e.contains("share serve.socket"), "{e}");
+        let state = "[drivers.state]\ndir = \"/var/lib/x\"";
+        let e = err(with(state, &format!("{state}\n{apart}")));
+        assert!(e.contains("share state.dir"), "{e}");
+        let twice = TWO_DRIVERS.replace("driver = \"local\"", "driver = \"nfs\"");
+        assert!(err(twice).contains("share a driver name"));
+        assert!(err("drivers = []\n".into()).contains("lists no driver"));
+    }
+
+    #[test]
+    fn a_listed_drivers_error_names_its_entry_and_metrics_sit_at_the_top() {
+        let bad = TWO_DRIVERS.replace("unix:///run/csi/local.sock", "tcp://x");
+        let e = parse_all(&bad).unwrap_err().to_string();
+        assert!(e.contains("drivers[1] (local): csi.endpoint"), "{e}");
+        let nested = format!("{TWO_DRIVERS}[drivers.metrics]\nlisten = \"127.0.0.1:1\"\n");
+        let e = parse_all(&nested).unwrap_err().to_string();
+        assert!(
+            e.contains("drivers[1] (local): metrics") && e.contains("top level"),
+            "{e}"
+        );
     }
 
     #[test]

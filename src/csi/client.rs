@@ -51,6 +51,8 @@ const MIN_ATTEMPT_TIME: std::time::Duration = std::time::Duration::from_millis(5
 pub struct CsiClient {
     channel: Channel,
     endpoint: String,
+    /// The driver label of this client's call metrics.
+    metrics: crate::metrics::DriverLabel,
 }
 
 impl CsiClient {
@@ -61,7 +63,14 @@ impl CsiClient {
         Self {
             channel,
             endpoint: endpoint.to_string(),
+            metrics: crate::metrics::DriverLabel::default(),
         }
+    }
+
+    /// Records this client's calls under `driver` (a daemon serving several drivers).
+    pub fn labelled(mut self, driver: crate::metrics::DriverLabel) -> Self {
+        self.metrics = driver;
+        self
     }
 
     pub fn endpoint(&self) -> &str {
@@ -116,7 +125,7 @@ impl CsiClient {
                 request.set_timeout(remaining);
                 match tokio::time::timeout(remaining, send(self.channel.clone(), request)).await {
                     Ok(Ok(response)) => {
-                        crate::metrics::csi_call(name, "Ok", started.elapsed());
+                        crate::metrics::csi_call(&self.metrics, name, "Ok", started.elapsed());
                         tracing::debug!(
                             call = name,
                             attempts,
@@ -133,7 +142,7 @@ impl CsiClient {
                 }
             };
             let mut error = self.error(name, &status, attempts, redact);
-            crate::metrics::csi_call(name, error.status, started.elapsed());
+            crate::metrics::csi_call(&self.metrics, name, error.status, started.elapsed());
             if error.finality != Finality::Uncertain {
                 return Err(error);
             }
@@ -142,7 +151,7 @@ impl CsiClient {
                 error.gave_up_after = Some(deadline.elapsed());
                 return Err(error);
             }
-            crate::metrics::csi_retry(name, error.status);
+            crate::metrics::csi_retry(&self.metrics, name, error.status);
             tracing::warn!(
                 call = name,
                 code = ?status.code(),

@@ -71,7 +71,12 @@ pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError
     checked.map_err(|message| {
         let shown = crate::bridge::naming::short_volume_id(&volume_id);
         tracing::warn!(op = hook.as_str(), volume_id = %shown, %message, "rejected an invalid request");
-        crate::metrics::hook(hook.as_str(), "invalid_request", std::time::Duration::ZERO);
+        crate::metrics::hook(
+            &crate::metrics::DriverLabel::of(config),
+            hook.as_str(),
+            "invalid_request",
+            std::time::Duration::ZERO,
+        );
         HookError {
             hook,
             volume_id,

@@ -119,7 +119,7 @@ async fn lifecycle(dir: &Path) -> anyhow::Result<()> {
     let bridge_socket = config.socket_path().to_path_buf();
     let base_dir = config.node.default_volume_base_dir.clone();
     // Open returns once the socket is bound: calls can be made at once.
-    let daemon = crate::transport::server::Daemon::open(config).await?;
+    let daemon = crate::transport::server::Daemon::open(vec![config]).await?;
     let bridge = tokio::spawn(daemon.run(async {
         let _ = bridge_stopped.await;
     }));

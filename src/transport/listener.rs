@@ -57,9 +57,13 @@ pub struct SocketFile {
 }
 
 impl UnixSocket {
-    /// Takes the socket systemd passed (`LISTEN_FDS`/`LISTEN_PID`), if any, so calls
-    /// queue in the kernel while the daemon restarts instead of failing.
-    pub fn inherited(path: &Path) -> Result<Option<Self>, ListenError> {
+    /// Takes the socket systemd passed (`LISTEN_FDS`/`LISTEN_PID`) for `path`, if any, so
+    /// calls queue in the kernel while the daemon restarts instead of failing. A daemon
+    /// serving several drivers is passed one socket each and takes the one bound at its
+    /// path; a `sole` socket also takes the only one passed, wherever it is bound (the
+    /// socket unit, not the config, says where then). No descriptor is taken twice.
+    pub fn inherited(path: &Path, sole: bool) -> Result<Option<Self>, ListenError> {
+        static TAKEN: std::sync::Mutex<Vec<RawFd>> = std::sync::Mutex::new(Vec::new());
         let ours = std::env::var("LISTEN_PID")
             .ok()
             .and_then(|p| p.parse::<u32>().ok())
@@ -71,10 +75,28 @@ impl UnixSocket {
         if !ours || count < 1 {
             return Ok(None);
         }
-        // SAFETY: systemd hands this process the descriptor at SD_LISTEN_FDS_START and
-        // nothing else in the process owns it.
-        let std_listener =
-            unsafe { std::os::unix::net::UnixListener::from_raw_fd(SD_LISTEN_FDS_START) };
+        let mut taken = TAKEN.lock().expect("poisoned");
+        let fds = SD_LISTEN_FDS_START..SD_LISTEN_FDS_START + count;
+        let bound_at = |fd: RawFd| {
+            nix::sys::socket::getsockname::<nix::sys::socket::UnixAddr>(fd)
+                .ok()
+                .and_then(|addr| addr.path().map(Path::to_path_buf))
+        };
+        let chosen = fds
+            .clone()
+            .find(|fd| !taken.contains(fd) && bound_at(*fd).as_deref() == Some(path))
+            .or_else(|| {
+                (sole && count == 1 && !taken.contains(&SD_LISTEN_FDS_START))
+                    .then_some(SD_LISTEN_FDS_START)
+            });
+        let Some(fd) = chosen else {
+            return Ok(None);
+        };
+        taken.push(fd);
+        // SAFETY: systemd hands this process the descriptor `fd` among its listen fds,
+        // nothing else in the process owns it, and `TAKEN` makes sure it is wrapped once.
+        let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+        drop(taken);
         // Children (the namespace reader) must not inherit the listener; LISTEN_PID names
         // this process only, so they would not take it anyway.
         nix::fcntl::fcntl(
@@ -86,7 +108,14 @@ impl UnixSocket {
             .set_nonblocking(true)
             .map_err(io("inherited socket"))?;
         let listener = UnixListener::from_std(std_listener).map_err(io("inherited socket"))?;
-        tracing::info!(socket = %path.display(), "serving on the socket systemd passed");
+        match bound_at(fd) {
+            Some(bound) if bound != path => tracing::info!(
+                socket = %bound.display(),
+                config = %path.display(),
+                "serving on the socket systemd passed (bound where its socket unit says, not at serve.socket)"
+            ),
+            _ => tracing::info!(socket = %path.display(), "serving on the socket systemd passed"),
+        }
         Ok(Some(Self {
             listener,
             file: SocketFile {

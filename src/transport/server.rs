@@ -1,6 +1,8 @@
-//! The `serve` daemon, in two steps: `Daemon::open` (config → bridge, driver checked,
-//! listeners bound; errors typed) and `Daemon::run` (serve until shutdown, then refuse new
-//! hooks and let in-flight ones finish within the grace period).
+//! The `serve` daemon, in two steps: `Daemon::open` (each configured driver's config →
+//! its bridge, driver checked, listeners bound; errors typed) and `Daemon::run` (serve
+//! every driver on its own socket until shutdown, then refuse new hooks and let in-flight
+//! ones finish within the grace period). Drivers share nothing but the process, its
+//! metrics endpoint and its shutdown.
 
 use std::future::Future;
 use std::os::unix::fs::MetadataExt;
@@ -10,6 +12,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
+use tracing::Instrument;
 
 use super::authority_filter::fix_incoming;
 use super::listener::{Incoming, ListenError, PeerPolicy, UnixSocket};
@@ -50,29 +53,222 @@ impl ServeError {
     }
 }
 
-/// An opened daemon: the bridge and its bound listeners, not yet serving.
-pub struct Daemon {
+/// One driver's part of the daemon: its sides of the core and its listeners.
+struct Instance {
     config: Arc<Config>,
     bridge: Arc<Bridge>,
     unix: UnixSocket,
     tcp: Option<TcpListener>,
-    metrics: Option<TcpListener>,
     policy: PeerPolicy,
+}
+
+/// An opened daemon: one instance per configured driver, and the metrics listener they
+/// share; not yet serving.
+pub struct Daemon {
+    instances: Vec<Instance>,
+    metrics: Option<TcpListener>,
     grace: Duration,
 }
 
 impl Daemon {
-    /// Opens the bridge for the configured roles, checks the driver, and binds (or takes
-    /// from systemd) the listeners. When this returns, calls can be made.
-    pub async fn open(config: Config) -> Result<Self, ServeError> {
+    /// Opens every driver's instance (each its bridge for the configured roles, its driver
+    /// checked, its listeners bound or taken from systemd) and the metrics endpoint. When
+    /// this returns, calls can be made on every socket. The drivers' start-up checks run at
+    /// once, so a slow driver delays the others by its own check at most.
+    pub async fn open(configs: Vec<Config>) -> Result<Self, ServeError> {
         raise_open_file_limit();
+        let Some(first) = configs.first() else {
+            return Err(ServeError::Misconfigured(BridgeError::Unavailable(
+                "the config names no driver".into(),
+            )));
+        };
+        let metrics_addr = first.metrics.listen;
+        let grace = configs
+            .iter()
+            .map(|c| c.serve.shutdown_grace)
+            .max()
+            .unwrap_or_default();
+        let sole = configs.len() == 1;
+        let mut opening = tokio::task::JoinSet::new();
+        for (index, config) in configs.into_iter().enumerate() {
+            let span = instance_span(&config, sole);
+            opening
+                .spawn(async move { (index, Instance::open(config, sole).await) }.instrument(span));
+        }
+        let mut opened = Vec::new();
+        while let Some(joined) = opening.join_next().await {
+            let (index, instance) = joined.expect("opening an instance panicked");
+            opened.push((index, instance?));
+        }
+        opened.sort_by_key(|(index, _)| *index);
+        let instances = opened.into_iter().map(|(_, instance)| instance).collect();
+        let metrics = match metrics_addr {
+            Some(addr) => {
+                let listener =
+                    crate::metrics::bind(addr)
+                        .await
+                        .map_err(|source| ListenError::Io {
+                            context: format!("binding the metrics endpoint {addr}"),
+                            source,
+                        })?;
+                tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+                Some(listener)
+            }
+            None => None,
+        };
+        Ok(Self {
+            instances,
+            metrics,
+            grace,
+        })
+    }
+
+    /// Serves until `shutdown` resolves, then drains within the grace period.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+        let Daemon {
+            instances,
+            metrics,
+            grace,
+        } = self;
+        let sole = instances.len() == 1;
+        let metrics = metrics
+            .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
+        let hooks = TaskTracker::new();
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut background = Vec::new();
+        let mut healths = Vec::new();
+        let mut socket_files = Vec::new();
+        let mut servers = tokio::task::JoinSet::new();
+        for instance in instances {
+            let span = instance_span(&instance.config, sole);
+            let _entered = span.enter();
+            let Instance {
+                config,
+                bridge,
+                unix,
+                tcp,
+                policy,
+            } = instance;
+            let roles = config.serve.roles;
+            background.push(spawn_housekeeping(bridge.clone(), &config));
+            // The inventory gauges whenever metrics are served; the driver's volume stats
+            // only when asked for.
+            if let (Ok(node), true) = (&bridge.node, config.metrics.listen.is_some()) {
+                let stats_every = config.metrics.volume_stats_interval;
+                background.push(tokio::spawn(
+                    poll_volume_metrics(node.clone(), stats_every).in_current_span(),
+                ));
+            }
+            let health =
+                super::health::DaemonHealth::start(&config, roles, bridge.down_roles(roles));
+            let router = || {
+                let service = CubeService::new(bridge.clone(), config.clone(), hooks.clone());
+                let controller = roles
+                    .controller
+                    .then(|| VolumeControllerServiceServer::new(service.clone()));
+                let node = roles.node.then(|| VolumePluginServiceServer::new(service));
+                Server::builder()
+                    .add_service(health.service())
+                    .add_optional_service(controller)
+                    .add_optional_service(node)
+            };
+            let stopped = || {
+                let mut rx = stop_rx.clone();
+                async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                }
+            };
+            let UnixSocket { listener, file } = unix;
+            // grpc-core and grpc-java clients send the socket path as :authority, which h2
+            // refuses; the shim rewrites it to what grpc-go sends (see
+            // transport/authority_filter.rs).
+            servers.spawn(
+                router()
+                    .serve_with_incoming_shutdown(
+                        fix_incoming(Incoming::new(listener, policy.clone())),
+                        stopped(),
+                    )
+                    .in_current_span(),
+            );
+            if let Some(listener) = tcp {
+                servers.spawn(
+                    router()
+                        .serve_with_incoming_shutdown(Incoming::new(listener, policy), stopped())
+                        .in_current_span(),
+                );
+            }
+            healths.push(health);
+            socket_files.push(file);
+        }
+        // Servers end only on shutdown, or with an error.
+        let serving = async {
+            while let Some(joined) = servers.join_next().await {
+                joined.expect("a server task panicked")?;
+            }
+            Ok::<(), tonic::transport::Error>(())
+        };
+        let result = {
+            tokio::pin!(serving);
+            tokio::select! {
+                result = &mut serving => result.map_err(ServeError::from),
+                () = shutdown => {
+                    tracing::info!(grace_secs = grace.as_secs(), "shutting down: refusing new hooks, finishing in-flight ones");
+                    let _ = stop_tx.send(true);
+                    // Now, while our listeners still hold the sockets' inodes (so no
+                    // successor's socket can have the same one): after the drain a
+                    // successor may have bound the paths.
+                    for file in &socket_files {
+                        file.remove_if_ours();
+                    }
+                    let drained = async {
+                        let served = (&mut serving).await;
+                        // Hooks whose callers already left still run to the end (or to
+                        // their rollback).
+                        hooks.close();
+                        hooks.wait().await;
+                        served
+                    };
+                    match tokio::time::timeout(grace, drained).await {
+                        Ok(result) => result.map_err(ServeError::from),
+                        Err(_) => {
+                            tracing::warn!("in-flight hooks did not finish within the grace period; exiting anyway");
+                            Ok(())
+                        }
+                    }
+                }
+            }
+        };
+        for task in background.into_iter().chain(metrics) {
+            task.abort();
+        }
+        drop(healths);
+        for file in &socket_files {
+            file.remove_if_ours();
+            tracing::info!(socket = %file.path.display(), "stopped");
+        }
+        result
+    }
+}
+
+/// The span an instance's work runs in: named by its driver when the daemon serves
+/// several (a one-driver daemon's log lines stay as they were).
+fn instance_span(config: &Config, sole: bool) -> tracing::Span {
+    if sole {
+        tracing::Span::none()
+    } else {
+        tracing::info_span!("driver", name = %config.driver)
+    }
+}
+
+impl Instance {
+    /// Opens the bridge for the configured roles, checks the driver, and binds (or takes
+    /// from systemd) the instance's listeners.
+    async fn open(config: Config, sole: bool) -> Result<Self, ServeError> {
         let roles = config.serve.roles;
-        let grace = config.serve.shutdown_grace;
         let policy = PeerPolicy::new(config.serve.allowed_uids.clone());
         let socket_path = config.socket_path().to_path_buf();
         let socket_gid = config.serve.socket_gid;
         let tcp_addr = config.serve.tcp;
-        let metrics_addr = config.metrics.listen;
         let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
         let config = Arc::new(config);
         // Each served role opens on its own: a controller store that cannot be opened must
@@ -92,7 +288,7 @@ impl Daemon {
             .check(&Deadline::after(STARTUP_CHECK_BUDGET))
             .await
             .map_err(ServeError::Misconfigured)?;
-        let unix = match UnixSocket::inherited(&socket_path)? {
+        let unix = match UnixSocket::inherited(&socket_path, sole)? {
             Some(inherited) => {
                 // systemd made the socket: its owner and mode are the socket unit's.
                 let gid = std::fs::metadata(&socket_path).map(|m| m.gid()).ok();
@@ -123,132 +319,14 @@ impl Daemon {
             }
             None => None,
         };
-        let metrics = match metrics_addr {
-            Some(addr) => {
-                let listener =
-                    crate::metrics::bind(addr)
-                        .await
-                        .map_err(|source| ListenError::Io {
-                            context: format!("binding the metrics endpoint {addr}"),
-                            source,
-                        })?;
-                tracing::info!(%addr, "serving Prometheus metrics at /metrics");
-                Some(listener)
-            }
-            None => None,
-        };
         tracing::info!(socket = %socket_path.display(), roles = roles.as_str(), "serving Cube hooks");
         Ok(Self {
             config,
             bridge: Arc::new(bridge),
             unix,
             tcp,
-            metrics,
             policy,
-            grace,
         })
-    }
-
-    /// Serves until `shutdown` resolves, then drains within the grace period.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
-        let Daemon {
-            config,
-            bridge,
-            unix,
-            tcp,
-            metrics,
-            policy,
-            grace,
-        } = self;
-        let roles = config.serve.roles;
-        let housekeeping = spawn_housekeeping(bridge.clone(), &config);
-        let metrics = metrics
-            .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
-        // The inventory gauges whenever metrics are served; the driver's volume stats only
-        // when asked for.
-        let inventory = bridge
-            .node
-            .clone()
-            .ok()
-            .filter(|_| config.metrics.listen.is_some())
-            .map(|node| {
-                let stats_every = config.metrics.volume_stats_interval;
-                tokio::spawn(poll_volume_metrics(node, stats_every))
-            });
-
-        let health = super::health::DaemonHealth::start(&config, roles, bridge.down_roles(roles));
-        let hooks = TaskTracker::new();
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let stopped = move || {
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|stop| *stop).await;
-            }
-        };
-        let router = || {
-            let service = CubeService::new(bridge.clone(), config.clone(), hooks.clone());
-            let controller = roles
-                .controller
-                .then(|| VolumeControllerServiceServer::new(service.clone()));
-            let node = roles.node.then(|| VolumePluginServiceServer::new(service));
-            Server::builder()
-                .add_service(health.service())
-                .add_optional_service(controller)
-                .add_optional_service(node)
-        };
-        let UnixSocket { listener, file } = unix;
-        // grpc-core and grpc-java clients send the socket path as :authority, which h2
-        // refuses; the shim rewrites it to what grpc-go sends (see transport/authority_filter.rs).
-        let unix_server = router().serve_with_incoming_shutdown(
-            fix_incoming(Incoming::new(listener, policy.clone())),
-            stopped(),
-        );
-        let tcp_server = async {
-            match tcp {
-                Some(listener) => {
-                    router()
-                        .serve_with_incoming_shutdown(Incoming::new(listener, policy), stopped())
-                        .await
-                }
-                None => Ok(()),
-            }
-        };
-        let servers = async { tokio::try_join!(unix_server, tcp_server).map(|_| ()) };
-        tokio::pin!(servers);
-
-        let result = tokio::select! {
-            result = &mut servers => result.map_err(ServeError::from),
-            () = shutdown => {
-                tracing::info!(grace_secs = grace.as_secs(), "shutting down: refusing new hooks, finishing in-flight ones");
-                let _ = stop_tx.send(true);
-                // Now, while our listener still holds the socket's inode (so no successor's
-                // socket can have the same one): after the drain a successor may have bound
-                // the path.
-                file.remove_if_ours();
-                let drained = async {
-                    let served = (&mut servers).await;
-                    // Hooks whose callers already left still run to the end (or to
-                    // their rollback).
-                    hooks.close();
-                    hooks.wait().await;
-                    served
-                };
-                match tokio::time::timeout(grace, drained).await {
-                    Ok(result) => result.map_err(ServeError::from),
-                    Err(_) => {
-                        tracing::warn!("in-flight hooks did not finish within the grace period; exiting anyway");
-                        Ok(())
-                    }
-                }
-            }
-        };
-        housekeeping.abort();
-        for task in metrics.into_iter().chain(inventory) {
-            task.abort();
-        }
-        file.remove_if_ours();
-        tracing::info!(socket = %file.path.display(), "stopped");
-        result
     }
 }
 
@@ -304,7 +382,7 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, config: &Config) -> tokio::task::Join
                 }
             }
         }
-    })
+    }.in_current_span())
 }
 
 /// How often the inventory gauges are refreshed when volume stats are not polled.
