@@ -264,23 +264,26 @@ pub async fn list_drivers(
     Ok(text)
 }
 
-/// The socket unit for `cube-csi-bridge.service` serving every driver of one file: one
-/// listening socket per driver, passed to the daemon, which tells them apart by path.
-pub fn systemd_socket_unit(configs: &[Config]) -> String {
-    let mut out = String::from(
-        "# --- systemd, one daemon for every driver (cube-csi-bridge.service) ---\n\
-         # /etc/systemd/system/cube-csi-bridge.socket:\n\
-         [Unit]\n\
-         Description=cube-csi-bridge sockets for every driver of /etc/cube-csi-bridge/config.toml\n\n\
-         [Socket]\n",
+/// For a file listing several drivers: the systemd drop-in that makes the template
+/// socket unit of the file's instance (`cube-csi-bridge@<file stem>`, whose service reads
+/// `/etc/cube-csi-bridge/<file stem>.toml`) listen on every driver's socket. The daemon
+/// tells the passed sockets apart by the path each is bound at.
+pub fn systemd_socket_drop_in(configs: &[Config]) -> String {
+    let instance = configs
+        .first()
+        .and_then(|c| c.source.file_stem())
+        .map_or_else(|| "config".into(), |s| s.to_string_lossy().into_owned());
+    let mut out = format!(
+        "# --- systemd: one daemon for every driver of this file ---\n\
+         # The instance is named after the file: cube-csi-bridge@{instance}.service serves\n\
+         # /etc/cube-csi-bridge/{instance}.toml. Its socket unit listens on every driver's socket\n\
+         # with this drop-in, /etc/systemd/system/cube-csi-bridge@{instance}.socket.d/drivers.conf:\n\
+         [Socket]\n\
+         ListenStream=\n"
     );
     for config in configs {
         let _ = writeln!(out, "ListenStream={}", config.socket_path().display());
     }
-    out.push_str(
-        "SocketMode=0660\nSocketUser=root\nSocketGroup=root\nDirectoryMode=0755\n\
-         RemoveOnStop=yes\n\n[Install]\nWantedBy=sockets.target\n",
-    );
     out
 }
 

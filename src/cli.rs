@@ -343,6 +343,8 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         }
         Command::Register(reg) => {
             telemetry::init(cli.log_format, "warn");
+            // One driver of several gets no socket drop-in: that lists every driver's.
+            let narrowed = reg.config.driver.is_some();
             let configs = match load_configs(reg.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
@@ -354,8 +356,8 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             for config in &configs {
                 print!("{}", crate::admin::registration_snippets(config, &binary));
             }
-            if configs.first().is_some_and(|c| c.metrics.driver_label) {
-                print!("{}", crate::admin::systemd_socket_unit(&configs));
+            if !narrowed && configs.first().is_some_and(|c| c.metrics.driver_label) {
+                print!("{}", crate::admin::systemd_socket_drop_in(&configs));
             }
             ExitCode::SUCCESS
         }

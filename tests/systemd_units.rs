@@ -341,3 +341,70 @@ fn the_units_agree_with_the_bridge_defaults() {
         "the bridge is ordered after csi-<driver>.service"
     );
 }
+
+#[test]
+fn one_template_instance_serves_every_driver_of_a_file_with_the_printed_drop_in() {
+    let Some(analyze) = systemd_analyze() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nfsplugin = stand_in(dir.path(), "nfsplugin");
+    let binaries = BTreeMap::from([
+        ("/usr/local/bin/cube-csi-bridge", PathBuf::from(BRIDGE)),
+        ("/usr/local/bin/nfsplugin", nfsplugin),
+    ]);
+    copy_units(dir.path(), &binaries);
+    // A file listing two drivers, as /etc/cube-csi-bridge/config.toml would.
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "[[drivers]]\ndriver = \"nfs\"\n[drivers.csi]\nendpoint = \"unix:///run/csi/nfs.sock\"\n\
+         [[drivers]]\ndriver = \"local\"\n[drivers.csi]\nendpoint = \"unix:///run/csi/local.sock\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BRIDGE)
+        .args(["register", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{printed}");
+    let drop_in_at = printed
+        .find("cube-csi-bridge@config.socket.d/drivers.conf:")
+        .unwrap_or_else(|| panic!("register prints the socket drop-in:\n{printed}"));
+    let drop_in: String = printed[drop_in_at..]
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let listen: Vec<(String, String)> = settings(&drop_in)
+        .into_iter()
+        .filter(|(k, _)| k == "ListenStream")
+        .collect();
+    let expected: Vec<(String, String)> = [
+        "",
+        "/run/cube-csi-bridge/nfs.sock",
+        "/run/cube-csi-bridge/local.sock",
+    ]
+    .iter()
+    .map(|v| ("ListenStream".to_string(), v.to_string()))
+    .collect();
+    assert_eq!(
+        listen, expected,
+        "reset, then one socket per driver:\n{drop_in}"
+    );
+    let drop_in_dir = dir.path().join("cube-csi-bridge@config.socket.d");
+    std::fs::create_dir(&drop_in_dir).unwrap();
+    std::fs::write(drop_in_dir.join("drivers.conf"), &drop_in).unwrap();
+    let units = [
+        "cube-csi-bridge@config.service".to_string(),
+        "cube-csi-bridge@config.socket".to_string(),
+    ];
+    let (success, concerns, all) = verify(&analyze, dir.path(), &units);
+    assert!(
+        success && concerns.is_empty(),
+        "systemd-analyze verify {units:?} found problems:\n{}\n(full output:\n{all})",
+        concerns.join("\n")
+    );
+}
