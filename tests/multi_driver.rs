@@ -22,7 +22,8 @@ const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
 const WAIT: Duration = Duration::from_secs(20);
 
 /// The two drivers of the file: (Cube driver name, fake capabilities).
-const DRIVERS: [(&str, fn() -> Caps); 2] = [("alpha", Caps::staging), ("beta", Caps::all_steps)];
+type DriverSpec = (&'static str, fn() -> Caps);
+const DRIVERS: [DriverSpec; 2] = [("alpha", Caps::staging), ("beta", Caps::all_steps)];
 
 struct Host {
     dir: tempfile::TempDir,
