@@ -1086,7 +1086,7 @@ async fn grpc_messages_at_the_4_mib_limit_are_refused_cleanly() {
 }
 
 /// Configs that are missing, broken (with a secret on the broken line), or that others can
-/// read (with secrets in it) or write: the hook answers a clear error with exit code 78,
+/// read (with secrets in it) or write (anyone, or the file's group): the hook answers a clear error with exit code 78,
 /// the daemon refuses to start (78) and binds no socket; neither creates anything.
 #[tokio::test(flavor = "multi_thread")]
 async fn broken_missing_and_exposed_configs_are_refused_before_anything() {
@@ -1129,6 +1129,12 @@ async fn broken_missing_and_exposed_configs_are_refused_before_anything() {
             Some(good.clone()),
             0o666,
             "any user can write it",
+        ),
+        (
+            "writable by its group",
+            Some(with_secrets.clone()),
+            0o660,
+            "chmod go-w",
         ),
     ];
     let before = snapshot(w.dir.path());

@@ -91,7 +91,6 @@ pub(super) fn check_access(
     let Ok(real) = std::fs::canonicalize(path) else {
         return Ok(());
     };
-    check_owners(path, &real, nix::unistd::geteuid().as_raw())?;
     let Ok(meta) = std::fs::metadata(&real) else {
         return Ok(());
     };
@@ -112,6 +111,7 @@ pub(super) fn check_access(
              chmod 600 it"
         ));
     }
+    check_owners(path, &real, nix::unistd::geteuid().as_raw())?;
     if (holds_secrets || !mount_flags.is_empty()) && mode & 0o044 != 0 {
         tracing::warn!(
             path = %path.display(),
