@@ -985,7 +985,7 @@ impl NodeSide {
 
     /// Checks `paths` (under `base`) just before the driver gets them: each a real
     /// directory or missing, reached without a symlink.
-    async fn verify(
+    pub(crate) async fn verify(
         &self,
         base: &Path,
         paths: &[&Path],
@@ -1073,7 +1073,7 @@ async fn path_exists(path: &Path) -> bool {
 }
 
 /// The base dir of a host_path (`<base>/<driver>-<volume>`).
-fn base_of(target: &Path) -> PathBuf {
+pub(crate) fn base_of(target: &Path) -> PathBuf {
     target.parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
