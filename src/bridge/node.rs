@@ -515,6 +515,9 @@ impl NodeSide {
                 Ok(fresh())
             }
             None => {
+                // A symlink below the base dir is named as such, not taken for a mount of
+                // another instance's that the mount check would find through it.
+                self.check_attach_paths(paths, deadline).await?;
                 self.refuse_foreign_mounts(paths, deadline).await?;
                 Ok(fresh())
             }

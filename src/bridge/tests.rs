@@ -1901,3 +1901,16 @@ async fn a_hot_attach_and_detach_check_no_path() {
     w.detach("v", "ns1", "s2", 1).await.unwrap();
     assert_eq!(w.fake.path_checks(), before);
 }
+
+/// A symlinked .staging is named as what it is, not taken for another instance's mount
+/// that the mount check sees through it.
+#[tokio::test]
+async fn a_symlink_below_the_base_is_named_before_a_mount_seen_through_it() {
+    let w = World::new(Fake::new(true, false));
+    let dot_staging = w.base().join(".staging");
+    w.fake.plant(dot_staging.clone());
+    w.fake.mounted.lock().unwrap().insert(w.staging("v"));
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &dot_staging);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+}
