@@ -42,7 +42,7 @@ const BASE_HINT: &str = "A volume base dir must be owned by root and not writabl
 const BELOW_HINT: &str = "Nothing under a volume base dir may be a symlink, and .staging is \
      the bridge's own: remove what is there (it was not made by the bridge) and retry";
 
-/// Opened without following, for walking: never read, so no permission or automount.
+/// Opened without following, for walking only: O_PATH needs no read permission.
 fn dir_flags() -> OFlag {
     OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
 }
@@ -144,6 +144,14 @@ enum Walk {
 impl HostDirs {
     /// Directories checked with `policy` for the base dir.
     pub fn new(policy: BaseDirPolicy) -> Self {
+        if let BaseDirPolicy::AnyOwner { reason } = &policy {
+            // Said once per process: the operator chose a weaker check and must see why.
+            tracing::warn!(
+                %reason,
+                "volume base dirs of any owner and mode are accepted; their owner can race \
+                 the checks of the paths under them"
+            );
+        }
         Self { policy }
     }
 
