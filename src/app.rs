@@ -185,7 +185,7 @@ fn open_node(
             journal: Arc::new(journal),
             settings: shared.volume_settings.clone(),
             mounts,
-            host_paths: Arc::new(HostDirs),
+            host_paths: Arc::new(HostDirs::default()),
             locks: shared.locks.clone(),
             recorder: shared.recorder.clone(),
             boot_id: shared.clock.boot_id(),

@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::ports::{DriverError, JournalError, SettingsError, StoreError};
+use super::ports::{DriverError, JournalError, PathError, SettingsError, StoreError};
 
 /// The four Cube hooks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -87,6 +87,10 @@ pub enum BridgeError {
     /// Reading the volume settings (a StorageClass or its Secrets) failed.
     #[error(transparent)]
     Settings(#[from] SettingsError),
+    /// A path under the volume base dir was refused (not what the bridge made, or a base
+    /// dir others can write), or could not be checked.
+    #[error(transparent)]
+    Path(#[from] PathError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -134,7 +138,8 @@ impl BridgeError {
             BridgeError::Store(_) => "store_error",
             BridgeError::Journal(_) => "journal_error",
             BridgeError::Settings(_) => "settings_error",
-            BridgeError::Io { .. } => "io_error",
+            BridgeError::Path(PathError::Refused { .. }) => "path_refused",
+            BridgeError::Path(PathError::Io { .. }) | BridgeError::Io { .. } => "io_error",
             BridgeError::RollbackFailed { .. } => "rollback_failed",
             BridgeError::CallerGone => "caller_gone",
             BridgeError::Unavailable(_) => "unavailable",

@@ -111,6 +111,12 @@ impl NodeSide {
             .take(MAX_STATS_VOLUMES)
         {
             let deadline = Deadline::after(STATS_CALL_BUDGET);
+            // The driver stats what the path leads to: never through a planted symlink.
+            let base = super::node::base_of(&volume.host_path);
+            if let Err(error) = self.verify(&base, &[&volume.host_path], &deadline).await {
+                tracing::warn!(volume_id = %volume.volume_id, %error, "volume stats skipped");
+                continue;
+            }
             match self
                 .driver
                 .node()

@@ -21,7 +21,8 @@ use super::handoff::{AttachMetadata, VolumeHandle};
 use super::naming::VolumePaths;
 use super::ports::{
     ControllerPublish, DriverError, HostPaths, JournalError, LockScope, MountCheck, NodeJournal,
-    Publish, Recorder, SecretUse, Secrets, Stage, Undone, Visibility, VolumeLocks, VolumeSettings,
+    PathError, Publish, Recorder, SecretUse, Secrets, Stage, Undone, Visibility, VolumeLocks,
+    VolumeSettings,
 };
 use super::records::{HOLDER_LOG_LIMIT, HolderChange, NodeRecord, Step};
 use super::{
@@ -387,6 +388,10 @@ impl NodeSide {
                 );
             }
 
+            // Paths that fail their check are refused before anything is recorded: a
+            // refused Attach changes nothing.
+            self.check_attach_paths(&paths, &deadline).await?;
+
             // This sandbox's holder is recorded only once the Attach has succeeded: an
             // Attach that dies half way was never answered, so nobody holds the volume
             // because of it, and reconciliation must undo it.
@@ -510,6 +515,9 @@ impl NodeSide {
                 Ok(fresh())
             }
             None => {
+                // A symlink below the base dir is named as such, not taken for a mount of
+                // another instance's that the mount check would find through it.
+                self.check_attach_paths(paths, deadline).await?;
                 self.refuse_foreign_mounts(paths, deadline).await?;
                 Ok(fresh())
             }
@@ -611,12 +619,13 @@ impl NodeSide {
         };
         let node_publish_secrets = self.settings.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();
-        let base = paths.target.parent().expect("target has a parent");
-        // Cubelet creates the base dir before Attach; do it too, for other callers. (A
-        // mkdir on the local base dir: here, without a hop to a blocking thread.)
-        self.host_paths
-            .ensure_base_dir(base)
-            .map_err(|e| BridgeError::io("volume base dir", e))?;
+        let base = base_of(&paths.target);
+        // Cubelet creates the base dir before Attach; do it too, for other callers
+        // (reconciliation comes here without Attach's check).
+        let host_paths = self.host_paths.clone();
+        let dir = base.clone();
+        self.on_paths(&base, deadline, move || host_paths.ensure_base_dir(&dir))
+            .await?;
 
         // One durable write before the first mutating call: every step this Attach makes is
         // recorded as uncertain at once (a step that never ran is undone by an idempotent
@@ -642,9 +651,20 @@ impl NodeSide {
         if plan.stage {
             // The CO creates the staging directory (CSI spec); the driver the target. Only
             // now that the record names it, so that a crash never strands it.
-            self.host_paths
-                .ensure_staging_dir(&paths.staging)
-                .map_err(|e| BridgeError::io("staging dir", e))?;
+            let host_paths = self.host_paths.clone();
+            let (dir, staging) = (base.clone(), paths.staging.clone());
+            let made = self
+                .on_paths(&paths.staging, deadline, move || {
+                    host_paths.ensure_staging_dir(&dir, &staging)
+                })
+                .await;
+            if let Err(error) = made {
+                // No call was made: rollback must not undo one (on a path it would refuse).
+                record.controller_publish = previous_controller_publish;
+                record.stage = previous_stage;
+                record.publish = previous_publish;
+                return Err(error);
+            }
         }
 
         if let Some(node_id) = controller_publish_node {
@@ -670,6 +690,13 @@ impl NodeSide {
 
         if plan.stage {
             check_caller(caller)?;
+            // Checked again just before the driver gets the path: it may have been swapped
+            // while ControllerPublish ran.
+            if let Err(error) = self.verify(&base, &[&paths.staging], deadline).await {
+                record.stage = previous_stage;
+                record.publish = previous_publish;
+                return Err(error);
+            }
             let call = Stage {
                 csi_volume_id: record.csi_volume_id.clone(),
                 staging_path: paths.staging.clone(),
@@ -686,6 +713,18 @@ impl NodeSide {
         }
 
         check_caller(caller)?;
+        let staged = record.staging_path.as_deref().filter(|_| plan.stage);
+        let checked = match staged {
+            Some(staging) => {
+                self.verify(&base, &[&paths.target, staging], deadline)
+                    .await
+            }
+            None => self.verify(&base, &[&paths.target], deadline).await,
+        };
+        if let Err(error) = checked {
+            record.publish = previous_publish;
+            return Err(error);
+        }
         let call = Publish {
             csi_volume_id: record.csi_volume_id.clone(),
             target_path: paths.target.clone(),
@@ -865,10 +904,15 @@ impl NodeSide {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         let target = record.target_path.clone();
+        let base = base_of(&target);
         if which.publish {
             if record.publish.needs_undo()
                 || self.visibility(&target, deadline).await? != Visibility::NotMounted
             {
+                // Never an unmount of a path that fails its check: the driver would unmount
+                // whatever a symlink there leads to. The volume stays pending, with the
+                // refusal as its error, until the path is repaired.
+                self.verify(&base, &[&target], deadline).await?;
                 faults::point(hook, When::Before, "NodeUnpublishVolume");
                 let reply = self
                     .driver
@@ -881,7 +925,7 @@ impl NodeSide {
                 record.publish = Step::Absent;
                 self.save(hook, record, false).await?;
             }
-            remove_dir(&self.host_paths, &target, true, deadline).await?;
+            remove_dir(&self.host_paths, &base, &target, true, deadline).await?;
         }
 
         if which.stage
@@ -890,6 +934,7 @@ impl NodeSide {
             if record.stage.needs_undo()
                 || self.visibility(&staging, deadline).await? == Visibility::Mounted
             {
+                self.verify(&base, &[&staging], deadline).await?;
                 faults::point(hook, When::Before, "NodeUnstageVolume");
                 let reply = self
                     .driver
@@ -902,10 +947,10 @@ impl NodeSide {
                 record.stage = Step::Absent;
                 self.save(hook, record, false).await?;
             }
-            remove_dir(&self.host_paths, &staging, true, deadline).await?;
+            remove_dir(&self.host_paths, &base, &staging, true, deadline).await?;
             if let Some(parent) = staging.parent() {
                 // Shared by every staged volume: removed only when the last one goes.
-                remove_dir(&self.host_paths, parent, false, deadline).await?;
+                remove_dir(&self.host_paths, &base, parent, false, deadline).await?;
             }
         }
 
@@ -923,6 +968,50 @@ impl NodeSide {
             self.save(hook, record, false).await?;
         }
         Ok(())
+    }
+
+    /// Attach's check of its paths before it records anything: the base dir (made when
+    /// missing), the host_path and the staging path, as `HostPaths` describes.
+    async fn check_attach_paths(
+        &self,
+        paths: &VolumePaths,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let base = base_of(&paths.target);
+        let host_paths = self.host_paths.clone();
+        let dir = base.clone();
+        self.on_paths(&base, deadline, move || host_paths.ensure_base_dir(&dir))
+            .await?;
+        self.verify(&base, &[&paths.target, &paths.staging], deadline)
+            .await
+    }
+
+    /// Checks `paths` (under `base`) just before the driver gets them: each a real
+    /// directory or missing, reached without a symlink.
+    pub(crate) async fn verify(
+        &self,
+        base: &Path,
+        paths: &[&Path],
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        for path in paths {
+            let host_paths = self.host_paths.clone();
+            let (dir, owned) = (base.to_path_buf(), path.to_path_buf());
+            self.on_paths(path, deadline, move || host_paths.verify(&dir, &owned))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Runs a `HostPaths` call on a blocking thread, bounded by the deadline: a stat of a
+    /// mount point on a dead network filesystem must not hang the hook.
+    async fn on_paths<T: Send + 'static>(
+        &self,
+        path: &Path,
+        deadline: &Deadline,
+        f: impl FnOnce() -> Result<T, PathError> + Send + 'static,
+    ) -> Result<T, BridgeError> {
+        on_paths(path, deadline, f).await
     }
 
     /// Judges an unpublish/unstage reply: success must leave `path` unmounted, and a
@@ -986,19 +1075,50 @@ async fn path_exists(path: &Path) -> bool {
         .map_or(true, |found| found.is_ok())
 }
 
+/// The base dir of a host_path (`<base>/<driver>-<volume>`).
+pub(crate) fn base_of(target: &Path) -> PathBuf {
+    target.parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// Runs a `HostPaths` call on a blocking thread, bounded by the deadline.
+async fn on_paths<T: Send + 'static>(
+    path: &Path,
+    deadline: &Deadline,
+    f: impl FnOnce() -> Result<T, PathError> + Send + 'static,
+) -> Result<T, BridgeError> {
+    let work = blocking(move || f().map_err(BridgeError::from));
+    tokio::time::timeout_at(deadline.instant().into(), work)
+        .await
+        .unwrap_or_else(|_| {
+            Err(BridgeError::io(
+                format!("checking {}", path.display()),
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer within the hook's budget",
+                ),
+            ))
+        })
+}
+
 /// Removes a directory the bridge or driver made, if it is empty and not mounted;
-/// `warn_if_kept` reports one left in place because it still holds files. Bounded by the
-/// deadline: a directory on a dead network mount must not hang the hook.
+/// `warn_if_kept` reports one left in place because it still holds files. A path that
+/// fails its check is left alone (it is not the bridge's: a symlink, a file), with a
+/// warning: removing it is no part of undoing the bridge's work. Bounded by the deadline:
+/// a directory on a dead network mount must not hang the hook.
 async fn remove_dir(
     host_paths: &Arc<dyn HostPaths>,
+    base: &Path,
     dir: &Path,
     warn_if_kept: bool,
     deadline: &Deadline,
 ) -> Result<(), BridgeError> {
-    let dir: PathBuf = dir.to_path_buf();
-    let shown = dir.display().to_string();
     let host_paths = host_paths.clone();
-    let work = blocking(move || match host_paths.remove_dir_if_empty(&dir) {
+    let (base, owned) = (base.to_path_buf(), dir.to_path_buf());
+    let removed = on_paths(dir, deadline, move || {
+        host_paths.remove_dir_if_empty(&base, &owned)
+    })
+    .await;
+    match removed {
         Ok(true) => Ok(()),
         Ok(false) => {
             if warn_if_kept && dir.exists() {
@@ -1006,17 +1126,10 @@ async fn remove_dir(
             }
             Ok(())
         }
-        Err(e) => Err(BridgeError::io("cleaning up", e)),
-    });
-    tokio::time::timeout_at(deadline.instant().into(), work)
-        .await
-        .unwrap_or_else(|_| {
-            Err(BridgeError::io(
-                format!("removing {shown}"),
-                std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "no answer within the hook's budget",
-                ),
-            ))
-        })
+        Err(BridgeError::Path(refused @ PathError::Refused { .. })) => {
+            tracing::warn!(error = %refused, "left a path the bridge did not make in place");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }

@@ -548,15 +548,78 @@ impl Recorder for NoRecorder {
     fn forget_volumes_except(&self, _: &BTreeSet<String>) {}
 }
 
-/// The directories the node side makes and removes around the driver's calls (the CO's
-/// part of the CSI contract), on the host (mount/host_paths.rs). Synchronous: the core
-/// runs them where they may block.
+/// What was found at a path under a volume base dir: its owner and mode bits (from an
+/// lstat: a symlink's own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub uid: u32,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+}
+
+impl fmt::Display for Found {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "owner uid {}, mode {:04o}", self.uid, self.mode)
+    }
+}
+
+/// Why a path under a volume base dir was not used. Nothing was done to it.
+#[derive(Debug, thiserror::Error)]
+pub enum PathError {
+    /// The path is not what the bridge makes or accepts: the base dir has an owner or mode
+    /// that lets another user swap what lies under it, or something under the base dir is
+    /// a symlink, not a directory, or not made by the bridge.
+    #[error(
+        "refusing {path}: it {problem}{}; the bridge mounts there as root. {hint}",
+        found.map(|f| format!(" ({f})")).unwrap_or_default()
+    )]
+    Refused {
+        path: PathBuf,
+        problem: String,
+        found: Option<Found>,
+        hint: &'static str,
+    },
+    /// The path could not be made or checked.
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A leaf under the base dir, once checked: what the bridge may hand the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leaf {
+    /// A real directory (perhaps a mount point), reached without following a symlink.
+    Dir,
+    /// Nothing there (or its parent is missing): nothing can be mounted at it.
+    Missing,
+}
+
+/// The directories the node side makes, checks and removes around the driver's calls
+/// (the CO's part of the CSI contract), on the host (mount/host_paths.rs). Synchronous:
+/// the core runs them where they may block.
+///
+/// A *verified* path is `<base>/<leaf>` or `<base>/.staging/<leaf>` where the base dir
+/// (its own name resolved as given: node.allowed_base_dirs vets where it leads) is a
+/// directory its policy accepts (by default owned by root or this process's euid and not
+/// writable by group or others), `.staging` is a real directory the bridge could have made
+/// (owned by root or the euid, not writable by group or others), and every component
+/// below the base is reached without following a symlink. The leaf itself is a real
+/// directory or missing.
 pub trait HostPaths: Send + Sync + fmt::Debug {
-    /// Makes the volume base dir and its missing parents (Cubelet normally has).
-    fn ensure_base_dir(&self, dir: &Path) -> std::io::Result<()>;
-    /// Makes a staging directory (and its missing parents).
-    fn ensure_staging_dir(&self, dir: &Path) -> std::io::Result<()>;
-    /// Removes `dir` if it exists and is empty; `Ok(false)` when it is left in place
-    /// (missing, or still holding files: data is never deleted here).
-    fn remove_dir_if_empty(&self, dir: &Path) -> std::io::Result<bool>;
+    /// Makes the volume base dir and its missing parents (Cubelet normally has), then
+    /// checks it as above.
+    fn ensure_base_dir(&self, base: &Path) -> Result<(), PathError>;
+    /// Makes `<base>/.staging` and the staging dir `path` in it, one level at a time
+    /// without following symlinks, and checks both.
+    fn ensure_staging_dir(&self, base: &Path, path: &Path) -> Result<(), PathError>;
+    /// Checks `path` (under `base`) as above, just before it is handed to the driver.
+    fn verify(&self, base: &Path, path: &Path) -> Result<Leaf, PathError>;
+    /// Removes `path` (under `base`, verified first) if it exists and is empty;
+    /// `Ok(false)` when it is left in place (missing, or still holding files: data is
+    /// never deleted here). A path that fails the check is `Err(Refused)`, untouched.
+    fn remove_dir_if_empty(&self, base: &Path, path: &Path) -> Result<bool, PathError>;
 }

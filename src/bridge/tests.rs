@@ -85,7 +85,7 @@ fn sides_over(
                 journal,
                 settings,
                 mounts: Arc::new(fake.clone()),
-                host_paths: Arc::new(crate::mount::HostDirs),
+                host_paths: Arc::new(fake.clone()),
                 locks,
                 recorder,
                 boot_id: clock.boot_id(),
@@ -129,11 +129,24 @@ struct DriverState {
     lose_answer: bool,
 }
 
-/// A driver and the mount table it changes.
+/// What another user put under the base dir, as the fake's `HostPaths` sees it.
+#[derive(Debug, Default)]
+struct Planted {
+    /// Paths that are symlinks another user made, with that user's uid.
+    symlinks: BTreeMap<PathBuf, u32>,
+    /// A symlink to plant when the driver call of this name arrives (a swap mid-hook).
+    on_call: Option<(&'static str, PathBuf)>,
+    /// `HostPaths` calls made (the hot path's cost).
+    checks: usize,
+}
+
+/// A driver, the mount table it changes, and the directories under the base dir: the
+/// real ones (in the test's temp dir), with symlinks planted in memory on top.
 #[derive(Clone)]
 struct Fake {
     state: Arc<Mutex<DriverState>>,
     mounted: Arc<Mutex<BTreeSet<PathBuf>>>,
+    planted: Arc<Mutex<Planted>>,
     stage: bool,
     controller_publish: bool,
     unchecked: bool,
@@ -144,6 +157,7 @@ impl Fake {
         Self {
             state: Default::default(),
             mounted: Default::default(),
+            planted: Default::default(),
             stage,
             controller_publish,
             unchecked: false,
@@ -195,6 +209,12 @@ impl Fake {
 
     /// Records the call and plays its scripted fault, if any.
     async fn enter(&self, call: &'static str) -> Result<bool, DriverError> {
+        {
+            let mut planted = self.planted.lock().unwrap();
+            if let Some((_, path)) = planted.on_call.take_if(|(on, _)| *on == call) {
+                planted.symlinks.insert(path, NOBODY);
+            }
+        }
         let fault = {
             let mut s = self.state.lock().unwrap();
             s.calls.push(call.to_string());
@@ -392,6 +412,73 @@ impl NodeDriver for Fake {
     ) -> Result<VolumeStats, DriverError> {
         self.enter("NodeGetVolumeStats").await?;
         Ok(VolumeStats::default())
+    }
+}
+
+/// The uid the tests' other user has.
+const NOBODY: u32 = 65534;
+
+impl Fake {
+    /// Makes `path` a symlink another user planted (in the fake's view).
+    fn plant(&self, path: PathBuf) {
+        self.planted.lock().unwrap().symlinks.insert(path, NOBODY);
+    }
+
+    fn unplant(&self, path: &Path) {
+        self.planted.lock().unwrap().symlinks.remove(path);
+    }
+
+    /// Plants `path` when the driver call `call` arrives.
+    fn plant_on(&self, call: &'static str, path: PathBuf) {
+        self.planted.lock().unwrap().on_call = Some((call, path));
+    }
+
+    fn path_checks(&self) -> usize {
+        self.planted.lock().unwrap().checks
+    }
+
+    /// Counts the call; refuses `path` when it or a directory above it is planted, as the
+    /// real directories refuse a symlink.
+    fn check_planted(&self, path: &Path) -> Result<(), PathError> {
+        let mut planted = self.planted.lock().unwrap();
+        planted.checks += 1;
+        match path
+            .ancestors()
+            .find_map(|p| planted.symlinks.get(p).map(|uid| (p, *uid)))
+        {
+            Some((at, uid)) => Err(PathError::Refused {
+                path: at.to_path_buf(),
+                problem: "is a symlink (to /elsewhere)".into(),
+                found: Some(Found { uid, mode: 0o777 }),
+                hint: "fake",
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Fake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fake")
+    }
+}
+
+impl HostPaths for Fake {
+    fn ensure_base_dir(&self, base: &Path) -> Result<(), PathError> {
+        self.check_planted(base)?;
+        crate::mount::HostDirs::default().ensure_base_dir(base)
+    }
+    fn ensure_staging_dir(&self, base: &Path, path: &Path) -> Result<(), PathError> {
+        self.check_planted(path)?;
+        crate::mount::HostDirs::default().ensure_staging_dir(base, path)
+    }
+    fn verify(&self, base: &Path, path: &Path) -> Result<Leaf, PathError> {
+        self.check_planted(path)?;
+        crate::mount::HostDirs::default().verify(base, path)
+    }
+    fn remove_dir_if_empty(&self, base: &Path, path: &Path) -> Result<bool, PathError> {
+        self.check_planted(path)?;
+        crate::mount::HostDirs::default().remove_dir_if_empty(base, path)
     }
 }
 
@@ -1700,4 +1787,130 @@ async fn a_first_attach_never_publishes_onto_a_mount_it_did_not_make() {
     );
     assert!(w.fake.is_mounted(&w.target("v")), "the other mount stays");
     assert!(w.record("v").is_none());
+}
+
+// ---------------------------------------------------------------- paths under the base dir
+
+/// The refusal of `path` by another user's symlink, as Cube reads it.
+fn assert_refuses(err: &HookError, path: &Path) {
+    let text = err.to_string();
+    assert!(
+        matches!(
+            &err.error,
+            BridgeError::Path(PathError::Refused { path: p, .. }) if p == path
+        ) && text.contains(&format!("refusing {}", path.display()))
+            && text.contains("owner uid 65534"),
+        "{text}"
+    );
+}
+
+/// A symlink at the host_path is refused before anything is recorded or called.
+#[tokio::test]
+async fn a_symlink_at_the_host_path_is_refused_and_nothing_changes() {
+    let w = World::new(Fake::new(true, false));
+    w.fake.plant(w.target("v"));
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &w.target("v"));
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert!(w.record("v").is_none());
+    assert!(w.pending().is_empty());
+    // Once it is gone, the volume attaches.
+    w.fake.unplant(&w.target("v"));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+}
+
+/// A symlink at .staging is refused too, whether it was there first or planted while
+/// ControllerPublish ran (the check just before NodeStage).
+#[tokio::test]
+async fn a_symlink_at_staging_is_refused_before_the_driver_gets_the_path() {
+    let w = World::new(Fake::new(true, false));
+    let dot_staging = w.base().join(".staging");
+    w.fake.plant(dot_staging.clone());
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &dot_staging);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert!(w.record("v").is_none());
+    w.fake.unplant(&dot_staging);
+
+    let w = World::new(Fake::new(true, true));
+    let dot_staging = w.base().join(".staging");
+    w.fake
+        .plant_on("ControllerPublishVolume", dot_staging.clone());
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &dot_staging);
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["ControllerPublishVolume", "ControllerUnpublishVolume"],
+        "no NodeStage, no NodeUnstage through the symlink"
+    );
+    assert!(w.record("v").is_none(), "rolled back");
+    assert!(w.pending().is_empty());
+}
+
+/// A host_path swapped for a symlink after NodeStage: NodePublish is never called, and the
+/// rollback unstages (its own, checked path) but neither unpublishes nor removes the link.
+#[tokio::test]
+async fn a_host_path_swapped_mid_attach_is_not_published_and_the_rollback_finishes() {
+    let w = World::new(Fake::new(true, false));
+    w.fake.plant_on("NodeStageVolume", w.target("v"));
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &w.target("v"));
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeStageVolume", "NodeUnstageVolume"]
+    );
+    assert!(!w.fake.is_mounted(&w.staging("v")));
+    assert!(w.record("v").is_none(), "rolled back, not left pending");
+    assert!(w.pending().is_empty());
+}
+
+/// Detach never unstages through a swapped .staging: it answers the refusal, keeps the
+/// volume pending with its staging mount, and finishes once the path is repaired.
+#[tokio::test]
+async fn a_detach_never_unstages_through_a_swapped_staging_dir() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let dot_staging = w.base().join(".staging");
+    w.fake.plant(dot_staging.clone());
+    w.fake.clear_calls();
+    let err = w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &dot_staging);
+    assert_eq!(w.fake.mutating_calls(), ["NodeUnpublishVolume"]);
+    assert!(
+        w.fake.is_mounted(&w.staging("v")),
+        "the real staging mount stays known"
+    );
+    assert!(w.pending().contains(&"v".to_string()));
+    // The same answer on a retry, not another error.
+    let again = w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&again, &dot_staging);
+    w.fake.unplant(&dot_staging);
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(w.fake.mutating_calls(), ["NodeUnstageVolume"]);
+    w.assert_clean("v");
+}
+
+/// The hot path checks no path: nothing on it reaches the driver or the directories.
+#[tokio::test]
+async fn a_hot_attach_and_detach_check_no_path() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let before = w.fake.path_checks();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    w.detach("v", "ns1", "s2", 1).await.unwrap();
+    assert_eq!(w.fake.path_checks(), before);
+}
+
+/// A symlinked .staging is named as what it is, not taken for another instance's mount
+/// that the mount check sees through it.
+#[tokio::test]
+async fn a_symlink_below_the_base_is_named_before_a_mount_seen_through_it() {
+    let w = World::new(Fake::new(true, false));
+    let dot_staging = w.base().join(".staging");
+    w.fake.plant(dot_staging.clone());
+    w.fake.mounted.lock().unwrap().insert(w.staging("v"));
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_refuses(&err, &dot_staging);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
 }

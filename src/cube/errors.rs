@@ -3,7 +3,7 @@
 
 use tonic::{Code, Status};
 
-use crate::bridge::ports::StoreError;
+use crate::bridge::ports::{PathError, StoreError};
 use crate::bridge::{BridgeError, HookError};
 
 /// The error table: which status each failure answers with.
@@ -12,7 +12,9 @@ fn code(error: &BridgeError) -> Code {
         BridgeError::InvalidRequest(_) => Code::InvalidArgument,
         BridgeError::Driver(e) if e.gave_up_after.is_some() => Code::DeadlineExceeded,
         BridgeError::Driver(e) => Code::from_i32(e.grpc_code),
-        BridgeError::Precondition(_) | BridgeError::NotVisible { .. } => Code::FailedPrecondition,
+        BridgeError::Precondition(_)
+        | BridgeError::NotVisible { .. }
+        | BridgeError::Path(PathError::Refused { .. }) => Code::FailedPrecondition,
         BridgeError::Busy { .. } => Code::Aborted,
         BridgeError::Unavailable(_) => Code::Unavailable,
         BridgeError::Store(StoreError::Conflict { .. }) => Code::Aborted,
@@ -22,6 +24,7 @@ fn code(error: &BridgeError) -> Code {
         BridgeError::StillMounted { .. }
         | BridgeError::Store(_)
         | BridgeError::Journal(_)
+        | BridgeError::Path(PathError::Io { .. })
         | BridgeError::Io { .. } => Code::Internal,
         BridgeError::RollbackFailed { error, .. } => code(error),
         BridgeError::CallerGone => Code::Cancelled,
@@ -90,5 +93,37 @@ mod tests {
         };
         assert_eq!(status_of(settings(true)), Code::Unavailable);
         assert_eq!(status_of(settings(false)), Code::FailedPrecondition);
+    }
+
+    #[test]
+    fn a_refused_path_is_a_failed_precondition_naming_the_path() {
+        let refused = PathError::Refused {
+            path: "/v/.staging".into(),
+            problem: "is a symlink (to /x)".into(),
+            found: Some(crate::bridge::ports::Found {
+                uid: 65534,
+                mode: 0o777,
+            }),
+            hint: "h",
+        };
+        let status = to_status(&HookError {
+            hook: HookKind::Detach,
+            volume_id: "v".into(),
+            error: refused.into(),
+        });
+        assert_eq!(status.code(), Code::FailedPrecondition);
+        assert!(
+            status.message().contains(
+                "refusing /v/.staging: it is a symlink (to /x) (owner uid 65534, mode 0777)"
+            ),
+            "{}",
+            status.message()
+        );
+        let failed = PathError::Io {
+            op: "check",
+            path: "/v".into(),
+            source: std::io::ErrorKind::PermissionDenied.into(),
+        };
+        assert_eq!(status_of(failed.into()), Code::Internal);
     }
 }

@@ -1,25 +1,403 @@
-//! The directories the node side makes and removes around the driver's calls, on the
-//! host: the core's `HostPaths` port over the plain directory calls of `ops`.
+//! The directories the node side makes, checks and removes around the driver's calls, on
+//! the host: the core's `HostPaths` port. Below the base dir every step is an
+//! openat/mkdirat/fstatat/unlinkat relative to a directory already checked, with
+//! O_NOFOLLOW, so a symlink planted there never redirects a mount, an unmount or an rmdir.
 
-use std::path::Path;
+use std::ffi::OsStr;
+use std::os::fd::OwnedFd;
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{AT_FDCWD, OFlag, openat, readlinkat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
+use nix::unistd::{UnlinkatFlags, unlinkat};
 
 use super::ops;
-use crate::bridge::ports::HostPaths;
+use crate::bridge::ports::{Found, HostPaths, Leaf, PathError};
 
-/// Directories as the host sees them, made with the modes the CSI layout wants.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct HostDirs;
+/// Which base dirs the bridge accepts, by owner and mode.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum BaseDirPolicy {
+    /// Owned by root or this process's euid, and not writable by group or others: no
+    /// other user can put anything under it. The default.
+    #[default]
+    Strict,
+    /// Any owner and mode, for the operator's `reason` (a non-root Cubelet that owns its
+    /// base dir). Everything under the base dir is still checked as under `Strict`; what
+    /// is lost is that its owner could swap a checked directory between the check and the
+    /// driver's use of the path.
+    AnyOwner { reason: String },
+}
+
+/// Directories as the host sees them, made with the modes the CSI layout wants and checked
+/// as the port describes.
+#[derive(Debug, Clone, Default)]
+pub struct HostDirs {
+    policy: BaseDirPolicy,
+}
+
+const BASE_HINT: &str = "A volume base dir must be owned by root and not writable by group \
+     or others, or its users can put a symlink where the bridge mounts: chown root and \
+     chmod go-w it (see docs/security.md for a non-root Cubelet)";
+const BELOW_HINT: &str = "Nothing under a volume base dir may be a symlink, and .staging is \
+     the bridge's own: remove what is there (it was not made by the bridge) and retry";
+
+/// Opened without following, for walking only: O_PATH needs no read permission.
+fn dir_flags() -> OFlag {
+    OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
+}
+
+fn found(stat: &FileStat) -> Found {
+    Found {
+        uid: stat.st_uid,
+        mode: stat.st_mode & 0o7777,
+    }
+}
+
+fn io(op: &'static str, path: &Path, errno: Errno) -> PathError {
+    PathError::Io {
+        op,
+        path: path.to_path_buf(),
+        source: errno.into(),
+    }
+}
+
+fn refused(
+    path: &Path,
+    problem: impl Into<String>,
+    found: Option<Found>,
+    hint: &'static str,
+) -> PathError {
+    PathError::Refused {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+        found,
+        hint,
+    }
+}
+
+/// Whether the bridge (root, or this euid) could have made `stat` and nobody else can
+/// change what is in it.
+fn owned_and_closed(stat: &FileStat) -> Option<String> {
+    let euid = nix::unistd::Uid::effective().as_raw();
+    if stat.st_uid != 0 && stat.st_uid != euid {
+        return Some(format!("is owned by uid {}, not root", stat.st_uid));
+    }
+    if stat.st_mode & 0o022 != 0 {
+        return Some("is writable by group or others".into());
+    }
+    None
+}
+
+/// The refusal for `name` in `dir` (at `path`), which is not a real directory.
+fn not_a_dir(dir: &OwnedFd, name: &OsStr, path: &Path) -> PathError {
+    match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(stat) if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK => {
+            let to = readlinkat(dir, name)
+                .map(|t| PathBuf::from(t).display().to_string())
+                .unwrap_or_else(|_| "?".into());
+            refused(
+                path,
+                format!("is a symlink (to {to})"),
+                Some(found(&stat)),
+                BELOW_HINT,
+            )
+        }
+        Ok(stat) => refused(path, "is not a directory", Some(found(&stat)), BELOW_HINT),
+        Err(e) => io("check", path, e),
+    }
+}
+
+fn is_dir(stat: &FileStat) -> bool {
+    SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR
+}
+
+/// The names of `path` below `base`: one or two plain names (`<leaf>`, `.staging/<leaf>`).
+fn below<'a>(base: &Path, path: &'a Path) -> Result<Vec<&'a OsStr>, PathError> {
+    let names: Option<Vec<&OsStr>> = path.strip_prefix(base).ok().and_then(|rest| {
+        rest.components()
+            .map(|c| match c {
+                Component::Normal(name) => Some(name),
+                _ => None,
+            })
+            .collect()
+    });
+    match names {
+        Some(names) if (1..=2).contains(&names.len()) => Ok(names),
+        _ => Err(refused(
+            path,
+            format!("is not a volume path under the base dir {}", base.display()),
+            None,
+            BELOW_HINT,
+        )),
+    }
+}
+
+/// Where a walk below the base dir stopped.
+enum Walk {
+    /// The leaf's parent, checked, and what the leaf is.
+    At(OwnedFd, Leaf),
+    /// A directory above the leaf is missing.
+    Missing,
+}
+
+impl HostDirs {
+    /// Directories checked with `policy` for the base dir.
+    pub fn new(policy: BaseDirPolicy) -> Self {
+        if let BaseDirPolicy::AnyOwner { reason } = &policy {
+            // Said once per process: the operator chose a weaker check and must see why.
+            tracing::warn!(
+                %reason,
+                "volume base dirs of any owner and mode are accepted; their owner can race \
+                 the checks of the paths under them"
+            );
+        }
+        Self { policy }
+    }
+
+    /// Opens the base dir (its own name is resolved as given) and checks its owner and
+    /// mode; `None` when it is missing (nothing can be mounted under it then).
+    fn open_base(&self, base: &Path) -> Result<Option<OwnedFd>, PathError> {
+        let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+        let fd = match openat(AT_FDCWD, base, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Ok(None),
+            Err(Errno::ENOTDIR) => {
+                return Err(refused(base, "is not a directory", None, BASE_HINT));
+            }
+            Err(e) => return Err(io("open the volume base dir", base, e)),
+        };
+        let stat = fstat(&fd).map_err(|e| io("check", base, e))?;
+        if self.policy == BaseDirPolicy::Strict
+            && let Some(problem) = owned_and_closed(&stat)
+        {
+            return Err(refused(base, problem, Some(found(&stat)), BASE_HINT));
+        }
+        Ok(Some(fd))
+    }
+
+    /// Walks from the base dir to `path`'s parent without following symlinks, checking
+    /// each directory between them as the bridge's own; `make` creates the missing ones
+    /// (and the leaf) first.
+    fn walk(&self, base: &Path, path: &Path, make: bool) -> Result<Walk, PathError> {
+        let names = below(base, path)?;
+        let (leaf, between) = names.split_last().expect("one or two names");
+        let Some(mut dir) = self.open_base(base)? else {
+            return Ok(Walk::Missing);
+        };
+        let mut at = base.to_path_buf();
+        for name in between {
+            at.push(name);
+            if make {
+                mkdir(&dir, name, &at)?;
+            }
+            dir = match openat(&dir, *name, dir_flags(), Mode::empty()) {
+                Ok(fd) => fd,
+                Err(Errno::ENOENT) => return Ok(Walk::Missing),
+                Err(Errno::ENOTDIR | Errno::ELOOP) => return Err(not_a_dir(&dir, name, &at)),
+                Err(e) => return Err(io("open", &at, e)),
+            };
+            let stat = fstat(&dir).map_err(|e| io("check", &at, e))?;
+            if let Some(problem) = owned_and_closed(&stat) {
+                return Err(refused(&at, problem, Some(found(&stat)), BELOW_HINT));
+            }
+        }
+        if make {
+            mkdir(&dir, leaf, path)?;
+        }
+        let leaf_is = match fstatat(&dir, *leaf, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(stat) if is_dir(&stat) => Leaf::Dir,
+            Ok(_) => return Err(not_a_dir(&dir, leaf, path)),
+            Err(Errno::ENOENT) => Leaf::Missing,
+            Err(e) => return Err(io("check", path, e)),
+        };
+        Ok(Walk::At(dir, leaf_is))
+    }
+}
+
+/// mkdir of `name` in `dir` (an existing entry is left for the check that follows).
+fn mkdir(dir: &OwnedFd, name: &OsStr, path: &Path) -> Result<(), PathError> {
+    match mkdirat(dir, name, Mode::from_bits_truncate(0o750)) {
+        Ok(()) | Err(Errno::EEXIST) => Ok(()),
+        Err(e) => Err(io("create directory", path, e)),
+    }
+}
 
 impl HostPaths for HostDirs {
-    fn ensure_base_dir(&self, dir: &Path) -> std::io::Result<()> {
-        ops::ensure_dir(dir, 0o755)
+    fn ensure_base_dir(&self, base: &Path) -> Result<(), PathError> {
+        ops::ensure_dir(base, 0o755).map_err(|source| PathError::Io {
+            op: "create the volume base dir",
+            path: base.to_path_buf(),
+            source,
+        })?;
+        match self.open_base(base)? {
+            Some(_) => Ok(()),
+            None => Err(io("open the volume base dir", base, Errno::ENOENT)),
+        }
     }
 
-    fn ensure_staging_dir(&self, dir: &Path) -> std::io::Result<()> {
-        ops::ensure_dir(dir, 0o750)
+    fn ensure_staging_dir(&self, base: &Path, path: &Path) -> Result<(), PathError> {
+        match self.walk(base, path, true)? {
+            Walk::At(_, Leaf::Dir) => Ok(()),
+            // Made just now, and gone already: someone else is at work in the base dir.
+            _ => Err(io("create directory", path, Errno::ENOENT)),
+        }
     }
 
-    fn remove_dir_if_empty(&self, dir: &Path) -> std::io::Result<bool> {
-        ops::remove_dir_if_empty(dir)
+    fn verify(&self, base: &Path, path: &Path) -> Result<Leaf, PathError> {
+        Ok(match self.walk(base, path, false)? {
+            Walk::At(_, leaf) => leaf,
+            Walk::Missing => Leaf::Missing,
+        })
+    }
+
+    fn remove_dir_if_empty(&self, base: &Path, path: &Path) -> Result<bool, PathError> {
+        let Walk::At(dir, Leaf::Dir) = self.walk(base, path, false)? else {
+            return Ok(false);
+        };
+        let leaf = path.file_name().expect("checked by below()");
+        match unlinkat(&dir, leaf, UnlinkatFlags::RemoveDir) {
+            Ok(()) => Ok(true),
+            Err(Errno::ENOENT | Errno::ENOTEMPTY | Errno::EEXIST) => Ok(false),
+            // Swapped for something else since the check: not ours to remove.
+            Err(Errno::ENOTDIR) => Err(not_a_dir(&dir, leaf, path)),
+            Err(e) => Err(io("remove directory", path, e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+
+    fn base() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("vol");
+        HostDirs::default().ensure_base_dir(&base).unwrap();
+        (dir, base)
+    }
+
+    fn refused_path(error: PathError) -> PathBuf {
+        match error {
+            PathError::Refused { path, .. } => path,
+            other => panic!("not a refusal: {other}"),
+        }
+    }
+
+    #[test]
+    fn staging_dirs_are_made_and_removed_below_a_checked_base() {
+        let (_dir, base) = base();
+        let dirs = HostDirs::default();
+        let staging = base.join(".staging/d-v");
+        dirs.ensure_staging_dir(&base, &staging).unwrap();
+        assert_eq!(dirs.verify(&base, &staging).unwrap(), Leaf::Dir);
+        assert_eq!(
+            dirs.verify(&base, &base.join("d-v")).unwrap(),
+            Leaf::Missing
+        );
+        assert_eq!(
+            dirs.verify(&base, &base.join(".nothing/d-v")).unwrap(),
+            Leaf::Missing
+        );
+        let gone = base.join("gone");
+        assert_eq!(
+            dirs.verify(&gone, &gone.join("d-v")).unwrap(),
+            Leaf::Missing
+        );
+        assert!(!dirs.remove_dir_if_empty(&gone, &gone.join("d-v")).unwrap());
+        std::fs::write(staging.join("data"), "x").unwrap();
+        assert!(
+            !dirs.remove_dir_if_empty(&base, &staging).unwrap(),
+            "data kept"
+        );
+        std::fs::remove_file(staging.join("data")).unwrap();
+        assert!(dirs.remove_dir_if_empty(&base, &staging).unwrap());
+        assert!(
+            dirs.remove_dir_if_empty(&base, &base.join(".staging"))
+                .unwrap()
+        );
+        assert!(!dirs.remove_dir_if_empty(&base, &staging).unwrap(), "gone");
+    }
+
+    #[test]
+    fn symlinks_below_the_base_are_refused_and_never_followed() {
+        let (dir, base) = base();
+        let dirs = HostDirs::default();
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir_all(elsewhere.join("d-v")).unwrap();
+        // A leaf that is a symlink.
+        symlink(elsewhere.join("d-v"), base.join("d-v")).unwrap();
+        let error = dirs.verify(&base, &base.join("d-v")).unwrap_err();
+        assert!(error.to_string().contains("is a symlink"), "{error}");
+        assert_eq!(refused_path(error), base.join("d-v"));
+        let error = dirs
+            .remove_dir_if_empty(&base, &base.join("d-v"))
+            .unwrap_err();
+        assert!(matches!(error, PathError::Refused { .. }), "{error}");
+        assert!(
+            elsewhere.join("d-v").is_dir(),
+            "the link's target is untouched"
+        );
+        // .staging a symlink to a directory holding the leaf.
+        symlink(&elsewhere, base.join(".staging")).unwrap();
+        let staging = base.join(".staging/d-v");
+        for error in [
+            dirs.verify(&base, &staging).unwrap_err(),
+            dirs.ensure_staging_dir(&base, &staging).unwrap_err(),
+            dirs.remove_dir_if_empty(&base, &staging).unwrap_err(),
+        ] {
+            assert!(
+                error
+                    .to_string()
+                    .contains(&format!("refusing {}", base.join(".staging").display()))
+                    && error.to_string().contains("symlink"),
+                "{error}"
+            );
+        }
+        assert!(elsewhere.join("d-v").is_dir());
+        // A .staging that another user could write to is not the bridge's.
+        std::fs::remove_file(base.join(".staging")).unwrap();
+        std::fs::create_dir(base.join(".staging")).unwrap();
+        std::fs::set_permissions(base.join(".staging"), PermissionsExt::from_mode(0o777)).unwrap();
+        let error = dirs.verify(&base, &staging).unwrap_err();
+        assert!(
+            error.to_string().contains("writable by group or others"),
+            "{error}"
+        );
+        // A file where a directory belongs.
+        std::fs::write(base.join("d-f"), "").unwrap();
+        let error = dirs.verify(&base, &base.join("d-f")).unwrap_err();
+        assert!(error.to_string().contains("is not a directory"), "{error}");
+        // Paths that are not a volume's are refused outright.
+        for path in [
+            dir.path().join("x"),
+            base.join("a/b/c"),
+            base.join("../vol/x"),
+        ] {
+            assert!(dirs.verify(&base, &path).is_err(), "{}", path.display());
+        }
+    }
+
+    #[test]
+    fn a_base_dir_others_can_write_is_refused_unless_the_policy_says_why() {
+        let (_dir, base) = base();
+        std::fs::set_permissions(&base, PermissionsExt::from_mode(0o777)).unwrap();
+        let error = HostDirs::default().ensure_base_dir(&base).unwrap_err();
+        let text = error.to_string();
+        assert!(
+            text.contains(&base.display().to_string())
+                && text.contains("writable by group or others")
+                && text.contains("mode 0777")
+                && text.contains("owner uid"),
+            "{text}"
+        );
+        let trusting = HostDirs::new(BaseDirPolicy::AnyOwner {
+            reason: "test".into(),
+        });
+        trusting.ensure_base_dir(&base).unwrap();
+        trusting
+            .ensure_staging_dir(&base, &base.join(".staging/d-v"))
+            .unwrap();
     }
 }

@@ -6,6 +6,6 @@ pub mod mountinfo;
 pub mod ops;
 pub mod view;
 
-pub use host_paths::HostDirs;
+pub use host_paths::{BaseDirPolicy, HostDirs};
 pub use mountinfo::{MountTable, resolve_parent};
 pub use view::MountView;
