@@ -21,7 +21,7 @@ use crate::csi::{CsiClient, GrpcDriver};
 use crate::k8s::record_key::SecretKeySource;
 use crate::k8s::{CubeVolumeStore, Kube, StorageClassSource};
 use crate::metrics::{DriverLabel, PrometheusRecorder};
-use crate::mount::HostDirs;
+use crate::mount::{BaseDirPolicy, HostDirs};
 use crate::store::{EmbeddedStore, FileJournal, FileKeySource, FileLocks};
 use crate::system::SystemClock;
 
@@ -185,7 +185,14 @@ fn open_node(
             journal: Arc::new(journal),
             settings: shared.volume_settings.clone(),
             mounts,
-            host_paths: Arc::new(HostDirs::default()),
+            host_paths: Arc::new(HostDirs::new(
+                match &config.node.untrusted_base_dir_reason {
+                    Some(reason) => BaseDirPolicy::AnyOwner {
+                        reason: reason.clone(),
+                    },
+                    None => BaseDirPolicy::Strict,
+                },
+            )),
             locks: shared.locks.clone(),
             recorder: shared.recorder.clone(),
             boot_id: shared.clock.boot_id(),

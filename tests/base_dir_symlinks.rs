@@ -341,3 +341,43 @@ async fn a_base_dir_others_can_write_or_another_uid_owns_is_refused() {
         assert!(w.mounts().is_empty(), "{:?}", w.mounts());
     }
 }
+
+/// `node.allow_untrusted_base_dir` (a non-root Cubelet owns its base dir): a base dir
+/// another uid owns is accepted, the reason is logged, and what lies below it is still
+/// checked (a planted symlink leaf is refused).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_may_accept_a_base_dir_another_uid_owns_with_a_reason() {
+    require_root!();
+    let reason = "cubelet runs as uid 1000 and owns its base dir";
+    let extra = format!("[node]\nallow_untrusted_base_dir = \"{reason}\"\n");
+    let w = World::start_with_config(Mode::Rpc, Caps::staging(), "", move |text| {
+        text.replacen("[node]\n", &extra, 1)
+    })
+    .await;
+    let made = w.create("v5").await.expect("create");
+    let base = make_base(&w);
+    chown(&base, Some(1000), Some(1000)).unwrap();
+    let attached = w
+        .attach("sb", "v5", 0, &made.private_data)
+        .await
+        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", w.logs()));
+    assert!(
+        w.logs().contains(reason),
+        "the reason is logged:\n{}",
+        w.logs()
+    );
+    w.detach("sb", "v5", 0, &attached.metadata)
+        .await
+        .unwrap_or_else(|e| panic!("detach: {e:?}\n{}", w.logs()));
+
+    let target = w.dir.path().join("root-only");
+    std::fs::create_dir(&target).unwrap();
+    std::os::unix::fs::symlink(&target, base.join(format!("{}-v5", common::DRIVER))).unwrap();
+    let made = w.create("v5").await.expect("create again");
+    let error = w
+        .attach("sb", "v5", 0, &made.private_data)
+        .await
+        .expect_err("a symlinked leaf is refused all the same");
+    assert!(error.message.contains("symlink"), "{error:?}");
+    assert!(w.mounts().is_empty(), "{:?}", w.mounts());
+}

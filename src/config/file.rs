@@ -102,6 +102,9 @@ pub(super) struct NodeFile {
     pub allowed_base_dirs: Option<Vec<PathBuf>>,
     #[serde(default)]
     pub mount_view: Option<String>,
+    /// Accept base dirs of any owner and mode, for this reason (a non-root Cubelet's).
+    #[serde(default)]
+    pub allow_untrusted_base_dir: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]

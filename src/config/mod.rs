@@ -330,6 +330,10 @@ pub struct NodeSettings {
     /// driver mounts there, as root). Default: the default base dir.
     pub allowed_base_dirs: Vec<PathBuf>,
     pub mount_view: MountViewSetting,
+    /// Why base dirs of any owner and mode are accepted (`node.allow_untrusted_base_dir`);
+    /// `None`: a base dir must be owned by root (or the bridge's uid) and writable by no
+    /// group or other user.
+    pub untrusted_base_dir_reason: Option<String>,
 }
 
 impl NodeSettings {
@@ -902,10 +906,20 @@ impl Checker<'_> {
         }
         let mount_view = MountViewSetting::parse(raw.mount_view.as_deref().unwrap_or("auto"))
             .map_err(|m| self.invalid("node.mount_view", m))?;
+        if let Some(reason) = &raw.allow_untrusted_base_dir
+            && (reason.trim().is_empty() || reason.len() > 512)
+        {
+            return Err(self.invalid(
+                "node.allow_untrusted_base_dir",
+                "must say, in at most 512 bytes, why base dirs other users can write are \
+                 acceptable here (it is logged at start)",
+            ));
+        }
         Ok(NodeSettings {
             default_volume_base_dir: base,
             allowed_base_dirs: allowed,
             mount_view,
+            untrusted_base_dir_reason: raw.allow_untrusted_base_dir,
         })
     }
 
