@@ -10,8 +10,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bridge::HookKind;
 use crate::config::{self, Config};
+use crate::cube::hooks::HookArgv;
 use crate::mount::view::{MOUNTINFO_SUBCOMMAND, print_mountinfo_in_namespace};
-use crate::proto::cube::v1 as pb;
 use crate::telemetry::{self, LogFormat};
 use crate::transport::forked::{HookOutput, HookRequest};
 
@@ -182,47 +182,17 @@ pub struct HookArgs {
 impl HookArgs {
     /// Builds the wire request, naming the first missing or malformed argument.
     pub fn request(&self) -> Result<HookRequest, String> {
-        fn need(value: &Option<String>, flag: &str, op: HookKind) -> Result<String, String> {
-            value
-                .clone()
-                .ok_or_else(|| format!("--op {op} needs {flag}"))
-        }
-        let op = self.op;
-        let volume_id = need(&self.volume_id, "--volume-id", op)?;
-        let ref_count = || -> Result<i64, String> {
-            let text = need(&self.ref_count, "--ref-count", op)?;
-            match text.parse::<i64>() {
-                Ok(n) if n >= 0 => Ok(n),
-                Ok(n) => Err(format!("--ref-count {n} is negative; it counts holders")),
-                Err(_) => Err(format!("--ref-count {text:?} is not an integer")),
-            }
+        let argv = HookArgv {
+            volume_id: self.volume_id.clone(),
+            name: self.name.clone(),
+            sandbox_id: self.sandbox_id.clone(),
+            namespace: self.namespace.clone(),
+            ref_count: self.ref_count.clone(),
+            volume_base_dir: self.volume_base_dir.clone(),
+            private_data: self.private_data.clone(),
+            metadata: self.metadata.clone(),
         };
-        Ok(match op {
-            HookKind::Create => HookRequest::Create(pb::CreateRequest {
-                volume_id,
-                name: need(&self.name, "--name", op)?,
-            }),
-            HookKind::Destroy => HookRequest::Destroy(pb::DestroyRequest { volume_id }),
-            HookKind::Attach => HookRequest::Attach(pb::AttachRequest {
-                sandbox_id: need(&self.sandbox_id, "--sandbox-id", op)?,
-                namespace: need(&self.namespace, "--namespace", op)?,
-                volume_id,
-                ref_count: ref_count()?,
-                volume_base_dir: need(&self.volume_base_dir, "--volume-base-dir", op)?,
-                private_data: self.private_data.clone().unwrap_or_default(),
-            }),
-            HookKind::Detach => HookRequest::Detach(pb::DetachRequest {
-                sandbox_id: need(&self.sandbox_id, "--sandbox-id", op)?,
-                namespace: need(&self.namespace, "--namespace", op)?,
-                volume_id,
-                ref_count: ref_count()?,
-                metadata: crate::cube::validate::metadata_json(&need(
-                    &self.metadata,
-                    "--metadata",
-                    op,
-                )?)?,
-            }),
-        })
+        HookRequest::from_argv(self.op, &argv)
     }
 }
 
@@ -489,6 +459,7 @@ fn finish_hook(output: HookOutput, failure_code: u8) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::cube::v1 as pb;
 
     fn parse(args: &[&str]) -> HookArgs {
         let mut full = vec!["cube-csi-bridge", "hook"];

@@ -8,14 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use nix::fcntl::Flock;
-use serde_json::json;
 
 use crate::bridge::reconcile::Scope;
 use crate::bridge::{Caller, HookError};
 use crate::config::{Config, Roles};
 use crate::cube::errors;
+use crate::cube::hooks;
 pub use crate::cube::hooks::HookRequest;
-use crate::cube::hooks::{self, HookReply};
 use crate::mount::MountView;
 
 /// The outcome of a forked hook: what to print on stdout, and whether it succeeded.
@@ -67,7 +66,7 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
     }
     Some(match hooks::run_if_hot(&bridge, &checked).await? {
         Ok(reply) => HookOutput {
-            stdout: reply_json(reply).to_string(),
+            stdout: reply.json().to_string(),
             success: true,
         },
         Err(error) => failure(&error),
@@ -128,7 +127,7 @@ pub async fn run(
     };
     answered(match hooks::run(&bridge, checked, caller).await {
         Ok(reply) => HookOutput {
-            stdout: reply_json(reply).to_string(),
+            stdout: reply.json().to_string(),
             success: true,
         },
         Err(error) => failure(&error),
@@ -154,15 +153,6 @@ fn failure(error: &HookError) -> HookOutput {
     HookOutput {
         stdout: errors::to_json(error),
         success: false,
-    }
-}
-
-/// The JSON object Cube reads from a successful hook's stdout.
-fn reply_json(reply: HookReply) -> serde_json::Value {
-    match reply {
-        HookReply::Create(r) => json!({ "token": r.token, "private_data": r.private_data }),
-        HookReply::Attach(r) => json!({ "host_path": r.host_path, "metadata": r.metadata }),
-        HookReply::Destroy(_) | HookReply::Detach(_) => json!({}),
     }
 }
 

@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::bridge::{Bridge, Caller};
 use crate::config::Config;
 use crate::cube::errors::to_status;
-use crate::cube::hooks::{self, HookReply, HookRequest};
+use crate::cube::hooks::{self, Attach, Create, Destroy, Detach, HookReply, HookRequest, Listed};
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;
@@ -51,16 +51,17 @@ impl CubeService {
         left.disarm();
         result.map_err(|e| to_status(&e))
     }
-}
 
-/// Unwraps the reply of the hook that was asked for.
-macro_rules! reply {
-    ($reply:expr, $variant:ident) => {
-        match $reply? {
-            HookReply::$variant(r) => Ok(Response::new(r)),
-            other => unreachable!("a {} request got {other:?}", stringify!($variant)),
-        }
-    };
+    /// Serves one hook of the table (`cube::hooks`).
+    async fn serve<H: Listed>(
+        &self,
+        request: Request<H::Request>,
+    ) -> Result<Response<H::Reply>, Status> {
+        let reply = self.run(H::request(request.into_inner())).await?;
+        let reply = H::reply(reply)
+            .unwrap_or_else(|| unreachable!("hooks::run answers a {} with its own reply", H::KIND));
+        Ok(Response::new(reply))
+    }
 }
 
 #[tonic::async_trait]
@@ -69,20 +70,14 @@ impl VolumeControllerService for CubeService {
         &self,
         request: Request<pb::CreateRequest>,
     ) -> Result<Response<pb::CreateResponse>, Status> {
-        reply!(
-            self.run(HookRequest::Create(request.into_inner())).await,
-            Create
-        )
+        self.serve::<Create>(request).await
     }
 
     async fn destroy(
         &self,
         request: Request<pb::DestroyRequest>,
     ) -> Result<Response<pb::DestroyResponse>, Status> {
-        reply!(
-            self.run(HookRequest::Destroy(request.into_inner())).await,
-            Destroy
-        )
+        self.serve::<Destroy>(request).await
     }
 }
 
@@ -92,19 +87,13 @@ impl VolumePluginService for CubeService {
         &self,
         request: Request<pb::AttachRequest>,
     ) -> Result<Response<pb::AttachResponse>, Status> {
-        reply!(
-            self.run(HookRequest::Attach(request.into_inner())).await,
-            Attach
-        )
+        self.serve::<Attach>(request).await
     }
 
     async fn detach(
         &self,
         request: Request<pb::DetachRequest>,
     ) -> Result<Response<pb::DetachResponse>, Status> {
-        reply!(
-            self.run(HookRequest::Detach(request.into_inner())).await,
-            Detach
-        )
+        self.serve::<Detach>(request).await
     }
 }
