@@ -30,11 +30,11 @@ pub fn core_settings(config: &Config) -> Settings {
     Settings {
         driver: config.driver.clone(),
         timeouts: Timeouts {
-            create: config.timeouts.create(),
-            destroy: config.timeouts.destroy(),
-            attach: config.timeouts.attach(),
-            detach: config.timeouts.detach(),
-            rollback: config.timeouts.rollback(),
+            create: config.timeouts.create,
+            destroy: config.timeouts.destroy,
+            attach: config.timeouts.attach,
+            detach: config.timeouts.detach,
+            rollback: config.timeouts.rollback,
         },
         name_prefix: config.volume.name_prefix.clone(),
         capacity_bytes: config.volume.capacity_bytes,
@@ -124,7 +124,7 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
         (Some(class), Some(kube)) => Arc::new(StorageClassSource::new(
             kube.clone(),
             class,
-            std::time::Duration::from_secs(config.kubernetes.cache_secs),
+            config.kubernetes.cache,
             config.volume.access_mode,
         )),
         _ => Arc::new(ConfigSettings::new(&config.volume, &config.secrets)),

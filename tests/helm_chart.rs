@@ -448,7 +448,7 @@ controller:
                 );
                 assert_eq!(config.volume.mount_flags, ["nfsvers=4.1", "hard"]);
                 assert_eq!(config.volume.capacity_bytes, 107_374_182_400);
-                assert_eq!(config.timeouts.attach_secs, 60);
+                assert_eq!(config.timeouts.attach, std::time::Duration::from_secs(60));
                 if key == "node.toml" {
                     assert_eq!(
                         config.csi.controller_endpoint,

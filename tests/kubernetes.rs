@@ -492,14 +492,14 @@ async fn chart_examples_install_into_a_real_api_server() {
 async fn cubevolume_store_refuses_stale_writes() {
     use cube_csi_bridge::bridge::ports::{ControllerStore, StoreError};
     use cube_csi_bridge::bridge::records::{VolumeRecord, VolumeState};
-    use cube_csi_bridge::config::KubernetesConfig;
+    use cube_csi_bridge::config::KubernetesSettings;
     use cube_csi_bridge::k8s::{CubeVolumeStore, Kube};
     use std::sync::Arc;
 
     let bin = require_k8s_peers!();
     let api = ApiServer::start(&bin);
     helm_install(&api, "defaults", NAMESPACE, &[]);
-    let settings = KubernetesConfig {
+    let settings = KubernetesSettings {
         kubeconfig: Some(api.kubeconfig.clone()),
         namespace: Some(NAMESPACE.into()),
         ..Default::default()

@@ -5,9 +5,13 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::{KubernetesConfig, SecretsConfig, TimeoutsConfig, VolumeConfig};
+use std::collections::BTreeMap;
 
-#[derive(Debug, Deserialize)]
+use super::AccessMode;
+
+// No `Debug` on the file forms: `[secrets]` and `volume.mount_flags` are only ever shown
+// redacted, by the checked settings.
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConfigFile {
     pub driver: String,
@@ -15,17 +19,17 @@ pub(super) struct ConfigFile {
     #[serde(default)]
     pub serve: ServeFile,
     #[serde(default)]
-    pub volume: VolumeConfig,
+    pub volume: VolumeFile,
     #[serde(default)]
-    pub secrets: SecretsConfig,
+    pub secrets: SecretsFile,
     #[serde(default)]
     pub state: StateFile,
     #[serde(default)]
     pub node: NodeFile,
     #[serde(default)]
-    pub timeouts: TimeoutsConfig,
+    pub timeouts: TimeoutsFile,
     #[serde(default)]
-    pub kubernetes: KubernetesConfig,
+    pub kubernetes: KubernetesFile,
     #[serde(default)]
     pub controller: ControllerFile,
     /// Only in a one-driver file: a file listing `[[drivers]]` sets `[metrics]` once, at
@@ -36,7 +40,7 @@ pub(super) struct ConfigFile {
 
 /// A file that lists several drivers served by one daemon: `[[drivers]]` entries, each
 /// what a one-driver file holds (less `[metrics]`), and the process-wide `[metrics]`.
-#[derive(Debug, Deserialize)]
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct DriversFile {
     pub drivers: Vec<ConfigFile>,
@@ -128,4 +132,125 @@ pub(super) struct MetricsFile {
     pub volume_stats_interval_secs: Option<u64>,
     #[serde(default)]
     pub volume_ids: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct VolumeFile {
+    #[serde(default = "default_name_prefix")]
+    pub name_prefix: String,
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    #[serde(default)]
+    pub access_mode: AccessMode,
+    #[serde(default)]
+    pub fs_type: String,
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+impl Default for VolumeFile {
+    fn default() -> Self {
+        Self {
+            name_prefix: default_name_prefix(),
+            capacity_bytes: 0,
+            access_mode: AccessMode::default(),
+            fs_type: String::new(),
+            mount_flags: Vec::new(),
+            parameters: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SecretsFile {
+    #[serde(default)]
+    pub provisioner: BTreeMap<String, String>,
+    #[serde(default)]
+    pub controller_publish: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_stage: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_publish: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TimeoutsFile {
+    #[serde(default = "default_create_secs")]
+    pub create_secs: u64,
+    #[serde(default = "default_destroy_secs")]
+    pub destroy_secs: u64,
+    #[serde(default = "default_attach_secs")]
+    pub attach_secs: u64,
+    #[serde(default = "default_detach_secs")]
+    pub detach_secs: u64,
+    #[serde(default = "default_rollback_secs")]
+    pub rollback_secs: u64,
+}
+
+impl Default for TimeoutsFile {
+    fn default() -> Self {
+        Self {
+            create_secs: default_create_secs(),
+            destroy_secs: default_destroy_secs(),
+            attach_secs: default_attach_secs(),
+            detach_secs: default_detach_secs(),
+            rollback_secs: default_rollback_secs(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct KubernetesFile {
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub storage_class: Option<String>,
+    #[serde(default = "default_kube_cache_secs")]
+    pub cache_secs: u64,
+    #[serde(default)]
+    pub record_key_secret: Option<String>,
+}
+
+impl Default for KubernetesFile {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            namespace: None,
+            storage_class: None,
+            cache_secs: default_kube_cache_secs(),
+            record_key_secret: None,
+        }
+    }
+}
+
+fn default_name_prefix() -> String {
+    "cube-".into()
+}
+fn default_create_secs() -> u64 {
+    300
+}
+fn default_destroy_secs() -> u64 {
+    300
+}
+/// Cube's Attach shares the sandbox create deadline (300 s by default).
+fn default_attach_secs() -> u64 {
+    120
+}
+/// Cube gives Detach about 30 s on sandbox destroy and 10 s on create failover.
+fn default_detach_secs() -> u64 {
+    25
+}
+fn default_rollback_secs() -> u64 {
+    20
+}
+fn default_kube_cache_secs() -> u64 {
+    30
 }

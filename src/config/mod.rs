@@ -19,7 +19,6 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
 
 pub use crate::bridge::{AccessMode, Roles};
 use crate::csi::Endpoint;
@@ -73,12 +72,12 @@ pub struct Config {
     pub driver: String,
     pub csi: CsiSettings,
     pub serve: ServeSettings,
-    pub volume: VolumeConfig,
-    pub secrets: SecretsConfig,
+    pub volume: CsiVolumeSettings,
+    pub secrets: SecretsSettings,
     pub state: StateSettings,
     pub node: NodeSettings,
-    pub timeouts: TimeoutsConfig,
-    pub kubernetes: KubernetesConfig,
+    pub timeouts: TimeoutSettings,
+    pub kubernetes: KubernetesSettings,
     pub controller: ControllerSettings,
     pub metrics: MetricsSettings,
     /// The file this config was read from (for messages).
@@ -122,44 +121,24 @@ pub struct ServeSettings {
 }
 
 /// What every CreateVolume, NodeStage and NodePublish asks for.
-#[derive(Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VolumeConfig {
+#[derive(Clone, Default)]
+pub struct CsiVolumeSettings {
     /// Prefix of the CSI volume name; the rest is the Cube volume_id.
-    #[serde(default = "default_name_prefix")]
     pub name_prefix: String,
     /// CreateVolume capacity_range.required_bytes; 0 leaves it unset.
-    #[serde(default)]
     pub capacity_bytes: u64,
-    #[serde(default)]
     pub access_mode: AccessMode,
     /// VolumeCapability.mount.fs_type; empty lets the driver choose.
-    #[serde(default)]
     pub fs_type: String,
     /// VolumeCapability.mount.mount_flags. May hold credentials: never logged.
-    #[serde(default)]
     pub mount_flags: Vec<String>,
     /// CreateVolume parameters (a StorageClass's `parameters`).
-    #[serde(default)]
     pub parameters: BTreeMap<String, String>,
 }
 
-impl Default for VolumeConfig {
-    fn default() -> Self {
-        Self {
-            name_prefix: default_name_prefix(),
-            capacity_bytes: 0,
-            access_mode: AccessMode::default(),
-            fs_type: String::new(),
-            mount_flags: Vec::new(),
-            parameters: BTreeMap::new(),
-        }
-    }
-}
-
-impl fmt::Debug for VolumeConfig {
+impl fmt::Debug for CsiVolumeSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("VolumeConfig")
+        f.debug_struct("CsiVolumeSettings")
             .field("name_prefix", &self.name_prefix)
             .field("capacity_bytes", &self.capacity_bytes)
             .field("access_mode", &self.access_mode)
@@ -174,24 +153,19 @@ impl fmt::Debug for VolumeConfig {
 }
 
 /// CSI secrets per call family, as a StorageClass's secret references would give them.
-#[derive(Clone, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct SecretsConfig {
+#[derive(Clone, Default)]
+pub struct SecretsSettings {
     /// CreateVolume and DeleteVolume.
-    #[serde(default)]
     pub provisioner: BTreeMap<String, String>,
     /// ControllerPublishVolume and ControllerUnpublishVolume.
-    #[serde(default)]
     pub controller_publish: BTreeMap<String, String>,
     /// NodeStageVolume.
-    #[serde(default)]
     pub node_stage: BTreeMap<String, String>,
     /// NodePublishVolume.
-    #[serde(default)]
     pub node_publish: BTreeMap<String, String>,
 }
 
-impl SecretsConfig {
+impl SecretsSettings {
     /// Every secret value, for tests and log scrubbing checks.
     pub fn values(&self) -> impl Iterator<Item = &str> {
         [
@@ -209,10 +183,10 @@ impl SecretsConfig {
     }
 }
 
-impl fmt::Debug for SecretsConfig {
+impl fmt::Debug for SecretsSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let keys = |m: &BTreeMap<String, String>| m.keys().cloned().collect::<Vec<_>>();
-        f.debug_struct("SecretsConfig")
+        f.debug_struct("SecretsSettings")
             .field("provisioner_keys", &keys(&self.provisioner))
             .field("controller_publish_keys", &keys(&self.controller_publish))
             .field("node_stage_keys", &keys(&self.node_stage))
@@ -254,42 +228,24 @@ pub enum ControllerStoreKind {
 }
 
 /// The Kubernetes API: where it is, and what the bridge reads from it.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KubernetesConfig {
+#[derive(Debug, Clone, Default)]
+pub struct KubernetesSettings {
     /// A kubeconfig file. Unset: `$KUBECONFIG` or `~/.kube/config` when there is one, else
     /// the pod's service account (kube's order: on a host with an admin kubeconfig in
     /// root's home, set this to the bridge's own).
-    #[serde(default)]
     pub kubeconfig: Option<PathBuf>,
     /// Namespace of the CubeVolume objects. Unset: the service account's namespace (or
     /// the kubeconfig context's), else `default`.
-    #[serde(default)]
     pub namespace: Option<String>,
     /// Take CreateVolume parameters, mount options, fstype and secrets from this
     /// StorageClass instead of `[volume]` and `[secrets]`.
-    #[serde(default)]
     pub storage_class: Option<String>,
     /// How long a StorageClass and its Secrets are reused before being read again.
-    #[serde(default = "default_kube_cache_secs")]
-    pub cache_secs: u64,
+    pub cache: Duration,
     /// The Secret (in the CubeVolume namespace) holding the key controller records are
     /// signed with; the bridge makes it on first use. Only the controller side reads it.
     /// Default: `cube-csi-bridge-<driver>-record-key` (see `Config::record_key_secret`).
-    #[serde(default)]
     pub record_key_secret: Option<String>,
-}
-
-impl Default for KubernetesConfig {
-    fn default() -> Self {
-        Self {
-            kubeconfig: None,
-            namespace: None,
-            storage_class: None,
-            cache_secs: default_kube_cache_secs(),
-            record_key_secret: None,
-        }
-    }
 }
 
 /// Whose view of the mount table decides that a host_path is really mounted.
@@ -388,75 +344,18 @@ pub enum VolumeIdLabels {
 }
 
 /// Per-hook budgets: all CSI calls and retries of one hook fit in its budget.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TimeoutsConfig {
-    #[serde(default = "default_create_secs")]
-    pub create_secs: u64,
-    #[serde(default = "default_destroy_secs")]
-    pub destroy_secs: u64,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimeoutSettings {
+    pub create: Duration,
+    pub destroy: Duration,
     /// Cube's Attach shares the sandbox create deadline (300 s by default).
-    #[serde(default = "default_attach_secs")]
-    pub attach_secs: u64,
+    pub attach: Duration,
     /// Cube gives Detach about 30 s on sandbox destroy and 10 s on create failover.
-    #[serde(default = "default_detach_secs")]
-    pub detach_secs: u64,
+    pub detach: Duration,
     /// Extra time a failed Attach or Create may spend undoing its own work.
-    #[serde(default = "default_rollback_secs")]
-    pub rollback_secs: u64,
+    pub rollback: Duration,
 }
 
-impl Default for TimeoutsConfig {
-    fn default() -> Self {
-        Self {
-            create_secs: default_create_secs(),
-            destroy_secs: default_destroy_secs(),
-            attach_secs: default_attach_secs(),
-            detach_secs: default_detach_secs(),
-            rollback_secs: default_rollback_secs(),
-        }
-    }
-}
-
-impl TimeoutsConfig {
-    pub fn create(&self) -> Duration {
-        Duration::from_secs(self.create_secs)
-    }
-    pub fn destroy(&self) -> Duration {
-        Duration::from_secs(self.destroy_secs)
-    }
-    pub fn attach(&self) -> Duration {
-        Duration::from_secs(self.attach_secs)
-    }
-    pub fn detach(&self) -> Duration {
-        Duration::from_secs(self.detach_secs)
-    }
-    pub fn rollback(&self) -> Duration {
-        Duration::from_secs(self.rollback_secs)
-    }
-}
-
-fn default_name_prefix() -> String {
-    "cube-".into()
-}
-fn default_create_secs() -> u64 {
-    300
-}
-fn default_destroy_secs() -> u64 {
-    300
-}
-fn default_attach_secs() -> u64 {
-    120
-}
-fn default_detach_secs() -> u64 {
-    25
-}
-fn default_rollback_secs() -> u64 {
-    20
-}
-fn default_kube_cache_secs() -> u64 {
-    30
-}
 const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 const DEFAULT_SWEEP_INTERVAL_SECS: u64 = 300;
 /// An abandoned Create is judged only well after any Create could still be running.
@@ -707,21 +606,27 @@ impl Checker<'_> {
         }
         let csi = self.csi(raw.csi)?;
         let serve = self.serve(raw.serve, &driver)?;
-        self.volume(&raw.volume)?;
+        let volume = self.volume(raw.volume)?;
         let state = self.state(raw.state, &driver)?;
         let node = self.node(raw.node)?;
-        self.timeouts(&raw.timeouts)?;
+        let timeouts = self.timeouts(&raw.timeouts)?;
         let controller = self.controller(raw.controller, &raw.timeouts)?;
+        let kubernetes = self.kubernetes_settings(raw.kubernetes)?;
         let config = Config {
             driver,
             csi,
             serve,
-            volume: raw.volume,
-            secrets: raw.secrets,
+            volume,
+            secrets: SecretsSettings {
+                provisioner: raw.secrets.provisioner,
+                controller_publish: raw.secrets.controller_publish,
+                node_stage: raw.secrets.node_stage,
+                node_publish: raw.secrets.node_publish,
+            },
             state,
             node,
-            timeouts: raw.timeouts,
-            kubernetes: raw.kubernetes,
+            timeouts,
+            kubernetes,
             controller,
             metrics,
             source: self.path.to_path_buf(),
@@ -820,7 +725,7 @@ impl Checker<'_> {
         })
     }
 
-    fn volume(&self, volume: &VolumeConfig) -> Result<(), ConfigError> {
+    fn volume(&self, volume: file::VolumeFile) -> Result<CsiVolumeSettings, ConfigError> {
         let prefix = &volume.name_prefix;
         if prefix.len() > 64 || prefix.chars().any(char::is_control) {
             return Err(self.invalid(
@@ -835,7 +740,14 @@ impl Checker<'_> {
                 format!("must be at most {}", i64::MAX),
             ));
         }
-        Ok(())
+        Ok(CsiVolumeSettings {
+            name_prefix: volume.name_prefix,
+            capacity_bytes: volume.capacity_bytes,
+            access_mode: volume.access_mode,
+            fs_type: volume.fs_type,
+            mount_flags: volume.mount_flags,
+            parameters: volume.parameters,
+        })
     }
 
     fn state(&self, raw: file::StateFile, driver: &str) -> Result<StateSettings, ConfigError> {
@@ -923,7 +835,7 @@ impl Checker<'_> {
         })
     }
 
-    fn timeouts(&self, t: &TimeoutsConfig) -> Result<(), ConfigError> {
+    fn timeouts(&self, t: &file::TimeoutsFile) -> Result<TimeoutSettings, ConfigError> {
         for (value, field) in [
             (t.create_secs, "timeouts.create_secs"),
             (t.destroy_secs, "timeouts.destroy_secs"),
@@ -935,13 +847,19 @@ impl Checker<'_> {
                 return Err(self.invalid(field, "must be between 1 and 3600 seconds"));
             }
         }
-        Ok(())
+        Ok(TimeoutSettings {
+            create: Duration::from_secs(t.create_secs),
+            destroy: Duration::from_secs(t.destroy_secs),
+            attach: Duration::from_secs(t.attach_secs),
+            detach: Duration::from_secs(t.detach_secs),
+            rollback: Duration::from_secs(t.rollback_secs),
+        })
     }
 
     fn controller(
         &self,
         raw: file::ControllerFile,
-        timeouts: &TimeoutsConfig,
+        timeouts: &file::TimeoutsFile,
     ) -> Result<ControllerSettings, ConfigError> {
         let interval = raw
             .sweep_interval_secs
@@ -1011,6 +929,23 @@ impl Checker<'_> {
         })
     }
 
+    fn kubernetes_settings(
+        &self,
+        raw: file::KubernetesFile,
+    ) -> Result<KubernetesSettings, ConfigError> {
+        if raw.cache_secs > 3600 {
+            return Err(self.invalid("kubernetes.cache_secs", "must be at most 3600"));
+        }
+        Ok(KubernetesSettings {
+            kubeconfig: raw.kubeconfig,
+            namespace: raw.namespace,
+            storage_class: raw.storage_class,
+            cache: Duration::from_secs(raw.cache_secs),
+            record_key_secret: raw.record_key_secret,
+        })
+    }
+
+    /// What the Kubernetes settings ask of the rest of the config.
     fn kubernetes(&self, config: &Config) -> Result<(), ConfigError> {
         let k = &config.kubernetes;
         if let Some(path) = &k.kubeconfig
@@ -1028,9 +963,6 @@ impl Checker<'_> {
                 "kubernetes.namespace",
                 format!("{ns:?} is not a Kubernetes namespace name (a DNS-1123 label)"),
             ));
-        }
-        if k.cache_secs > 3600 {
-            return Err(self.invalid("kubernetes.cache_secs", "must be at most 3600"));
         }
         if let Some(name) = &k.record_key_secret
             && !is_dns_subdomain(name)
@@ -1334,7 +1266,7 @@ access_mode = "single_node_writer"
             [PathBuf::from(DEFAULT_VOLUME_BASE_DIR)]
         );
         assert_eq!(c.node.mount_view, MountViewSetting::Auto);
-        assert_eq!(c.timeouts.detach_secs, 25);
+        assert_eq!(c.timeouts.detach, Duration::from_secs(25));
         assert_eq!(
             c.csi.controller(),
             &Endpoint::Unix("/run/csi/nfs.sock".into())
@@ -1431,7 +1363,7 @@ access_mode = "single_node_writer"
         ))
         .unwrap();
         assert!(c.uses_kubernetes());
-        assert_eq!(c.kubernetes.cache_secs, 30);
+        assert_eq!(c.kubernetes.cache, Duration::from_secs(30));
         assert!(!parse(MINIMAL).unwrap().uses_kubernetes());
         let err = parse(&format!(
             "{MINIMAL}[kubernetes]\nstorage_class = \"nfs-csi\"\n[volume]\nmount_flags = [\"nfsvers=4.1\"]\n"

@@ -3,7 +3,7 @@
 
 use async_trait::async_trait;
 
-use super::{SecretsConfig, VolumeConfig};
+use super::{CsiVolumeSettings, SecretsSettings};
 use crate::bridge::ports::{
     Capability, SecretUse, Secrets, SettingsError, VolumeSettings, VolumeSpec,
 };
@@ -12,12 +12,12 @@ use crate::bridge::records::DeletionPolicy;
 /// `[volume]` and `[secrets]` of the config file.
 #[derive(Debug, Clone)]
 pub struct ConfigSettings {
-    volume: VolumeConfig,
-    secrets: SecretsConfig,
+    volume: CsiVolumeSettings,
+    secrets: SecretsSettings,
 }
 
 impl ConfigSettings {
-    pub fn new(volume: &VolumeConfig, secrets: &SecretsConfig) -> Self {
+    pub fn new(volume: &CsiVolumeSettings, secrets: &SecretsSettings) -> Self {
         Self {
             volume: volume.clone(),
             secrets: secrets.clone(),

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::config::KubernetesConfig;
+use crate::config::KubernetesSettings;
 
 pub use storage_class::{ResolvedClass, StorageClassSource};
 pub use volumes::{CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION, CubeVolumeStore};
@@ -85,7 +85,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The bridge's connection to the API server, made on first use and then shared.
 pub struct Kube {
-    settings: KubernetesConfig,
+    settings: KubernetesSettings,
     connected: tokio::sync::OnceCell<(kube::Client, String)>,
 }
 
@@ -99,7 +99,7 @@ impl std::fmt::Debug for Kube {
 }
 
 impl Kube {
-    pub fn new(settings: &KubernetesConfig) -> Self {
+    pub fn new(settings: &KubernetesSettings) -> Self {
         Self {
             settings: settings.clone(),
             connected: tokio::sync::OnceCell::new(),
