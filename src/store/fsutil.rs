@@ -21,19 +21,25 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: Option<&DirSync>) -> io:
         path.file_name().and_then(|n| n.to_str()).unwrap_or("state"),
         std::process::id()
     ));
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    file.write_all(bytes)?;
-    if durable.is_some() {
-        // The data and the size; the rename below is made durable by the directory's sync.
-        file.sync_data()?;
-    }
-    drop(file);
-    if let Err(e) = std::fs::rename(&tmp, path) {
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(bytes)?;
+        if durable.is_some() {
+            // The data and the size; the rename below is made durable by the directory's
+            // sync.
+            file.sync_data()?;
+        }
+        drop(file);
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        // A write cut short by a full disk must not leave its temporary file (and the
+        // pages it took) behind for every later write to trip over.
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
