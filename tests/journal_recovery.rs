@@ -243,6 +243,7 @@ async fn an_attach_whose_last_save_fails_on_a_full_disk_is_rolled_back_before_it
             .await
             .unwrap();
         let filler = fill(&state, 1);
+        w.driver.clear_calls();
         let err = w
             .attach("s1", "full", 0, pd)
             .await
@@ -251,6 +252,17 @@ async fn an_attach_whose_last_save_fails_on_a_full_disk_is_rolled_back_before_it
             err.message.contains("No space left"),
             "{mode:?}: {}",
             err.message
+        );
+        // The record fitted before the calls; the last save after them did not.
+        assert_eq!(
+            w.driver.mutating_calls(),
+            [
+                "NodeStageVolume",
+                "NodePublishVolume",
+                "NodeUnpublishVolume",
+                "NodeUnstageVolume"
+            ],
+            "{mode:?}"
         );
         assert!(
             volume_mounts(&w).is_empty(),
