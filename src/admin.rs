@@ -301,11 +301,15 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             let _ = writeln!(out, "{}\t?\t?\t?\t?\t{error}\t", v.volume_id);
             continue;
         }
-        let holders: Vec<String> = v
+        let mut holders: Vec<String> = v
             .holders
             .iter()
             .flat_map(|(ns, sandboxes)| sandboxes.iter().map(move |sb| format!("{ns}/{sb}")))
             .collect();
+        if v.holders_unknown {
+            // Its record was lost: others may hold it too (see docs/reliability.md).
+            holders.insert(0, "UNKNOWN".into());
+        }
         let _ = writeln!(
             out,
             "{}\t{}\t{}\t{}\t{}\t{}\t{}",

@@ -28,6 +28,9 @@ pub struct NodeVolume {
     pub publish: &'static str,
     /// Sandboxes by containerd namespace.
     pub holders: BTreeMap<String, BTreeSet<String>>,
+    /// The record was rebuilt after it was lost: `holders` are only those seen since, and
+    /// the volume stays mounted until an operator releases it.
+    pub holders_unknown: bool,
     /// Seconds since the epoch of the first attach in this record (0 = unknown).
     pub since: u64,
     /// `mounted`, `missing`, or `unchecked` (mount checks disabled).
@@ -61,6 +64,7 @@ pub async fn node_volumes(
                     stage: r.stage.as_str(),
                     publish: r.publish.as_str(),
                     holders: r.holders,
+                    holders_unknown: r.holders_unknown,
                     since: r.since,
                     mount,
                     error: None,
@@ -76,6 +80,7 @@ pub async fn node_volumes(
                 stage: "?",
                 publish: "?",
                 holders: BTreeMap::new(),
+                holders_unknown: false,
                 since: 0,
                 mount: "unknown",
                 error: Some(e.to_string()),

@@ -219,7 +219,10 @@ impl NodeSide {
     }
 
     /// The record of a volume. An unreadable one (a torn write after a power loss) is
-    /// rebuilt from the mount table at `paths`, so the volume never stays unattachable.
+    /// rebuilt from the mount table at `paths` and its holders from the holder log, so
+    /// the volume never stays unattachable. When the log cannot say who holds the volume
+    /// either, the record is marked so, and no Detach tears the volume down while it may
+    /// be mounted: another namespace may still use it.
     async fn load_or_rebuild(
         &self,
         volume_id: &str,
@@ -230,12 +233,30 @@ impl NodeSide {
         match self.node_journal().load(volume_id) {
             Ok(found) => Ok(found),
             Err(JournalError::Corrupt { path, message }) => {
-                tracing::error!(
-                    record = %path.display(),
-                    %message,
-                    "node journal record unusable; rebuilding it from the mount table"
-                );
                 let mut record = NodeRecord::new(volume_id, csi_volume_id, paths.target.clone());
+                match self.node_journal().load_holders(volume_id) {
+                    Ok(Some(holders)) => {
+                        tracing::error!(
+                            record = %path.display(),
+                            %message,
+                            "node journal record unusable; rebuilding it from the mount table and its holder log"
+                        );
+                        record.holders = holders;
+                    }
+                    found => {
+                        let log_error = found.err().map(|e| e.to_string());
+                        tracing::error!(
+                            record = %path.display(),
+                            %message,
+                            log_error,
+                            "node journal record unusable and its holder log cannot say who \
+                             holds the volume: rebuilt with holders unknown. It stays mounted \
+                             whatever Detach comes; once no sandbox uses it, release it with \
+                             `cube-csi-bridge holders release`"
+                        );
+                        record.holders_unknown = true;
+                    }
+                }
                 record.boot_id = self.boot_id.clone();
                 if self.visibility(&paths.target, deadline).await? != Visibility::NotMounted {
                     record.publish = Step::Uncertain;
@@ -243,6 +264,11 @@ impl NodeSide {
                 if path_exists(&paths.staging).await {
                     record.staging_path = Some(paths.staging.clone());
                     record.stage = Step::Uncertain;
+                }
+                // The unreadable file goes now, so that `list` shows the rebuilt record and
+                // its holder state; a failure here leaves it for the next save.
+                if let Err(error) = self.node_journal().save(&record, false) {
+                    tracing::warn!(%error, "could not write the rebuilt record yet");
                 }
                 Ok(Some(record))
             }
@@ -410,12 +436,19 @@ impl NodeSide {
                 Ok(()) if caller.is_gone() => Err(BridgeError::CallerGone),
                 other => other,
             };
-            let result = match established {
+            // The holder is recorded by the last save. If that save fails (a full disk),
+            // the Attach fails, and Cube will never Detach it: it is undone like any other
+            // failed Attach before answering, not left to the next scan.
+            let established = match established {
                 Ok(()) => {
-                    change.apply(&mut record.holders);
-                    self.save(HookKind::Attach, &record, false).await?;
-                    Ok(attached(&record, &req.volume_id))
+                    let mut held = record.clone();
+                    change.apply(&mut held.holders);
+                    self.save(HookKind::Attach, &held, false).await.map(|()| held)
                 }
+                Err(error) => Err(error),
+            };
+            let result = match established {
+                Ok(held) => Ok(attached(&held, &req.volume_id)),
                 Err(error) => {
                     let rollback = Deadline::after(self.config.timeouts.rollback);
                     match self
@@ -590,7 +623,8 @@ impl NodeSide {
         record.holders = others;
         self.undo_steps(HookKind::Attach, record, steps, deadline)
             .await?;
-        self.save(HookKind::Attach, record, false).await
+        self.save_progress(HookKind::Attach, record).await;
+        Ok(())
     }
 
     /// The calls of a first (or repaired) Attach, recording each step before making it.
@@ -712,6 +746,25 @@ impl NodeSide {
                 .await?;
         }
 
+        if previous_publish.needs_undo()
+            && self.visibility(&paths.target, deadline).await? == Visibility::NotMounted
+        {
+            // The mount was lost behind the driver's back, and the driver may still count
+            // that publish (csi-driver-host-path lists published targets and refuses
+            // NodeUnstage while any is left): publishing again would count the target
+            // twice, and teardown's one NodeUnpublish would leave it published for good.
+            check_caller(caller)?;
+            faults::point(hook, When::Before, "NodeUnpublishVolume");
+            let reply = self
+                .driver
+                .node()
+                .unpublish(&record.csi_volume_id, &paths.target, deadline)
+                .await;
+            faults::point(hook, When::After, "NodeUnpublishVolume");
+            self.undo_result(reply, &paths.target, "NodeUnpublishVolume", deadline)
+                .await?;
+        }
+
         check_caller(caller)?;
         let staged = record.staging_path.as_deref().filter(|_| plan.stage);
         let checked = match staged {
@@ -825,9 +878,29 @@ impl NodeSide {
                         if self.is_from_earlier_boot(&record) {
                             // Its holders died with the earlier boot.
                             record.holders.clear();
+                            record.holders_unknown = false;
                         }
                         let mut holders = record.holders.clone();
                         change.apply(&mut holders);
+                        if req.ref_count == 0
+                            && holders.is_empty()
+                            && record.holders_unknown
+                            && self.visibility(&record.target_path, &deadline).await?
+                                != Visibility::NotMounted
+                        {
+                            // Nobody this record knows of holds it, but its record was lost
+                            // with the holders of other namespaces: tearing it down could
+                            // unmount it under them. It stays, for an operator to release.
+                            self.record_holder_change(&mut record, &change)?;
+                            tracing::warn!(
+                                host_path = %record.target_path.display(),
+                                "last Detach of a volume whose holders are unknown (its journal \
+                                 record was lost): left mounted, since another namespace may \
+                                 use it; once none does, release it with \
+                                 `cube-csi-bridge holders release`"
+                            );
+                            return Ok(());
+                        }
                         if req.ref_count > 0 || !holders.is_empty() {
                             self.record_holder_change(&mut record, &change)?;
                             tracing::debug!(
@@ -883,7 +956,8 @@ impl NodeSide {
         // page cache, and after a power loss the record is from an earlier boot and is torn
         // down anyway.)
         record.holders.clear();
-        self.save(hook, record, false).await?;
+        record.holders_unknown = false;
+        self.save_progress(hook, record).await;
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
         faults::point(hook, When::Before, "journal");
@@ -894,8 +968,18 @@ impl NodeSide {
         Ok(())
     }
 
-    /// NodeUnpublish (when anything may be mounted, unless `which` keeps others' mount),
-    /// then the steps in `which`.
+    /// Records teardown progress. A save that fails (a full disk) does not stop the
+    /// teardown: the record on disk then still names steps this one has undone, or holders
+    /// that are leaving, and a later teardown only repeats idempotent undo calls; stopping
+    /// would leave the volume mounted for nobody. The final unlink needs no space.
+    async fn save_progress(&self, hook: HookKind, record: &NodeRecord) {
+        if let Err(error) = self.save(hook, record, false).await {
+            tracing::warn!(%error, "could not record teardown progress; undoing the rest anyway");
+        }
+    }
+
+    /// NodeUnpublish (when anything may be mounted or the driver may still count a
+    /// publish, unless `which` keeps others' mount), then the steps in `which`.
     async fn undo_steps(
         &self,
         hook: HookKind,
@@ -906,13 +990,31 @@ impl NodeSide {
         let target = record.target_path.clone();
         let base = base_of(&target);
         if which.publish {
-            if record.publish.needs_undo()
-                || self.visibility(&target, deadline).await? != Visibility::NotMounted
-            {
-                // Never an unmount of a path that fails its check: the driver would unmount
-                // whatever a symlink there leads to. The volume stays pending, with the
-                // refusal as its error, until the path is repaired.
-                self.verify(&base, &[&target], deadline).await?;
+            // While the stage is to be undone, the driver may refuse NodeUnstage over a
+            // publish it still counts although the record says none (a record rebuilt
+            // without its steps, or a repair by an older build that published twice):
+            // NodeUnpublish is idempotent, so it is sent again.
+            let published = record.publish.needs_undo()
+                || self.visibility(&target, deadline).await? != Visibility::NotMounted;
+            let may_count = which.stage && record.stage.needs_undo();
+            // Never an unmount of a path that fails its check: the driver would unmount
+            // whatever a symlink there leads to. Where something may be published there, the
+            // volume stays pending, with the refusal as its error, until the path is
+            // repaired; where the call would only be the extra one, it is left out (nothing
+            // was published onto a path that fails its check: it was checked first).
+            let checked = if published || may_count {
+                match self.verify(&base, &[&target], deadline).await {
+                    Ok(()) => true,
+                    Err(error) if !published => {
+                        tracing::warn!(%error, "not sending the extra NodeUnpublishVolume to a path that fails its check");
+                        false
+                    }
+                    Err(error) => return Err(error),
+                }
+            } else {
+                false
+            };
+            if checked {
                 faults::point(hook, When::Before, "NodeUnpublishVolume");
                 let reply = self
                     .driver
@@ -923,7 +1025,7 @@ impl NodeSide {
                 self.undo_result(reply, &target, "NodeUnpublishVolume", deadline)
                     .await?;
                 record.publish = Step::Absent;
-                self.save(hook, record, false).await?;
+                self.save_progress(hook, record).await;
             }
             remove_dir(&self.host_paths, &base, &target, true, deadline).await?;
         }
@@ -945,7 +1047,7 @@ impl NodeSide {
                 self.undo_result(reply, &staging, "NodeUnstageVolume", deadline)
                     .await?;
                 record.stage = Step::Absent;
-                self.save(hook, record, false).await?;
+                self.save_progress(hook, record).await;
             }
             remove_dir(&self.host_paths, &base, &staging, true, deadline).await?;
             if let Some(parent) = staging.parent() {
@@ -965,7 +1067,7 @@ impl NodeSide {
             faults::point(hook, When::After, "ControllerUnpublishVolume");
             self.driver.driver(reply).await?;
             record.controller_publish = Step::Absent;
-            self.save(hook, record, false).await?;
+            self.save_progress(hook, record).await;
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::Deadline;
-use super::records::{DeletionPolicy, HolderChange, NodeRecord, VolumeRecord};
+use super::records::{DeletionPolicy, HolderChange, Holders, NodeRecord, VolumeRecord};
 use super::types::AccessMode;
 
 /// A map of CSI secrets (or anything else that must never be printed). Debug shows the
@@ -444,8 +444,16 @@ pub trait NodeJournal: Send + Sync + fmt::Debug {
     /// Writes `record` (holders included) and empties its holder log; `durable` waits
     /// until it is on disk (before a CSI call).
     fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError>;
-    /// Records one holder change cheaply; returns the log's size afterwards, so that the
-    /// core can fold a long log into the record (`HOLDER_LOG_LIMIT`).
+    /// The holders the holder log alone says, when it is complete on its own (it begins
+    /// with the snapshot its record's last save wrote); None when it is absent, partial or
+    /// unreadable. Lets a record that cannot be read be rebuilt without losing holders.
+    fn load_holders(&self, volume_id: &str) -> Result<Option<Holders>, JournalError> {
+        let _ = volume_id;
+        Ok(None)
+    }
+    /// Records one holder change cheaply; returns the size of the changes logged since the
+    /// last save, so that the core can fold a long log into the record
+    /// (`HOLDER_LOG_LIMIT`).
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError>;
     /// Forgets `volume_id` (after a complete teardown).
     fn remove(&self, volume_id: &str) -> Result<(), JournalError>;

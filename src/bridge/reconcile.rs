@@ -7,7 +7,8 @@
 //!   Detach will come for the sandboxes that died, so it is torn down when nothing is
 //!   mounted any more;
 //! - a record nobody holds (an Attach that never answered, a teardown that stopped half
-//!   way): torn down;
+//!   way): torn down, unless its holders are unknown (its record was lost) and it may be
+//!   mounted: then it is reported and left for an operator;
 //! - a held record whose mount is gone or whose steps are uncertain: re-established;
 //! - a held, mounted record: healthy.
 
@@ -38,6 +39,9 @@ pub struct ReconcileReport {
     pub repaired: usize,
     /// Held but not mounted, and repairing it failed (reported, retried next pass).
     pub mount_lost: usize,
+    /// Rebuilt after its record was lost, with holders unknown, and maybe mounted: left
+    /// mounted for an operator to release (reported every pass).
+    pub holders_unknown: usize,
     pub failed: usize,
     /// Busy with a live hook (Abandoned scope only).
     pub skipped: usize,
@@ -56,6 +60,7 @@ enum Outcome {
     EarlierBoot,
     Repaired,
     MountLost,
+    HoldersUnknown,
     Skipped,
 }
 
@@ -86,6 +91,7 @@ impl NodeSide {
                 Ok(Outcome::EarlierBoot) => report.earlier_boot += 1,
                 Ok(Outcome::Repaired) => report.repaired += 1,
                 Ok(Outcome::MountLost) => report.mount_lost += 1,
+                Ok(Outcome::HoldersUnknown) => report.holders_unknown += 1,
                 Ok(Outcome::Skipped) => report.skipped += 1,
                 Err(error) => {
                     span.in_scope(|| {
@@ -100,6 +106,7 @@ impl NodeSide {
             ("earlier_boot", report.earlier_boot),
             ("repaired", report.repaired),
             ("mount_lost", report.mount_lost),
+            ("holders_unknown", report.holders_unknown),
             ("failed", report.failed),
         ] {
             self.recorder.reconcile_finding(finding, count);
@@ -155,6 +162,17 @@ impl NodeSide {
             self.teardown(HookKind::Detach, &mut record, &deadline)
                 .await?;
             return Ok(Outcome::EarlierBoot);
+        }
+
+        if !record.is_held() && record.holders_unknown && mounted != Visibility::NotMounted {
+            tracing::warn!(
+                target = %record.target_path.display(),
+                "a volume whose holders are unknown (its journal record was lost) stays \
+                 mounted: another namespace may use it; once none does, release it with \
+                 `cube-csi-bridge holders release`"
+            );
+            journal.clear_pending(volume_id)?;
+            return Ok(Outcome::HoldersUnknown);
         }
 
         if !record.is_held() {

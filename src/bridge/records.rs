@@ -134,6 +134,11 @@ pub struct NodeRecord {
     /// When the volume was first attached in this record (seconds since the epoch).
     #[serde(default)]
     pub since: u64,
+    /// The record was rebuilt after its file and holder log were lost: `holders` lists only
+    /// the holders seen since, and other namespaces may hold the volume too. No Detach
+    /// tears such a volume down while it may be mounted; an operator releases it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub holders_unknown: bool,
 }
 
 impl NodeRecord {
@@ -153,6 +158,7 @@ impl NodeRecord {
             holders: Holders::new(),
             boot_id: String::new(),
             since: 0,
+            holders_unknown: false,
         }
     }
 

@@ -127,6 +127,9 @@ struct DriverState {
     node_ids: Vec<String>,
     /// Set by a scripted LostAnswer: the call in progress answers UNAVAILABLE after its work.
     lose_answer: bool,
+    /// With `Fake::counts_publishes`: publishes of each target not unpublished since, as
+    /// csi-driver-host-path lists them.
+    published: BTreeMap<PathBuf, usize>,
 }
 
 /// What another user put under the base dir, as the fake's `HostPaths` sees it.
@@ -150,6 +153,10 @@ struct Fake {
     stage: bool,
     controller_publish: bool,
     unchecked: bool,
+    /// Count publishes per target like csi-driver-host-path: a NodePublish onto a target
+    /// that is not mounted counts again, NodeUnpublish uncounts one, and NodeUnstage fails
+    /// while any publish is counted.
+    counts_publishes: bool,
 }
 
 impl Fake {
@@ -161,7 +168,26 @@ impl Fake {
             stage,
             controller_publish,
             unchecked: false,
+            counts_publishes: false,
         }
+    }
+
+    /// [`Fake::new`] counting publishes (see `counts_publishes`).
+    fn counting(stage: bool) -> Self {
+        Self {
+            counts_publishes: true,
+            ..Self::new(stage, false)
+        }
+    }
+
+    fn published(&self, target: &Path) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .published
+            .get(target)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn script(&self, call: &'static str, fault: Fault) {
@@ -372,6 +398,21 @@ impl NodeDriver for Fake {
             Ok(false) => return Ok(Undone::Done),
             other => other?,
         };
+        if self
+            .state
+            .lock()
+            .unwrap()
+            .published
+            .values()
+            .any(|n| *n > 0)
+        {
+            return Err(error(
+                "NodeUnstageVolume",
+                "FailedPrecondition",
+                9,
+                Finality::Final,
+            ));
+        }
         self.mounted.lock().unwrap().remove(path);
         Ok(Undone::Done)
     }
@@ -386,10 +427,20 @@ impl NodeDriver for Fake {
                     ..
                 })
         ) {
-            self.mounted
+            let fresh = self
+                .mounted
                 .lock()
                 .unwrap()
                 .insert(call.target_path.clone());
+            if fresh && self.counts_publishes {
+                *self
+                    .state
+                    .lock()
+                    .unwrap()
+                    .published
+                    .entry(call.target_path.clone())
+                    .or_default() += 1;
+            }
             std::fs::create_dir_all(&call.target_path).unwrap();
         }
         entered.map(|_| ())
@@ -402,6 +453,9 @@ impl NodeDriver for Fake {
         };
         self.mounted.lock().unwrap().remove(path);
         let _ = std::fs::remove_dir(path);
+        if let Some(count) = self.state.lock().unwrap().published.get_mut(path) {
+            *count = count.saturating_sub(1);
+        }
         Ok(Undone::Done)
     }
     async fn volume_stats(
@@ -789,9 +843,16 @@ async fn a_failed_first_attach_undoes_its_stage_and_leaves_nothing() {
     w.fake.script("NodePublishVolume", Fault::Final);
     let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
     assert!(err.to_string().contains("NodePublishVolume"), "{err}");
+    // NodeUnpublish too: while a stage is undone, a publish the driver may still count is
+    // unpublished first (idempotent), whatever the record says.
     assert_eq!(
         w.fake.mutating_calls(),
-        ["NodeStageVolume", "NodePublishVolume", "NodeUnstageVolume"]
+        [
+            "NodeStageVolume",
+            "NodePublishVolume",
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume"
+        ]
     );
     w.assert_clean("v");
 }
@@ -1675,6 +1736,9 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
 struct FailingSaves {
     inner: crate::store::FileJournal,
     fail: std::sync::atomic::AtomicBool,
+    /// The disk fills up right after the next durable save (the one before the first CSI
+    /// call): every later save fails.
+    fill_after_durable: std::sync::atomic::AtomicBool,
 }
 
 impl NodeJournal for FailingSaves {
@@ -1682,13 +1746,18 @@ impl NodeJournal for FailingSaves {
         self.inner.load(volume_id)
     }
     fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
-        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.fail.load(SeqCst) {
             return Err(JournalError::Io {
                 path: "record".into(),
                 source: std::io::Error::from_raw_os_error(28),
             });
         }
-        self.inner.save(record, durable)
+        self.inner.save(record, durable)?;
+        if durable && self.fill_after_durable.swap(false, SeqCst) {
+            self.fail.store(true, SeqCst);
+        }
+        Ok(())
     }
     fn append_holder(
         &self,
@@ -1696,6 +1765,12 @@ impl NodeJournal for FailingSaves {
         change: &super::records::HolderChange,
     ) -> Result<u64, JournalError> {
         self.inner.append_holder(volume_id, change)
+    }
+    fn load_holders(
+        &self,
+        volume_id: &str,
+    ) -> Result<Option<super::records::Holders>, JournalError> {
+        self.inner.load_holders(volume_id)
     }
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         self.inner.remove(volume_id)
@@ -1714,31 +1789,40 @@ impl NodeJournal for FailingSaves {
     }
 }
 
+impl World {
+    /// Rewires the bridge over a journal whose saves fail on demand.
+    fn with_failing_saves(&mut self) -> Arc<FailingSaves> {
+        let config = Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n",
+                d = self.dir.path().display()
+            ),
+            Path::new("test.toml"),
+        )
+        .unwrap();
+        let journal = Arc::new(FailingSaves {
+            inner: crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
+            fail: Default::default(),
+            fill_after_durable: Default::default(),
+        });
+        self.bridge = sides_over(
+            &config,
+            &self.fake,
+            self.store.clone(),
+            Roles::BOTH,
+            ConfigSettings::new(&config.volume, &config.secrets),
+            journal.clone(),
+        );
+        journal
+    }
+}
+
 /// Once a hot Attach or Detach has appended its line, the change is kept: a fold of the
 /// long log into the record that fails (a full disk) does not fail the hook Cube sees.
 #[tokio::test]
 async fn a_failed_fold_after_the_holder_line_is_written_does_not_fail_the_hook() {
     let mut w = World::new(Fake::new(false, false));
-    let config = Config::parse(
-        &format!(
-            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n",
-            d = w.dir.path().display()
-        ),
-        Path::new("test.toml"),
-    )
-    .unwrap();
-    let journal = Arc::new(FailingSaves {
-        inner: crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
-        fail: Default::default(),
-    });
-    w.bridge = sides_over(
-        &config,
-        &w.fake,
-        w.store.clone(),
-        Roles::BOTH,
-        ConfigSettings::new(&config.volume, &config.secrets),
-        journal.clone(),
-    );
+    let journal = w.with_failing_saves();
     w.attach("v", "ns1", "holder", 0).await.unwrap();
     journal
         .fail
@@ -1887,7 +1971,12 @@ async fn a_detach_never_unstages_through_a_swapped_staging_dir() {
     w.fake.unplant(&dot_staging);
     w.fake.clear_calls();
     w.detach("v", "ns1", "s1", 0).await.unwrap();
-    assert_eq!(w.fake.mutating_calls(), ["NodeUnstageVolume"]);
+    // The unpublish again (idempotent), since the stage is still to be undone: a driver
+    // that counts publishes must not refuse the unstage.
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
     w.assert_clean("v");
 }
 
@@ -1913,4 +2002,232 @@ async fn a_symlink_below_the_base_is_named_before_a_mount_seen_through_it() {
     let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
     assert_refuses(&err, &dot_staging);
     assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+}
+
+// ---------------------------------------------------------------- issue 19: lost records, repaired mounts, full disks
+
+impl World {
+    fn record_file(&self, volume: &str) -> PathBuf {
+        self.dir.path().join(format!("state/node/{volume}.json"))
+    }
+
+    fn holder_log(&self, volume: &str) -> PathBuf {
+        self.dir.path().join(format!("state/node/{volume}.holders"))
+    }
+
+    async fn reconcile_all(&self) -> super::reconcile::ReconcileReport {
+        self.bridge
+            .node()
+            .unwrap()
+            .reconcile_node(super::reconcile::Scope::All)
+            .await
+            .unwrap()
+    }
+}
+
+/// Issue 19, defect 3: a lost record (emptied or truncated) is rebuilt with the holders
+/// its log's snapshot names, so one namespace's last Detach leaves the mount another
+/// namespace holds, whichever namespace attached first (the first one's holder is only in
+/// the snapshot, not among the logged changes).
+#[tokio::test]
+async fn a_lost_record_keeps_the_holders_of_other_namespaces() {
+    for (first, second) in [("nsA", "nsB"), ("nsB", "nsA")] {
+        let w = World::new(Fake::new(true, false));
+        w.attach("v", "nsA", "a", 0).await.unwrap();
+        w.attach("v", "nsB", "b", 0).await.unwrap();
+        std::fs::write(w.record_file("v"), b"").unwrap();
+        w.detach("v", first, "x", 0).await.unwrap();
+        assert!(
+            w.fake.is_mounted(&w.target("v")),
+            "{first}'s last Detach unmounted what {second} holds"
+        );
+        let record = w.record("v").unwrap();
+        assert!(!record.holders_unknown, "{record:?}");
+        assert_eq!(record.holders.keys().collect::<Vec<_>>(), [second]);
+        // Truncated this time: the rebuilt record's own snapshot still says who holds it.
+        std::fs::write(w.record_file("v"), b"{\"format\":2,\"vol").unwrap();
+        w.detach("v", second, "x", 0).await.unwrap();
+        w.assert_clean("v");
+    }
+}
+
+/// Issue 19, defect 3: when neither the record nor its log can say who holds the volume,
+/// the record is rebuilt marked so (`list` and the inventory show it), and no last Detach
+/// nor reconciliation pass tears down what may be mounted: it is kept and reported.
+#[tokio::test]
+async fn a_lost_record_whose_holders_cannot_be_known_is_never_torn_down_while_mounted() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    w.attach("v", "nsB", "b", 0).await.unwrap();
+    std::fs::write(w.record_file("v"), b"").unwrap();
+    std::fs::remove_file(w.holder_log("v")).unwrap();
+    w.fake.clear_calls();
+    w.detach("v", "nsA", "a", 0).await.unwrap();
+    assert!(
+        w.fake.is_mounted(&w.target("v")),
+        "nsB's mount was torn down"
+    );
+    let record = w.record("v").unwrap();
+    assert!(record.holders_unknown, "{record:?}");
+    let node = w.bridge.node().unwrap();
+    let listed = super::inventory::node_volumes(node.node_journal().as_ref(), &w.fake)
+        .await
+        .unwrap();
+    assert!(listed[0].holders_unknown, "{listed:?}");
+    // Neither the periodic scan nor nsB's own last Detach releases it: it needs an operator.
+    let report = w.reconcile_all().await;
+    assert_eq!(report.holders_unknown, 1, "{report:?}");
+    w.detach("v", "nsB", "b", 0).await.unwrap();
+    assert!(w.fake.is_mounted(&w.target("v")));
+    assert!(
+        !w.fake
+            .mutating_calls()
+            .iter()
+            .any(|c| c.starts_with("NodeUn")),
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+    // A later Attach keeps it attached (a new holder does not reveal the others).
+    w.attach("v", "nsC", "c", 0).await.unwrap();
+    assert!(w.record("v").unwrap().holders_unknown);
+    // Once nothing is mounted, nobody can be using it: the last Detach tears it down.
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    w.detach("v", "nsC", "c", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+/// Issue 19, defect 5: a lost mount is repaired by NodeUnpublish, then NodePublish, so a
+/// driver that counts publishes per target (csi-driver-host-path) counts it once, and the
+/// last Detach unstages; before, it counted two and NodeUnstage failed for good.
+#[tokio::test]
+async fn a_repaired_lost_mount_is_unpublished_before_it_is_published_again() {
+    let w = World::new(Fake::counting(true));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    w.fake.clear_calls();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeStageVolume",
+            "NodeUnpublishVolume",
+            "NodePublishVolume"
+        ]
+    );
+    assert_eq!(w.fake.published(&w.target("v")), 1);
+    w.detach("v", "ns1", "s2", 1).await.unwrap();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+
+    // The same repair by reconciliation (a daemon restart, the periodic scan).
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    assert_eq!(w.reconcile_all().await.repaired, 1);
+    assert_eq!(w.fake.published(&w.target("v")), 1);
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+/// Issue 19, defect 5: teardown unpublishes whenever the driver may still count the
+/// target, not only while the record says published: a volume left with two publishes
+/// counted (by an older build's repair) detaches on Cube's retry instead of failing with
+/// "still published" forever.
+#[tokio::test]
+async fn teardown_unpublishes_a_publish_the_record_no_longer_names() {
+    let w = World::new(Fake::counting(true));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    *w.fake
+        .state
+        .lock()
+        .unwrap()
+        .published
+        .get_mut(&w.target("v"))
+        .unwrap() = 2;
+    let err = w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(err.to_string().contains("NodeUnstageVolume"), "{err}");
+    assert_eq!(w.record("v").unwrap().publish, Step::Absent);
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
+    w.assert_clean("v");
+}
+
+/// Issue 19, defect 6: when the last journal write of an Attach fails (a full disk) after
+/// its CSI calls succeeded, the Attach is rolled back before it answers, although every
+/// save of the rollback fails too; nothing is left for the next scan.
+#[tokio::test]
+async fn an_attach_whose_last_save_fails_is_rolled_back_before_it_answers() {
+    let mut w = World::new(Fake::new(true, false));
+    let journal = w.with_failing_saves();
+    journal
+        .fill_after_durable
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(err.to_string().contains("os error 28"), "{err}");
+    assert!(
+        !matches!(err.error, BridgeError::RollbackFailed { .. }),
+        "{err}"
+    );
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeStageVolume",
+            "NodePublishVolume",
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume"
+        ]
+    );
+    w.assert_clean("v");
+    // Space again: the volume attaches as new.
+    journal
+        .fail
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert!(w.record("v").unwrap().is_settled());
+}
+
+/// Issue 19, defect 6: a failed repair's last save under other holders undoes only the
+/// repair's own publish and keeps the holders that were there.
+#[tokio::test]
+async fn a_repair_whose_last_save_fails_keeps_the_other_holders() {
+    let mut w = World::new(Fake::new(true, false));
+    let journal = w.with_failing_saves();
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    journal
+        .fill_after_durable
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.attach("v", "nsB", "b", 0).await.unwrap_err();
+    journal
+        .fail
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    // The record on disk is the one written before the calls (its last saves failed):
+    // steps uncertain, holders as they were. That only overstates what exists.
+    let record = w.record("v").unwrap();
+    assert_eq!(record.holders.keys().collect::<Vec<_>>(), ["nsA"]);
+    assert!(
+        w.fake.is_mounted(&w.staging("v")),
+        "the stage nsA relies on was undone"
+    );
+    assert!(!w.fake.is_mounted(&w.target("v")));
+    // The next pass mounts it again for nsA.
+    assert_eq!(w.reconcile_all().await.repaired, 1);
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
+/// Issue 19, defect 6: a teardown whose progress saves fail (a full disk) still undoes
+/// everything and removes the record: stopping would leave the mount for nobody.
+#[tokio::test]
+async fn a_last_detach_on_a_full_disk_still_tears_down() {
+    let mut w = World::new(Fake::new(true, false));
+    let journal = w.with_failing_saves();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    journal
+        .fail
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
 }

@@ -19,7 +19,6 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-
 pub use crate::bridge::{AccessMode, Roles};
 use crate::csi::Endpoint;
 use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};

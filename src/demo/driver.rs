@@ -55,6 +55,11 @@ pub struct Profile {
     /// volume is what is mounted there (ALREADY_EXISTS otherwise). Without it the driver
     /// answers success whatever is mounted, as csi-driver-nfs and csi-driver-host-path do.
     pub verifies_existing_mount: bool,
+    /// Keeps a list of each volume's published targets as csi-driver-host-path does:
+    /// NodePublish onto a target that is not mounted adds it again (even if listed),
+    /// NodeUnpublish of a listed target removes it once (and of an unlisted one does
+    /// nothing), and NodeUnstage fails with FAILED_PRECONDITION while any is listed.
+    pub counts_publishes: bool,
 }
 
 impl Profile {
@@ -72,6 +77,7 @@ impl Profile {
             volume_stats: false,
             share_mount_dir: None,
             verifies_existing_mount: false,
+            counts_publishes: false,
         }
     }
 }
@@ -153,6 +159,8 @@ struct State {
     controller_published: BTreeSet<(String, String)>,
     /// How many times CreateVolume or DeleteVolume mounted the share.
     share_mounts: usize,
+    /// CSI volume id → targets published (`Profile::counts_publishes`).
+    published: HashMap<String, Vec<PathBuf>>,
 }
 
 #[derive(Debug)]
@@ -634,6 +642,18 @@ impl Node for LocalDirDriver {
         })
         .await?;
         let staging = PathBuf::from(required(&req.staging_target_path, "staging_target_path")?);
+        if let Some(target) = self
+            .state()
+            .published
+            .get(&req.volume_id)
+            .and_then(|t| t.first())
+        {
+            return Err(Status::failed_precondition(format!(
+                "volume {:?} is still published at {}",
+                req.volume_id,
+                target.display()
+            )));
+        }
         blocking(move || ops::unmount(&staging)).await?;
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
     }
@@ -684,12 +704,20 @@ impl Node for LocalDirDriver {
             return Ok(Response::new(csi::NodePublishVolumeResponse {}));
         }
         let read_only = req.readonly;
+        let made = target.clone();
         blocking(move || {
             // The CO makes the target's parent; the driver makes the target (CSI spec).
-            ops::create_dir_exact(&target, 0o755)?;
-            ops::bind_mount(&source, &target, read_only)
+            ops::create_dir_exact(&made, 0o755)?;
+            ops::bind_mount(&source, &made, read_only)
         })
         .await?;
+        if self.inner.profile.counts_publishes {
+            self.state()
+                .published
+                .entry(req.volume_id.clone())
+                .or_default()
+                .push(target);
+        }
         Ok(Response::new(csi::NodePublishVolumeResponse {}))
     }
 
@@ -706,11 +734,33 @@ impl Node for LocalDirDriver {
         })
         .await?;
         let target = PathBuf::from(required(&req.target_path, "target_path")?);
+        if self.inner.profile.counts_publishes {
+            let listed = self
+                .state()
+                .published
+                .get(&req.volume_id)
+                .is_some_and(|t| t.contains(&target));
+            if !listed {
+                return Ok(Response::new(csi::NodeUnpublishVolumeResponse {}));
+            }
+        }
+        let unmounted = target.clone();
         blocking(move || {
-            ops::unmount(&target)?;
-            ops::remove_dir_if_empty(&target).map(|_| ())
+            ops::unmount(&unmounted)?;
+            ops::remove_dir_if_empty(&unmounted).map(|_| ())
         })
         .await?;
+        if self.inner.profile.counts_publishes {
+            let mut state = self.state();
+            if let Some(targets) = state.published.get_mut(&req.volume_id) {
+                if let Some(at) = targets.iter().position(|t| *t == target) {
+                    targets.remove(at);
+                }
+                if targets.is_empty() {
+                    state.published.remove(&req.volume_id);
+                }
+            }
+        }
         Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
     }
 

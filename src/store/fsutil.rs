@@ -21,19 +21,25 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: Option<&DirSync>) -> io:
         path.file_name().and_then(|n| n.to_str()).unwrap_or("state"),
         std::process::id()
     ));
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    file.write_all(bytes)?;
-    if durable.is_some() {
-        // The data and the size; the rename below is made durable by the directory's sync.
-        file.sync_data()?;
-    }
-    drop(file);
-    if let Err(e) = std::fs::rename(&tmp, path) {
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(bytes)?;
+        if durable.is_some() {
+            // The data and the size; the rename below is made durable by the directory's
+            // sync.
+            file.sync_data()?;
+        }
+        drop(file);
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        // A write cut short by a full disk must not leave its temporary file (and the
+        // pages it took) behind for every later write to trip over.
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
@@ -175,6 +181,50 @@ mod tests {
         }
         let state = sync.state.lock().unwrap();
         assert_eq!((state.issued, state.synced, state.running), (16, 16, false));
+    }
+
+    /// A write that fails on a full file system leaves the old content and no temporary
+    /// file (which would hold on to its pages); needs root for a small tmpfs (CI runs it).
+    #[test]
+    fn a_failed_write_on_a_full_disk_leaves_no_temporary_file() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to mount a small tmpfs");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = tmp.path().join("fs");
+        std::fs::create_dir(&fs).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &fs,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=64k"),
+        )
+        .unwrap();
+        let outcome = std::panic::catch_unwind(|| {
+            let path = fs.join("record");
+            write_atomic(&path, b"old", None).unwrap();
+            let mut fill = File::create(fs.join("filler")).unwrap();
+            while fill.write_all(&[0u8; 4096]).is_ok() {}
+            drop(fill);
+            let error = write_atomic(&path, &[b'n'; 8192], None).unwrap_err();
+            assert_eq!(error.raw_os_error(), Some(28), "{error}");
+            assert_eq!(std::fs::read(&path).unwrap(), b"old");
+            let names: Vec<_> = std::fs::read_dir(&fs)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert_eq!(names.len(), 2, "{names:?}");
+        });
+        nix::mount::umount(&fs).unwrap();
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
     }
 
     #[test]

@@ -12,6 +12,12 @@
 //! of the process; only a power loss can drop the tail of the log, and a power loss is a
 //! reboot, after which no holder survives anyway (records carry the boot id).
 //!
+//! Each rewrite of a record starts its log afresh with a snapshot of the holders it
+//! folded (a `*` line giving the snapshot's size, then one line per holder). A load of a
+//! readable record skips the snapshot (the record has it) and applies the changes after
+//! it; when the record itself is lost (emptied or truncated), the log alone still says who
+//! holds the volume (`load_holders`), so no namespace's holders are dropped with it.
+//!
 //! A volume whose attach or detach is under way has a marker in `pending/`. A marker whose
 //! volume lock is free belongs to an operation that died (a killed hook): whoever finds it
 //! finishes or undoes that operation.
@@ -64,24 +70,73 @@ impl FileJournal {
 
     fn replay_holders(&self, record: &mut NodeRecord) -> Result<(), JournalError> {
         let log = self.holder_log(&record.volume_id);
-        let text = match std::fs::read(&log) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(Self::io(&log)(e)),
+        let Some(text) = read_log(&log)? else {
+            return Ok(());
         };
-        let text = String::from_utf8_lossy(&text);
-        // Only complete lines count: a torn last line is a change that never finished.
-        let complete = text.rfind('\n').map_or("", |end| &text[..end]);
-        for line in complete.lines() {
-            match parse_holder_line(line) {
-                Some(change) => change.apply(&mut record.holders),
-                None => {
-                    tracing::warn!(log = %log.display(), "skipping an unreadable holder-log line")
-                }
-            }
-        }
+        // The record already holds the snapshot: only the changes after it apply.
+        let changes = match parse_snapshot_header(&text) {
+            Some((header, snapshot)) => text.get(header + snapshot..).unwrap_or(""),
+            None => &text,
+        };
+        apply_lines(changes, &mut record.holders, &log);
         Ok(())
     }
+}
+
+/// The log's text up to its last complete line (a torn last line is a change that never
+/// finished); None when there is no log.
+fn read_log(log: &Path) -> Result<Option<String>, JournalError> {
+    let bytes = match std::fs::read(log) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(FileJournal::io(log)(e)),
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let complete = text.rfind('\n').map_or("", |end| &text[..=end]);
+    Ok(Some(complete.to_string()))
+}
+
+/// Applies every readable change line of `text`; a snapshot header is not a change.
+fn apply_lines(text: &str, holders: &mut Holders, log: &Path) {
+    for line in text.lines() {
+        match parse_holder_line(line) {
+            Some(change) => change.apply(holders),
+            None if line.starts_with(SNAPSHOT_TAG) => {}
+            None => {
+                tracing::warn!(log = %log.display(), "skipping an unreadable holder-log line")
+            }
+        }
+    }
+}
+
+/// The tag of a log's first line when a save wrote it: `*\t<size of the snapshot lines
+/// that follow>`.
+const SNAPSHOT_TAG: &str = "*\t";
+
+/// A log that starts with the holders a save folded: the header line, then each holder
+/// as a change that rebuilds it from nothing.
+fn snapshot_log(holders: &Holders) -> String {
+    let mut lines = String::new();
+    for (namespace, sandboxes) in holders {
+        for (n, sandbox) in sandboxes.iter().enumerate() {
+            lines.push_str(&holder_line(&HolderChange::Attach {
+                namespace: namespace.clone(),
+                sandbox: sandbox.clone(),
+                first: n == 0,
+            }));
+        }
+    }
+    format!("{SNAPSHOT_TAG}{}\n{lines}", lines.len())
+}
+
+/// (header length, snapshot length) of a log that starts with a snapshot.
+fn parse_snapshot_header(text: &str) -> Option<(usize, usize)> {
+    let line = text.split_inclusive('\n').next()?;
+    let size = line.strip_prefix(SNAPSHOT_TAG)?.strip_suffix('\n')?;
+    if size.is_empty() || !size.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((line.len(), size.parse().ok()?))
 }
 
 impl NodeJournal for FileJournal {
@@ -98,8 +153,8 @@ impl NodeJournal for FileJournal {
         Ok(Some(record))
     }
 
-    /// Writes `record` (holders included) and empties its holder log; `durable` waits
-    /// until it is on disk (use before a CSI call).
+    /// Writes `record` (holders included) and starts its holder log afresh with their
+    /// snapshot; `durable` waits until the record is on disk (use before a CSI call).
     fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
         let path = self.path(&record.volume_id);
         let bytes = serde_json::to_vec(record).map_err(|e| JournalError::Corrupt {
@@ -108,8 +163,21 @@ impl NodeJournal for FileJournal {
         })?;
         write_atomic(&path, &bytes, durable.then_some(&*self.dir_sync)).map_err(Self::io(&path))?;
         // The record now holds every change the log had; replaying them again after a
-        // crash right here would change nothing (see HolderChange::apply).
+        // crash right here would change nothing (see HolderChange::apply). The snapshot
+        // needs no fsync: holders do not outlive a power loss (a reboot).
         let log = self.holder_log(&record.volume_id);
+        if !record.holders_unknown {
+            match write_atomic(&log, snapshot_log(&record.holders).as_bytes(), None) {
+                Ok(()) => return Ok(()),
+                Err(error) => tracing::warn!(
+                    log = %log.display(),
+                    %error,
+                    "could not write the holder snapshot; the record alone keeps the holders"
+                ),
+            }
+        }
+        // A partial holder set is no snapshot; and an old log must not be replayed over
+        // the new record.
         match std::fs::remove_file(&log) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -117,9 +185,28 @@ impl NodeJournal for FileJournal {
         }
     }
 
+    /// The holders of a log that starts with its record's snapshot, from the log alone.
+    fn load_holders(&self, volume_id: &str) -> Result<Option<Holders>, JournalError> {
+        let log = self.holder_log(volume_id);
+        let Some(text) = read_log(&log)? else {
+            return Ok(None);
+        };
+        match parse_snapshot_header(&text) {
+            Some((header, snapshot)) if text.len() >= header + snapshot => {
+                let mut holders = Holders::new();
+                apply_lines(&text[header..], &mut holders, &log);
+                Ok(Some(holders))
+            }
+            // No snapshot (a log of an older build, or of a record whose holders were
+            // already unknown), or a torn one: the log has only some of the holders.
+            _ => Ok(None),
+        }
+    }
+
     /// Records one holder change cheaply: one appended line, no fsync, no rewrite.
-    /// Returns the log's size afterwards, so that the caller can fold a long log into the
-    /// record (`save`) before reading it costs more than rewriting it.
+    /// Returns the size of the changes after the log's snapshot, so that the caller can
+    /// fold a long log into the record (`save`) before reading it costs more than
+    /// rewriting it (the snapshot does not count: it is as long as the holders are many).
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError> {
         use std::os::unix::fs::FileExt;
         let log = self.holder_log(volume_id);
@@ -157,7 +244,12 @@ impl NodeJournal for FileJournal {
             let _ = file.set_len(end);
             return Err(io(e));
         }
-        Ok(end + line.len() as u64)
+        // The header is one short line: the first bytes say how long the snapshot is.
+        let mut head = [0u8; 32];
+        let read = file.read_at(&mut head, 0).map_err(Self::io(&log))?;
+        let snapshot = parse_snapshot_header(&String::from_utf8_lossy(&head[..read]))
+            .map_or(0, |(header, snapshot)| (header + snapshot) as u64);
+        Ok((end + line.len() as u64).saturating_sub(snapshot))
     }
 
     /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
@@ -399,10 +491,68 @@ mod tests {
         let mut twice = loaded.holders.clone();
         changes.iter().for_each(|c| c.apply(&mut twice));
         assert_eq!(twice, expected);
-        // Saving folds the log in and empties it.
+        // Saving folds the log in and starts it afresh with a snapshot of the holders.
         journal.save(&loaded, false).unwrap();
-        assert!(!journal.holder_log("v").exists());
+        assert_eq!(
+            std::fs::read_to_string(journal.holder_log("v")).unwrap(),
+            "*\t16\n=\tns1\tb\n=\tns2\tc\n"
+        );
         assert_eq!(journal.load("v").unwrap().unwrap().holders, expected);
+        // Changes after the snapshot are what the fold limit counts.
+        let size = journal
+            .append_holder("v", &detach("ns2", "c", true))
+            .unwrap();
+        assert_eq!(size, "0\tns2\tc\n".len() as u64);
+    }
+
+    /// The log alone rebuilds the holders of a record that is lost (emptied, truncated),
+    /// as long as it starts with its snapshot; otherwise it cannot say who holds it.
+    #[test]
+    fn the_holder_log_alone_rebuilds_the_holders_of_a_lost_record() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let mut rec = NodeRecord::new("v", "h", "/t".into());
+        attach("nsA", "a1", true).apply(&mut rec.holders);
+        attach("nsA", "a2", false).apply(&mut rec.holders);
+        journal.save(&rec, false).unwrap();
+        journal
+            .append_holder("v", &attach("nsB", "b", true))
+            .unwrap();
+        journal
+            .append_holder("v", &detach("nsA", "a1", false))
+            .unwrap();
+        std::fs::write(journal.path("v"), b"").unwrap();
+        assert!(matches!(
+            journal.load("v"),
+            Err(JournalError::Corrupt { .. })
+        ));
+        let expected: Holders = BTreeMap::from([
+            ("nsA".into(), BTreeSet::from(["a2".into()])),
+            ("nsB".into(), BTreeSet::from(["b".into()])),
+        ]);
+        assert_eq!(journal.load_holders("v").unwrap(), Some(expected));
+
+        // A torn snapshot, or a log without one (an older build's), says too little.
+        let log = journal.holder_log("v");
+        let full = std::fs::read_to_string(&log).unwrap();
+        std::fs::write(&log, &full[..full.find("+\tnsA\ta2").unwrap()]).unwrap();
+        assert_eq!(journal.load_holders("v").unwrap(), None);
+        std::fs::write(&log, "=\tnsB\tb\n").unwrap();
+        assert_eq!(journal.load_holders("v").unwrap(), None);
+        std::fs::remove_file(&log).unwrap();
+        assert_eq!(journal.load_holders("v").unwrap(), None);
+
+        // A record whose holders are unknown writes no snapshot: its set is partial.
+        rec.holders_unknown = true;
+        journal.save(&rec, false).unwrap();
+        assert!(!log.exists());
+        journal
+            .append_holder("v", &attach("nsC", "c", true))
+            .unwrap();
+        assert_eq!(journal.load_holders("v").unwrap(), None);
+        let loaded = journal.load("v").unwrap().unwrap();
+        assert!(loaded.holders_unknown);
+        assert_eq!(loaded.holders.len(), 2, "{:?}", loaded.holders);
     }
 
     #[test]
@@ -467,9 +617,13 @@ mod tests {
         let size = journal
             .append_holder("v", &attach("nsB", "b", true))
             .unwrap();
-        assert_eq!(size, std::fs::metadata(&log).unwrap().len());
+        let snapshot = "*\t0\n";
+        assert_eq!(
+            size + snapshot.len() as u64,
+            std::fs::metadata(&log).unwrap().len()
+        );
         let text = std::fs::read_to_string(&log).unwrap();
-        assert_eq!(text, "=\tnsA\ta\n=\tnsB\tb\n");
+        assert_eq!(text, format!("{snapshot}=\tnsA\ta\n=\tnsB\tb\n"));
         let holders = journal.load("v").unwrap().unwrap().holders;
         assert_eq!(
             holders,

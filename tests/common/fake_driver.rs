@@ -33,6 +33,10 @@ pub struct Caps {
     /// NodePublishVolume onto a mount point checks what is mounted there; without it an
     /// existing mount is success, as csi-driver-nfs and csi-driver-host-path answer.
     pub verifies_existing_mount: bool,
+    /// Counts publishes per target as csi-driver-host-path does: a NodePublish onto an
+    /// unmounted target counts again, NodeUnpublish uncounts one, and NodeUnstage fails
+    /// ("still published") while any is counted.
+    pub counts_publishes: bool,
 }
 
 impl Caps {
@@ -122,6 +126,7 @@ impl FakeDriver {
             volume_stats: caps.volume_stats,
             share_mount_dir,
             verifies_existing_mount: caps.verifies_existing_mount,
+            counts_publishes: caps.counts_publishes,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
