@@ -24,7 +24,7 @@ use super::ports::{
     PathError, Publish, Recorder, SecretUse, Secrets, Stage, Undone, Visibility, VolumeLocks,
     VolumeSettings,
 };
-use super::records::{HOLDER_LOG_LIMIT, HolderChange, NodeRecord, Step};
+use super::records::{HOLDER_LOG_LIMIT, HolderChange, Holders, NodeRecord, Step};
 use super::{
     AttachVolume, Attached, BridgeError, Caller, Deadline, DetachVolume, HookError, HookKind,
     Settings, blocking,
@@ -303,6 +303,24 @@ impl NodeSide {
         Ok(())
     }
 
+    /// The hot-path rule of Attach, decided here only (both `attach_if_hot` and `attach`
+    /// ask it): the journal's record is this CSI volume's at this host_path, published on
+    /// this boot, and its target is `mounted` where Cubelet looks. Then answering changes
+    /// at most one line of the holder log: no CSI call, no rewrite, nothing to undo.
+    fn attach_is_hot(
+        &self,
+        record: &NodeRecord,
+        req: &AttachVolume,
+        paths: &VolumePaths,
+        mounted: bool,
+    ) -> bool {
+        record.target_path == paths.target
+            && record.csi_volume_id == req.handle.csi_volume_id
+            && record.publish == Step::Done
+            && !self.is_from_earlier_boot(record)
+            && mounted
+    }
+
     /// Cube Attach, only if it is on the hot path: the volume is mounted and healthy, so
     /// answering changes at most the holder log and there is nothing to undo. `None`: not
     /// hot (or another process holds the volume's lock) — run `attach`. Never waits for a
@@ -322,12 +340,10 @@ impl NodeSide {
                     return Ok(None);
                 };
                 let deadline = Deadline::after(self.config.timeouts.attach);
-                let hot = record.target_path == paths.target
-                    && record.csi_volume_id == req.handle.csi_volume_id
-                    && record.publish == Step::Done
-                    && !self.is_from_earlier_boot(&record)
+                // The mount table is read only for a record that could be hot.
+                let mounted = self.attach_is_hot(&record, req, &paths, true)
                     && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
-                if !hot {
+                if !self.attach_is_hot(&record, req, &paths, mounted) {
                     return Ok(None);
                 }
                 let change = HolderChange::Attach {
@@ -365,7 +381,7 @@ impl NodeSide {
                 };
                 let mut holders = record.holders.clone();
                 change.apply(&mut holders);
-                if req.ref_count == 0 && holders.is_empty() {
+                if !detach_is_hot(req, &holders) {
                     return Ok(None);
                 }
                 self.record_holder_change(&mut record, &change)?;
@@ -397,7 +413,7 @@ impl NodeSide {
             let visible = (record.publish == Step::Done || record.is_held())
                 && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
 
-            if record.publish == Step::Done && visible {
+            if self.attach_is_hot(&record, &req, &paths, visible) {
                 // Already attached and healthy: no CSI call, and at most one appended
                 // line for the holder.
                 if caller.is_gone() {
@@ -864,7 +880,7 @@ impl NodeSide {
                 let loaded = self
                     .load_or_rebuild(&req.volume_id, &csi_volume_id, &paths, &deadline)
                     .await?;
-                let mut record = match (loaded, req.recorded) {
+                let mut record = match (loaded, req.recorded.clone()) {
                     (Some(mut record), recorded) => {
                         if let Some(meta) = recorded
                             && meta.paths.target != record.target_path
@@ -901,7 +917,7 @@ impl NodeSide {
                             );
                             return Ok(());
                         }
-                        if req.ref_count > 0 || !holders.is_empty() {
+                        if detach_is_hot(&req, &holders) {
                             self.record_holder_change(&mut record, &change)?;
                             tracing::debug!(
                                 ref_count = req.ref_count,
@@ -1151,6 +1167,14 @@ fn check_caller(caller: &Caller) -> Result<(), BridgeError> {
 }
 
 /// Attach's reply for a record.
+/// The hot-path rule of Detach, decided here only (both `detach_if_hot` and `detach` ask
+/// it): Cube still counts holders in the namespace, or another namespace holds the volume
+/// (`holders_after` is the record's holders with this Detach applied). Then answering
+/// changes at most one line of the holder log; otherwise the volume is torn down.
+fn detach_is_hot(req: &DetachVolume, holders_after: &Holders) -> bool {
+    req.ref_count > 0 || !holders_after.is_empty()
+}
+
 fn attached(record: &NodeRecord, volume_id: &str) -> Attached {
     let paths = VolumePaths {
         target: record.target_path.clone(),
