@@ -435,25 +435,36 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
     };
     // Still single-threaded: the hook runs in a worker that outlives a SIGKILL of this
     // process (see transport::worker).
-    let output = crate::transport::worker::run_in_worker(config, request);
-    finish_hook(output, EXIT_FAILURE)
+    let (output, acknowledgement) = crate::transport::worker::run_in_worker(config, request);
+    let (code, printed) = print_hook_answer(output, EXIT_FAILURE);
+    // Cube counts the hook once this process exits 0 with the answer on stdout: only an
+    // answer that was written out is acknowledged to the worker (which otherwise undoes
+    // what it reported).
+    if printed {
+        acknowledgement.confirm();
+    }
+    code
 }
 
 /// Prints the hook's one JSON object and picks the exit code; on failure the message
 /// also ends stderr, which is what Cube shows for a non-zero exit.
 fn finish_hook(output: HookOutput, failure_code: u8) -> ExitCode {
+    print_hook_answer(output, failure_code).0
+}
+
+/// `finish_hook`, also saying whether the answer was written out whole.
+fn print_hook_answer(output: HookOutput, failure_code: u8) -> (ExitCode, bool) {
     let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(stdout, "{}", output.stdout);
-    let _ = stdout.flush();
+    let printed = writeln!(stdout, "{}", output.stdout).is_ok() && stdout.flush().is_ok();
     if output.success {
-        return ExitCode::SUCCESS;
+        return (ExitCode::SUCCESS, printed);
     }
     if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&output.stdout)
         && let Some(serde_json::Value::String(message)) = map.get("error")
     {
         eprintln!("{message}");
     }
-    ExitCode::from(failure_code)
+    (ExitCode::from(failure_code), printed)
 }
 
 #[cfg(test)]

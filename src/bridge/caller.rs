@@ -5,17 +5,72 @@
 //! and checks here before each step and at the end: once the caller is gone, the hook
 //! undoes its own work instead of leaving a volume mounted that nobody holds.
 
+//!
+//! Some callers can also say whether the answer reached them (`Delivery`): a forked hook's
+//! worker hands its answer to the process Cube started and learns whether that process
+//! printed it and exited, or was killed first. The core delivers an Attach's or a
+//! Create's answer while it still holds the volume's lock, and undoes the holder or the
+//! volume Cube never learned of.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
 use tokio_util::sync::CancellationToken;
 
-#[derive(Debug, Clone, Default)]
+use super::types::{Attached, Created};
+
+/// A successful answer, handed to the caller before the hook lets go of its volume.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    Attached(Attached),
+    Created(Created),
+}
+
+/// How a caller takes an answer and says whether it reached Cube.
+pub trait Delivery: Send + Sync {
+    /// Hands `answer` over; resolves to whether the caller took it (false: it is gone, and
+    /// the hook must undo what the answer reported).
+    fn deliver(&self, answer: Answer) -> Pin<Box<dyn Future<Output = bool> + Send + '_>>;
+}
+
+#[derive(Clone, Default)]
 pub struct Caller {
     gone: CancellationToken,
+    delivery: Option<Arc<dyn Delivery>>,
+}
+
+impl std::fmt::Debug for Caller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Caller")
+            .field("gone", &self.is_gone())
+            .field("confirms_delivery", &self.delivery.is_some())
+            .finish()
+    }
 }
 
 impl Caller {
     /// A caller that waits for the answer (tests, in-process callers).
     pub fn waiting() -> Self {
         Self::default()
+    }
+
+    /// A caller that says whether each answer reached it.
+    pub fn confirming(delivery: Arc<dyn Delivery>) -> Self {
+        Self {
+            gone: CancellationToken::new(),
+            delivery: Some(delivery),
+        }
+    }
+
+    /// Hands over `answer`, if this caller takes answers that way; whether it reached the
+    /// caller (a caller that does not confirm delivery is taken at its word while it
+    /// waits).
+    pub async fn deliver(&self, answer: Answer) -> bool {
+        match &self.delivery {
+            Some(delivery) if !self.is_gone() => delivery.deliver(answer).await,
+            _ => !self.is_gone(),
+        }
     }
 
     /// The caller stopped waiting (its deadline passed, it disconnected, it was killed).

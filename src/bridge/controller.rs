@@ -18,6 +18,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::caller::Answer;
 use super::discovery::DriverView;
 use super::faults::{self, When};
 use super::handoff::VolumeHandle;
@@ -536,10 +537,25 @@ impl ControllerSide {
             self.finish_create(record, &volume, spec.deletion.as_ref())
                 .await?;
             tracing::info!(csi_volume_id = %volume.csi_volume_id, "CSI volume created");
-            Ok(Created {
+            let created = Created {
                 token: String::new(),
                 private_data,
-            })
+            };
+            // Handed over while the lock is still held (a retried Create waits): a volume
+            // whose answer never reached CubeMaster (a forked hook's front killed before
+            // printing it, an rpc caller gone) is one Cube will never Destroy.
+            if !caller.deliver(Answer::Created(created.clone())).await {
+                return Err(self
+                    .undo_create(
+                        &req.volume_id,
+                        &volume.csi_volume_id,
+                        "the answer to Create never reached CubeMaster (its caller left \
+                         before it was written)"
+                            .to_string(),
+                    )
+                    .await);
+            }
+            Ok(created)
         })
         .await
     }

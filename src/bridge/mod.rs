@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
-pub use caller::Caller;
+pub use caller::{Answer, Caller, Delivery};
 pub use controller::{ControllerPorts, ControllerSide};
 pub use deadline::Deadline;
 pub use error::{BridgeError, HookError, HookKind};

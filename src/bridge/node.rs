@@ -15,6 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::caller::Answer;
 use super::discovery::DriverView;
 use super::faults::{self, When};
 use super::handoff::{AttachMetadata, VolumeHandle};
@@ -419,9 +420,16 @@ impl NodeSide {
                 if caller.is_gone() {
                     return Err(BridgeError::CallerGone);
                 }
+                let holders_before = record.holders.clone();
                 self.record_holder_change(&mut record, &change)?;
                 tracing::debug!(ref_count = req.ref_count, "already mounted");
-                return Ok(attached(&record, &req.volume_id));
+                let answer = attached(&record, &req.volume_id);
+                if !caller.deliver(Answer::Attached(answer.clone())).await {
+                    self.withdraw_holder(&mut record, &holders_before, &change)
+                        .await?;
+                    return Err(BridgeError::CallerGone);
+                }
+                return Ok(answer);
             }
             if req.ref_count > 0 || record.is_held() {
                 tracing::warn!(
@@ -455,11 +463,24 @@ impl NodeSide {
             // The holder is recorded by the last save. If that save fails (a full disk),
             // the Attach fails, and Cube will never Detach it: it is undone like any other
             // failed Attach before answering, not left to the next scan.
+            // Then the answer is handed over while the lock is still held: a caller that
+            // says it never got it (a forked hook's front killed before printing it) never
+            // learned of the holder, and it is undone like a failed Attach.
             let established = match established {
                 Ok(()) => {
                     let mut held = record.clone();
                     change.apply(&mut held.holders);
-                    self.save(HookKind::Attach, &held, false).await.map(|()| held)
+                    match self.save(HookKind::Attach, &held, false).await {
+                        Ok(()) => {
+                            let answer = Answer::Attached(attached(&held, &req.volume_id));
+                            if caller.deliver(answer).await {
+                                Ok(held)
+                            } else {
+                                Err(BridgeError::CallerGone)
+                            }
+                        }
+                        Err(error) => Err(error),
+                    }
                 }
                 Err(error) => Err(error),
             };
@@ -597,6 +618,47 @@ impl NodeSide {
             }
         }
         Ok(())
+    }
+
+    /// Takes back the holder a hot Attach recorded when its answer never reached Cube
+    /// (which then counts the Attach as failed, and never Detaches it): Cube's count of the
+    /// namespace is what it was (nothing, if the Attach was its first), and a volume left
+    /// with no holder at all is torn down.
+    async fn withdraw_holder(
+        &self,
+        record: &mut NodeRecord,
+        holders_before: &Holders,
+        change: &HolderChange,
+    ) -> Result<(), BridgeError> {
+        let HolderChange::Attach {
+            namespace,
+            sandbox,
+            first,
+        } = change
+        else {
+            return Ok(());
+        };
+        if record.holders == *holders_before {
+            // The sandbox held it already (a retried Attach): nothing was added.
+            return Ok(());
+        }
+        let withdrawal = HolderChange::Detach {
+            namespace: namespace.clone(),
+            sandbox: sandbox.clone(),
+            last: *first,
+        };
+        let mut holders = record.holders.clone();
+        withdrawal.apply(&mut holders);
+        tracing::warn!(
+            namespace = %namespace,
+            sandbox = %sandbox,
+            "the answer to this Attach never reached Cube; withdrawing its holder"
+        );
+        if holders.is_empty() && !record.holders_unknown {
+            let rollback = Deadline::after(self.config.timeouts.rollback);
+            return self.teardown(HookKind::Attach, record, &rollback).await;
+        }
+        self.record_holder_change(record, &withdrawal)
     }
 
     /// Undoes what one failed or abandoned Attach did. When no other namespace held the

@@ -1381,6 +1381,83 @@ async fn a_create_whose_caller_left_deletes_what_it_made() {
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
+/// A caller that takes every answer and says it never reached Cube (a forked hook's
+/// front killed after its worker answered), counting what it was handed.
+struct Undelivered(std::sync::atomic::AtomicUsize);
+
+impl crate::bridge::Delivery for Undelivered {
+    fn deliver(
+        &self,
+        _answer: crate::bridge::Answer,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + '_>> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async { false })
+    }
+}
+
+fn undelivered() -> (Arc<Undelivered>, Caller) {
+    let delivery = Arc::new(Undelivered(Default::default()));
+    (delivery.clone(), Caller::confirming(delivery))
+}
+
+#[tokio::test]
+async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
+    let w = World::new(Fake::new(false, false));
+    let (delivery, caller) = undelivered();
+    let result = w
+        .bridge
+        .create(
+            CreateVolume {
+                volume_id: "v".into(),
+                name: "v".into(),
+            },
+            &caller,
+        )
+        .await;
+    assert!(result.is_err());
+    assert_eq!(delivery.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(w.stored("v").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+}
+
+#[tokio::test]
+async fn an_attach_whose_answer_is_not_delivered_withdraws_its_holder() {
+    // First Attach: everything it made is undone.
+    let w = World::new(Fake::new(true, false));
+    let (delivery, caller) = undelivered();
+    w.bridge
+        .attach(w.attach_req("v", "ns1", "s1", 0), &caller)
+        .await
+        .unwrap_err();
+    assert_eq!(delivery.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+    w.assert_clean("v");
+
+    // Hot Attach of a second namespace: its holder only; the first keeps the mount.
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let (_, caller) = undelivered();
+    w.bridge
+        .attach(w.attach_req("v", "ns2", "s2", 0), &caller)
+        .await
+        .unwrap_err();
+    let record = w.record("v").unwrap();
+    assert!(!record.holders.contains_key("ns2"), "{:?}", record.holders);
+    assert!(record.holders["ns1"].contains("s1"));
+    assert!(w.fake.is_mounted(&w.target("v")));
+
+    // A retried hot Attach of a sandbox already held added nothing, and takes nothing
+    // back.
+    let (_, caller) = undelivered();
+    w.bridge
+        .attach(w.attach_req("v", "ns1", "s1", 1), &caller)
+        .await
+        .unwrap_err();
+    assert!(w.record("v").unwrap().holders["ns1"].contains("s1"));
+
+    // Delivered: kept, as ever.
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    assert!(w.record("v").unwrap().holders.contains_key("ns2"));
+}
+
 #[tokio::test]
 async fn the_sweep_reclaims_abandoned_creates_only() {
     let w = World::new(Fake::new(false, false));

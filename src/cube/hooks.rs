@@ -219,6 +219,18 @@ impl Hook for Attach {
     }
 }
 
+/// The JSON a binary hook prints for an answer the core hands over before it returns
+/// (`bridge::Caller::deliver`).
+pub fn answer_json(answer: &crate::bridge::Answer) -> serde_json::Value {
+    match answer {
+        crate::bridge::Answer::Attached(attached) => Attach::json(&attach_reply(attached.clone())),
+        crate::bridge::Answer::Created(created) => Create::json(&pb::CreateResponse {
+            token: created.token.clone(),
+            private_data: created.private_data.clone(),
+        }),
+    }
+}
+
 fn attach_reply(attached: crate::bridge::Attached) -> pb::AttachResponse {
     pb::AttachResponse {
         host_path: attached.host_path.to_string_lossy().into_owned(),

@@ -9,41 +9,73 @@
 //! the front is gone, and the worker treats its caller as gone — it undoes its own work,
 //! exactly as an rpc hook does when its caller's deadline fires. After answering, the
 //! worker also finishes node operations that earlier, killed workers abandoned.
+//!
+//! Cube counts a forked hook as done only when the process it started exits 0 with the
+//! answer on stdout. So the front acknowledges (one byte on that same pipe) only after it
+//! has printed and flushed the answer, right before it exits, and an Attach's worker
+//! hands its answer over while it still holds the volume: end of file without the byte
+//! means Cube never learned of the holder, and the worker takes it back. What remains is
+//! the instant between the front's acknowledgement and its exit.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pipe};
 
 use super::forked::{self as binary, HookOutput, HookRequest};
-use crate::bridge::{Caller, HookKind};
+use crate::bridge::{Answer, Caller, Delivery, HookKind};
 use crate::config::Config;
 
-/// Runs `request` in a worker process and returns its output. Must be called while the
-/// process is still single-threaded (before any runtime starts).
-pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
+/// What the front owes its worker once the answer is out: the acknowledgement that it
+/// was printed (`confirm`, right before the front exits). Dropped unconfirmed, or with the
+/// front killed, it tells the worker the answer never reached Cube.
+#[derive(Debug, Default)]
+pub struct Acknowledgement(Option<OwnedFd>);
+
+impl Acknowledgement {
+    pub fn confirm(self) {
+        if let Some(alive) = self.0 {
+            let _ = std::fs::File::from(alive).write_all(ACKNOWLEDGED);
+        }
+    }
+}
+
+/// The byte the front writes on the liveness pipe once the answer is printed.
+const ACKNOWLEDGED: &[u8] = b"A";
+
+/// Runs `request` in a worker process and returns its output, with what the front owes
+/// the worker once it has printed that output. Must be called while the process is still
+/// single-threaded (before any runtime starts).
+pub fn run_in_worker(config: Config, request: HookRequest) -> (HookOutput, Acknowledgement) {
+    let (output, alive) = run_in_worker_inner(config, request);
+    (output, Acknowledgement(alive))
+}
+
+fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Option<OwnedFd>) {
     // The hot paths are answered here, without a worker: they change one line of the
-    // holder log and leave nothing to undo.
+    // holder log, and the window in which Cube could kill this process after that line and
+    // before it exits is the print of the answer.
     if let Some(answer) = runtime().block_on(binary::answer_if_hot(&config, &request)) {
-        return answer;
+        return (answer, None);
     }
     if !single_threaded() {
         // Forking a multi-threaded process is not safe: run here instead (a SIGKILL is then
         // left to the next hook or the daemon's reconciliation).
         tracing::warn!("more than one thread before forking the worker; running the hook in place");
-        return run_here(config, request);
+        return (run_here(config, request), None);
     }
     let pipes = (|| Ok::<_, nix::Error>((pipe()?, pipe()?, pipe()?)))();
     let Ok(((answer_r, answer_w), (log_r, log_w), (alive_r, alive_w))) = pipes else {
         // No pipes, no worker: run here (a SIGKILL is then left to reconciliation).
-        return run_here(config, request);
+        return (run_here(config, request), None);
     };
     let (hook, volume_id) = (request.kind(), request.volume_id().to_string());
     // SAFETY: the process is single-threaded here (the caller's contract), so the child
     // may run arbitrary code after fork.
     match unsafe { fork() } {
-        Err(_) => run_here(config, request),
+        Err(_) => (run_here(config, request), None),
         Ok(ForkResult::Child) => {
             drop((answer_r, log_r, alive_w));
             worker(config, request, answer_w, log_w, alive_r)
@@ -51,10 +83,9 @@ pub fn run_in_worker(config: Config, request: HookRequest) -> HookOutput {
         Ok(ForkResult::Parent { .. }) => {
             drop((answer_w, log_w, alive_r));
             let output = front(answer_r, log_r, hook, &volume_id);
-            // Keep `alive_w` open until the answer is in: dropping it now (or being
-            // killed) tells the worker its caller is gone.
-            drop(alive_w);
-            output
+            // `alive_w` stays open until the answer is printed (then acknowledged) or this
+            // process dies: either tells the worker.
+            (output, Some(alive_w))
         }
     }
 }
@@ -167,26 +198,28 @@ fn worker(
     }
     let _ = dup2_stderr(&log);
     drop(log);
-    let mut answer = Some(std::fs::File::from(answer));
-    let caller = Caller::waiting();
+    let answer = Arc::new(Mutex::new(Some(std::fs::File::from(answer))));
     let runtime = runtime();
     runtime.block_on(async {
+        let (front_tx, front_rx) = tokio::sync::watch::channel(None);
+        let delivery = Arc::new(FrontDelivery {
+            answer: answer.clone(),
+            front: front_rx,
+        });
+        let caller = Caller::confirming(delivery);
         let watcher = {
             let caller = caller.clone();
             tokio::spawn(async move {
-                front_gone(alive).await;
-                tracing::warn!("the process Cube started is gone; undoing this hook's work");
-                caller.leave();
+                let outcome = watch_front(alive).await;
+                if outcome == Front::Gone {
+                    tracing::warn!("the process Cube started is gone; undoing this hook's work");
+                    caller.leave();
+                }
+                let _ = front_tx.send(Some(outcome));
             })
         };
         binary::run(config, request, &caller, |output| {
-            if let Some(mut file) = answer.take() {
-                let _ = file.write_all(&encode_answer(&output));
-            }
-            // The front is done with us: detach stderr so it sees end of file.
-            if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
-                let _ = dup2_stderr(&null);
-            }
+            send_answer(&answer, &output);
         })
         .await;
         watcher.abort();
@@ -194,8 +227,58 @@ fn worker(
     std::process::exit(0)
 }
 
-/// Resolves when the front's end of `alive` closes (it exited or was killed).
-async fn front_gone(alive: OwnedFd) {
+/// Writes the answer to the front, once (a delivered answer is not sent again), and lets
+/// go of the front's pipes so that it sees end of file on both.
+fn send_answer(answer: &Mutex<Option<std::fs::File>>, output: &HookOutput) {
+    if let Some(mut file) = answer.lock().expect("poisoned").take() {
+        let _ = file.write_all(&encode_answer(output));
+    }
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        let _ = dup2_stderr(&null);
+    }
+}
+
+/// What became of the front.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Front {
+    /// It printed the answer and acknowledged it.
+    Acknowledged,
+    /// It exited or was killed without acknowledging.
+    Gone,
+}
+
+/// The worker's side of `Delivery`: the answer goes to the front, and it reached Cube if
+/// the front acknowledges it.
+struct FrontDelivery {
+    answer: Arc<Mutex<Option<std::fs::File>>>,
+    front: tokio::sync::watch::Receiver<Option<Front>>,
+}
+
+impl Delivery for FrontDelivery {
+    fn deliver(
+        &self,
+        answer: Answer,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + '_>> {
+        Box::pin(async move {
+            let output = HookOutput {
+                stdout: crate::cube::hooks::answer_json(&answer).to_string(),
+                success: true,
+            };
+            send_answer(&self.answer, &output);
+            // No time limit: a front that neither acknowledges nor exits is one Cube
+            // has stopped, and Cube kills it at its deadline.
+            let mut front = self.front.clone();
+            matches!(
+                front.wait_for(Option::is_some).await.map(|f| *f),
+                Ok(Some(Front::Acknowledged))
+            )
+        })
+    }
+}
+
+/// Resolves when the front acknowledges (a byte on `alive`) or its end of `alive`
+/// closes without one (it exited or was killed).
+async fn watch_front(alive: OwnedFd) -> Front {
     let Ok(pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(alive) else {
         // Cannot watch: behave as if the front never leaves.
         return std::future::pending().await;
@@ -203,12 +286,13 @@ async fn front_gone(alive: OwnedFd) {
     let mut byte = [0u8; 1];
     loop {
         if pipe.readable().await.is_err() {
-            return;
+            return Front::Gone;
         }
         match pipe.try_read(&mut byte) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            // Nobody writes to it: end of file (or any error) means the front is gone.
-            _ => return,
+            Ok(1) if byte == *ACKNOWLEDGED => return Front::Acknowledged,
+            // End of file (or any error): the front is gone.
+            _ => return Front::Gone,
         }
     }
 }
