@@ -287,6 +287,28 @@ pub fn systemd_socket_drop_in(configs: &[Config]) -> String {
     out
 }
 
+/// `holders release`: the node side, opened as a hook opens it, releases the holders
+/// `which` names (see `NodeSide::release_holders`).
+pub async fn release_holders(
+    config: Config,
+    volume_id: &str,
+    which: &crate::bridge::Release,
+) -> anyhow::Result<String> {
+    crate::bridge::naming::validate_volume_id(volume_id).map_err(anyhow::Error::msg)?;
+    let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
+    let bridge = crate::app::open_bridge(Arc::new(config), crate::config::Roles::NODE, mounts)?;
+    let released = bridge.node()?.release_holders(volume_id, which).await?;
+    Ok(format!(
+        "released {} of volume {volume_id}; {}\n",
+        released.holders.join(", "),
+        if released.torn_down {
+            "no holder is left: the volume was detached from this node"
+        } else {
+            "other holders remain: the volume stays attached"
+        }
+    ))
+}
+
 /// This node's volumes: the node journal joined with the mount table.
 pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
     let journal = FileJournal::open(&config.state.journal_dir())?;

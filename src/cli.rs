@@ -71,6 +71,9 @@ pub enum Command {
     /// List the volumes this node has attached (node journal joined with the mount
     /// table), or with --controller the controller store's records (state, age, handle).
     List(ListArgs),
+    /// Release holders Cube no longer counts (a sandbox it never Detaches, or the holders
+    /// a lost journal record could not name): the volume is torn down once none is left.
+    Holders(HoldersArgs),
     /// Ask the running daemon over its socket whether it is alive (or, with --ready, ready:
     /// its CSI driver answers Probe); exit 0 if so, 1 if not, 78 for a bad config.
     Probe(ProbeArgs),
@@ -95,6 +98,37 @@ pub struct ListArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
     pub output: crate::admin::Output,
+}
+
+#[derive(Debug, Args)]
+pub struct HoldersArgs {
+    #[command(subcommand)]
+    pub action: HoldersAction,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum HoldersAction {
+    /// Release one sandbox (--namespace and --sandbox), every sandbox of a namespace
+    /// (--namespace), or the unknown holders of a record that lost them (--unknown).
+    Release(ReleaseArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The Cube volume id.
+    #[arg(value_name = "VOLUME_ID")]
+    pub volume_id: String,
+    /// The containerd namespace whose holder(s) to release.
+    #[arg(long, conflicts_with = "unknown", required_unless_present = "unknown")]
+    pub namespace: Option<String>,
+    /// The sandbox to release (default: every sandbox of --namespace).
+    #[arg(long, requires = "namespace")]
+    pub sandbox: Option<String>,
+    /// Release the holders a lost journal record could not name.
+    #[arg(long)]
+    pub unknown: bool,
 }
 
 /// The `probe` command line.
@@ -354,6 +388,42 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 healthy &= verdict.healthy;
             }
             ExitCode::from(if healthy { 0 } else { EXIT_FAILURE })
+        }
+        Command::Holders(HoldersArgs {
+            action: HoldersAction::Release(args),
+        }) => {
+            telemetry::init(cli.log_format, "warn");
+            let mut configs = match load_configs(args.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            if configs.len() != 1 {
+                eprintln!("the config lists several drivers; name the volume's with --driver");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            let release = match (args.namespace, args.sandbox, args.unknown) {
+                (Some(namespace), Some(sandbox), false) => {
+                    crate::bridge::Release::Sandbox { namespace, sandbox }
+                }
+                (Some(namespace), None, false) => crate::bridge::Release::Namespace(namespace),
+                _ => crate::bridge::Release::Unknown,
+            };
+            let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
+            let config = configs.remove(0);
+            match runtime.block_on(crate::admin::release_holders(
+                config,
+                &args.volume_id,
+                &release,
+            )) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("holders release failed: {e:#}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
         }
         Command::List(args) => {
             telemetry::init(cli.log_format, "warn");

@@ -124,7 +124,22 @@ async fn a_lost_record_and_log_leave_the_volume_mounted_and_reported() {
             .unwrap_or_else(|| panic!("{mode:?}: {listed}"));
         assert!(line.contains("UNKNOWN"), "{mode:?}: {listed}");
         assert!(line.contains("\tmounted\t"), "{mode:?}: {listed}");
-        // The World's drop unmounts what the test leaves.
+        // Once no namespace uses it any more, the operator releases the unknown holders,
+        // and the volume is detached.
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cube-csi-bridge"))
+            .args(["holders", "release", "orphan", "--unknown", "--config"])
+            .arg(&w.config_path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{mode:?}: {text}");
+        assert!(text.contains("released UNKNOWN"), "{mode:?}: {text}");
+        assert!(
+            !is_mounted(Path::new(&a.host_path)),
+            "{mode:?}: released, yet still mounted: {text}"
+        );
+        assert_eq!(w.journal_records(), 0, "{mode:?}");
     }
 }
 

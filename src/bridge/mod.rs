@@ -38,7 +38,7 @@ pub use caller::{Answer, Caller, Delivery};
 pub use controller::{ControllerPorts, ControllerSide};
 pub use deadline::Deadline;
 pub use error::{BridgeError, HookError, HookKind};
-pub use node::{NodePorts, NodeSide};
+pub use node::{NodePorts, NodeSide, Release, Released};
 pub use types::*;
 
 use ports::Recorder;

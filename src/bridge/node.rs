@@ -909,6 +909,82 @@ impl NodeSide {
 
     /// Cube Detach. Runs to the end even if the caller leaves: Cube retries a failed
     /// Detach with the same metadata, and finishing is what that retry would do.
+    /// The operator's release of holders Cube no longer counts (a phantom holder that
+    /// slipped through, or a record whose holders were lost): `which` names them. The
+    /// volume is torn down when no holder is left and none is unknown; otherwise the
+    /// record keeps the rest. Unknown volumes and holders are an error that changes
+    /// nothing.
+    pub async fn release_holders(
+        &self,
+        volume_id: &str,
+        which: &Release,
+    ) -> Result<Released, BridgeError> {
+        let deadline = Deadline::after(self.config.timeouts.detach);
+        let _guard = self
+            .locks
+            .acquire(LockScope::Node, volume_id, &deadline)
+            .await?;
+        let Some(mut record) = self.node_journal().load(volume_id)? else {
+            return Err(BridgeError::InvalidRequest(format!(
+                "volume {volume_id:?} has no node journal record here: nothing to release"
+            )));
+        };
+        let mut released = Vec::new();
+        match which {
+            Release::Sandbox { namespace, sandbox } => {
+                let known = record
+                    .holders
+                    .get(namespace)
+                    .is_some_and(|set| set.contains(sandbox));
+                if !known {
+                    return Err(BridgeError::InvalidRequest(format!(
+                        "volume {volume_id:?} has no holder {namespace}/{sandbox} (holders: {})",
+                        describe_holders(&record.holders)
+                    )));
+                }
+                released.push(format!("{namespace}/{sandbox}"));
+                if let Some(set) = record.holders.get_mut(namespace) {
+                    set.remove(sandbox);
+                    if set.is_empty() {
+                        record.holders.remove(namespace);
+                    }
+                }
+            }
+            Release::Namespace(namespace) => {
+                let Some(set) = record.holders.remove(namespace) else {
+                    return Err(BridgeError::InvalidRequest(format!(
+                        "volume {volume_id:?} has no holder in namespace {namespace:?} \
+                         (holders: {})",
+                        describe_holders(&record.holders)
+                    )));
+                };
+                released.extend(set.into_iter().map(|sb| format!("{namespace}/{sb}")));
+            }
+            Release::Unknown => {
+                if !record.holders_unknown {
+                    return Err(BridgeError::InvalidRequest(format!(
+                        "volume {volume_id:?} has no unknown holders (holders: {})",
+                        describe_holders(&record.holders)
+                    )));
+                }
+                released.push("UNKNOWN".to_string());
+                record.holders_unknown = false;
+            }
+        }
+        tracing::warn!(volume_id, released = ?released, "holders released by the operator");
+        let torn_down = !record.is_held() && !record.holders_unknown;
+        if torn_down {
+            self.teardown(HookKind::Detach, &mut record, &deadline)
+                .await?;
+        } else {
+            self.save(HookKind::Detach, &record, true).await?;
+        }
+        Ok(Released {
+            holders: released,
+            torn_down,
+        })
+    }
+
     pub async fn detach(&self, req: DetachVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(
@@ -1319,5 +1395,39 @@ async fn remove_dir(
             Ok(())
         }
         Err(e) => Err(e),
+    }
+}
+
+/// Which holders an operator releases (`NodeSide::release_holders`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Release {
+    Sandbox {
+        namespace: String,
+        sandbox: String,
+    },
+    /// Every sandbox of the namespace.
+    Namespace(String),
+    /// The holders a lost record could not name.
+    Unknown,
+}
+
+/// What a release did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    /// `namespace/sandbox` (or `UNKNOWN`) of each released holder.
+    pub holders: Vec<String>,
+    /// No holder was left: the volume was torn down.
+    pub torn_down: bool,
+}
+
+fn describe_holders(holders: &Holders) -> String {
+    let all: Vec<String> = holders
+        .iter()
+        .flat_map(|(ns, set)| set.iter().map(move |sb| format!("{ns}/{sb}")))
+        .collect();
+    if all.is_empty() {
+        "none".to_string()
+    } else {
+        all.join(", ")
     }
 }

@@ -1459,6 +1459,56 @@ async fn an_attach_whose_answer_is_not_delivered_withdraws_its_holder() {
 }
 
 #[tokio::test]
+async fn an_operator_releases_holders_and_the_last_release_detaches() {
+    use crate::bridge::Release;
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    let node = w.bridge.node().unwrap().clone();
+    // Bad input changes nothing.
+    for (volume, which) in [
+        ("nope", Release::Namespace("ns1".into())),
+        ("v", Release::Namespace("ns9".into())),
+        (
+            "v",
+            Release::Sandbox {
+                namespace: "ns1".into(),
+                sandbox: "s9".into(),
+            },
+        ),
+        ("v", Release::Unknown),
+    ] {
+        let error = node.release_holders(volume, &which).await.unwrap_err();
+        assert!(matches!(error, BridgeError::InvalidRequest(_)), "{error}");
+    }
+    assert_eq!(w.record("v").unwrap().holders.len(), 2);
+    w.fake.clear_calls();
+
+    let released = node
+        .release_holders(
+            "v",
+            &Release::Sandbox {
+                namespace: "ns1".into(),
+                sandbox: "s1".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(released.holders, ["ns1/s1"]);
+    assert!(!released.torn_down);
+    assert!(w.fake.is_mounted(&w.target("v")));
+    assert!(w.fake.mutating_calls().is_empty());
+
+    let released = node
+        .release_holders("v", &Release::Namespace("ns2".into()))
+        .await
+        .unwrap();
+    assert_eq!(released.holders, ["ns2/s2"]);
+    assert!(released.torn_down);
+    w.assert_clean("v");
+}
+
+#[tokio::test]
 async fn the_sweep_reclaims_abandoned_creates_only() {
     let w = World::new(Fake::new(false, false));
     w.fake.script("CreateVolume", Fault::Uncertain);
