@@ -1,6 +1,6 @@
-//! The config parser: any text is a config or an error naming the file, never a panic, and
-//! an error never quotes a secret (a `[secrets]` value or a mount flag) that the file holds
-//! only there.
+//! The config parser, in both forms (one driver, or a `[[drivers]]` list): any text is a
+//! config or an error naming the file, never a panic, and an error never quotes a secret (a
+//! `[secrets]` value or a mount flag) that the file holds only there.
 #![no_main]
 
 use std::path::Path;
@@ -8,9 +8,16 @@ use std::path::Path;
 use cube_csi_bridge::config::Config;
 use libfuzzer_sys::fuzz_target;
 
-/// The values at secret-bearing places of a TOML table.
+/// The values at secret-bearing places of a TOML table, and of each `[[drivers]]` entry.
 fn secret_values(table: &toml::Table) -> Vec<String> {
     let mut out = Vec::new();
+    if let Some(toml::Value::Array(drivers)) = table.get("drivers") {
+        for entry in drivers {
+            if let toml::Value::Table(entry) = entry {
+                out.extend(secret_values(entry));
+            }
+        }
+    }
     if let Some(toml::Value::Table(secrets)) = table.get("secrets") {
         for family in secrets.values() {
             if let toml::Value::Table(family) = family {
@@ -36,7 +43,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Err(error) = Config::parse(text, Path::new("/fuzz.toml")) else {
+    let Err(error) = Config::parse_all(text, Path::new("/fuzz.toml")) else {
         return;
     };
     let message = error.to_string();
