@@ -493,7 +493,7 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
     // Cube discards a successful hook's stderr and shows a failed one's whole stderr as
     // its error message, so by default that message is all a hook writes there.
     // RUST_LOG turns logging on for troubleshooting.
-    telemetry::init(format, "off");
+    telemetry::init_hook(format);
     let request = match hook.request() {
         Ok(r) => r,
         Err(message) => return finish_hook(HookOutput::failure(&message), EXIT_USAGE),

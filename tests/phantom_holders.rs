@@ -23,6 +23,23 @@ use nix::unistd::Pid;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// The World's config with the forked workers' log in a file of its state dir.
+fn with_worker_log(text: String) -> String {
+    let dir = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("dir = \"")?
+                .strip_suffix('"')
+                .map(str::to_string)
+        })
+        .expect("the World's config names its state dir");
+    text.replacen(
+        "[state]\n",
+        &format!("[state]\nworker_log = \"{dir}/worker.log\"\n"),
+        1,
+    )
+}
+
 /// The children of process `pid` (its worker, once forked).
 fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
@@ -45,7 +62,7 @@ fn holds(w: &World, volume: &str, sandbox: &str) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_forked_attach_whose_front_is_killed_after_its_worker_finished_leaves_no_holder() {
     require_root!();
-    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let w = World::start_with_config(Mode::Binary, Caps::staging(), "", with_worker_log).await;
     let made = w.create("phantom").await.expect("create");
     let gate = w.driver.hold("NodePublishVolume");
     let publishes = w.driver.arrivals("NodePublishVolume") + 1;
@@ -92,6 +109,13 @@ async fn a_forked_attach_whose_front_is_killed_after_its_worker_finished_leaves_
         "{:?}",
         w.driver.mutating_calls()
     );
+    // What the worker did after answering is in the worker log (issue 19, defect 9), not
+    // lost with the stderr Cube stopped reading.
+    let log = std::fs::read_to_string(w.dir.path().join("state/worker.log")).unwrap_or_default();
+    assert!(
+        log.contains("never reached Cube") || log.contains("the process Cube started is gone"),
+        "the worker's lines after its answer: {log:?}"
+    );
     // The data is still there for a later Attach (only the attachment was undone).
     assert!(Path::new(&w.driver.volume_dir(&made_csi_id(&made.private_data))).exists());
     let again = w
@@ -137,9 +161,10 @@ fn made_csi_id(private_data: &str) -> String {
 }
 
 /// Whether the worker has handed its answer to the front: it lets go of the front's log
-/// pipe then (its stderr goes to /dev/null), in the old code and the new alike.
+/// pipe then (its stderr goes to the worker log, or /dev/null in older builds).
 fn answered(worker: u32) -> bool {
-    std::fs::read_link(format!("/proc/{worker}/fd/2")).is_ok_and(|p| p == Path::new("/dev/null"))
+    std::fs::read_link(format!("/proc/{worker}/fd/2"))
+        .is_ok_and(|p| !p.to_string_lossy().starts_with("pipe:"))
 }
 
 /// A forked Create whose front is killed after its worker finished and answered (defect

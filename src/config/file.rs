@@ -95,6 +95,9 @@ pub(super) struct StateFile {
     pub lock_dir: Option<PathBuf>,
     #[serde(default)]
     pub controller_store: Option<String>,
+    /// Where a forked hook's worker logs after it has answered: `journal` or a file.
+    #[serde(default)]
+    pub worker_log: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]

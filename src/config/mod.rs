@@ -203,6 +203,20 @@ pub struct StateSettings {
     pub lock_dir: PathBuf,
     /// Where Create records the CSI handle that Destroy needs.
     pub controller_store: ControllerStoreKind,
+    /// Where a forked hook's worker logs once it has answered (Cube no longer reads its
+    /// stderr then).
+    pub worker_log: WorkerLog,
+}
+
+/// Where a forked hook's worker logs once it has answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerLog {
+    /// The systemd journal when it runs, else `<state.dir>/worker.log`. The default.
+    Auto,
+    /// The systemd journal (nothing when it does not run).
+    Journal,
+    /// This file (appended to; kept under a few MiB by one rotation to `<file>.1`).
+    File(PathBuf),
 }
 
 impl StateSettings {
@@ -767,7 +781,19 @@ impl Checker<'_> {
                 ));
             }
         };
+        let worker_log = match raw.worker_log.as_deref() {
+            None | Some("auto") => WorkerLog::Auto,
+            Some("journal") => WorkerLog::Journal,
+            Some(path) if path.starts_with('/') => WorkerLog::File(PathBuf::from(path)),
+            Some(other) => {
+                return Err(self.invalid(
+                    "state.worker_log",
+                    format!("{other:?} must be auto, journal or an absolute file path"),
+                ));
+            }
+        };
         Ok(StateSettings {
+            worker_log,
             dir: raw
                 .dir
                 .unwrap_or_else(|| PathBuf::from("/var/lib/cube-csi-bridge").join(driver)),

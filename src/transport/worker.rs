@@ -26,7 +26,7 @@ use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pipe};
 
 use super::forked::{self as binary, HookOutput, HookRequest};
 use crate::bridge::{Answer, Caller, Delivery, HookKind};
-use crate::config::Config;
+use crate::config::{Config, WorkerLog};
 
 /// What the front owes its worker once the answer is out: the acknowledgement that it
 /// was printed (`confirm`, right before the front exits). Dropped unconfirmed, or with the
@@ -199,12 +199,14 @@ fn worker(
     let _ = dup2_stderr(&log);
     drop(log);
     let answer = Arc::new(Mutex::new(Some(std::fs::File::from(answer))));
+    let log_to = (config.state.worker_log.clone(), config.state.dir.clone());
     let runtime = runtime();
     runtime.block_on(async {
         let (front_tx, front_rx) = tokio::sync::watch::channel(None);
         let delivery = Arc::new(FrontDelivery {
             answer: answer.clone(),
             front: front_rx,
+            log_to: log_to.clone(),
         });
         let caller = Caller::confirming(delivery);
         let watcher = {
@@ -219,7 +221,7 @@ fn worker(
             })
         };
         binary::run(config, request, &caller, |output| {
-            send_answer(&answer, &output);
+            send_answer(&answer, &output, &log_to);
         })
         .await;
         watcher.abort();
@@ -227,14 +229,66 @@ fn worker(
     std::process::exit(0)
 }
 
+/// Where the worker logs once it has answered: `state.worker_log`, and the state dir.
+type LogTo = (WorkerLog, std::path::PathBuf);
+
 /// Writes the answer to the front, once (a delivered answer is not sent again), and lets
-/// go of the front's pipes so that it sees end of file on both.
-fn send_answer(answer: &Mutex<Option<std::fs::File>>, output: &HookOutput) {
-    if let Some(mut file) = answer.lock().expect("poisoned").take() {
-        let _ = file.write_all(&encode_answer(output));
+/// go of the front's pipes so that it sees end of file on both: from now on the worker
+/// logs to the worker log.
+fn send_answer(answer: &Mutex<Option<std::fs::File>>, output: &HookOutput, log_to: &LogTo) {
+    let Some(mut file) = answer.lock().expect("poisoned").take() else {
+        return;
+    };
+    let _ = file.write_all(&encode_answer(output));
+    drop(file);
+    let sink = worker_log(log_to).or_else(|| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .ok()
+            .map(OwnedFd::from)
+    });
+    if let Some(sink) = sink {
+        let _ = dup2_stderr(&sink);
     }
-    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
-        let _ = dup2_stderr(&null);
+    crate::telemetry::after_answer();
+}
+
+/// Logs past this size start a new file (the old one kept as `<file>.1`).
+const WORKER_LOG_LIMIT: u64 = 4 << 20;
+/// The systemd journal's stream socket (what a service's stderr is connected to).
+const JOURNAL_STREAM: &str = "/run/systemd/journal/stdout";
+
+/// The worker log to write to: the journal (a stream connection, as systemd gives a
+/// service) or a file of the state dir; `None` when neither can be opened.
+fn worker_log((setting, state_dir): &LogTo) -> Option<OwnedFd> {
+    let journal = || {
+        let mut stream = std::os::unix::net::UnixStream::connect(JOURNAL_STREAM).ok()?;
+        // The stream header: identifier, unit id, priority (info), level prefix, and no
+        // forwarding to syslog, kmsg or the console.
+        stream
+            .write_all(b"cube-csi-bridge-worker\n\n6\n0\n0\n0\n0\n")
+            .ok()?;
+        Some(OwnedFd::from(stream))
+    };
+    let file = |path: &std::path::Path| {
+        use std::os::unix::fs::OpenOptionsExt;
+        if std::fs::metadata(path).is_ok_and(|m| m.len() > WORKER_LOG_LIMIT) {
+            let _ = std::fs::rename(path, path.with_extension("log.1"));
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(path)
+            .ok()
+            .map(OwnedFd::from)
+    };
+    match setting {
+        WorkerLog::Journal => journal(),
+        WorkerLog::File(path) => file(path),
+        WorkerLog::Auto => journal().or_else(|| file(&state_dir.join("worker.log"))),
     }
 }
 
@@ -252,6 +306,7 @@ enum Front {
 struct FrontDelivery {
     answer: Arc<Mutex<Option<std::fs::File>>>,
     front: tokio::sync::watch::Receiver<Option<Front>>,
+    log_to: LogTo,
 }
 
 impl Delivery for FrontDelivery {
@@ -264,7 +319,7 @@ impl Delivery for FrontDelivery {
                 stdout: crate::cube::hooks::answer_json(&answer).to_string(),
                 success: true,
             };
-            send_answer(&self.answer, &output);
+            send_answer(&self.answer, &output, &self.log_to);
             // No time limit: a front that neither acknowledges nor exits is one Cube
             // has stopped, and Cube kills it at its deadline.
             let mut front = self.front.clone();
