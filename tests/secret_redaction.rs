@@ -1,5 +1,5 @@
-//! Secrets never leave the bridge in an error: a CSI driver that echoes its whole request
-//! (every secret, every mount flag) in its error messages, fed secrets from every place a
+//! Secrets never leave the bridge in an error: the fake CSI driver scripted to echo its
+//! whole request (every secret, every mount flag) in its error messages, fed secrets from every place a
 //! secret can live — the config's `[secrets]` (all four families), `volume.mount_flags`,
 //! and (Kubernetes mode) a StorageClass's Secrets and mountOptions — must not get one of
 //! them into a gRPC status, a binary hook's stdout or stderr, or a log line, over both
