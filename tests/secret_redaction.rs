@@ -1,5 +1,5 @@
-//! Secrets never leave the bridge in an error: a CSI driver that echoes its whole request
-//! (every secret, every mount flag) in its error messages, fed secrets from every place a
+//! Secrets never leave the bridge in an error: the fake CSI driver scripted to echo its
+//! whole request (every secret, every mount flag) in its error messages, fed secrets from every place a
 //! secret can live — the config's `[secrets]` (all four families), `volume.mount_flags`,
 //! and (Kubernetes mode) a StorageClass's Secrets and mountOptions — must not get one of
 //! them into a gRPC status, a binary hook's stdout or stderr, or a log line, over both
@@ -7,286 +7,48 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 
-use common::fake_driver::Caps;
+use common::fake_driver::{Behavior, Caps, FakeDriver};
 use common::{BRIDGE, MODES, Mode, World};
-use csi::controller_server::{Controller, ControllerServer};
-use csi::identity_server::{Identity, IdentityServer};
-use csi::node_server::{Node, NodeServer};
-use cube_csi_bridge::proto::csi::v1 as csi;
-use tonic::{Request, Response, Status};
-
-// ---------------------------------------------------------------- an echoing CSI driver
-
-/// A CSI driver whose listed methods fail with a message quoting their request's secrets
-/// and mount flags, as careless drivers do ("mount -o <flags> failed", "bad secret …").
-/// Every other call succeeds without doing anything.
-#[derive(Clone, Default)]
-struct EchoDriver {
-    echoing: Arc<Mutex<Vec<&'static str>>>,
-    calls: Arc<Mutex<Vec<&'static str>>>,
-}
-
-impl EchoDriver {
-    fn echo_only(&self, methods: &[&'static str]) {
-        *self.echoing.lock().unwrap() = methods.to_vec();
-    }
-
-    fn calls(&self) -> Vec<&'static str> {
-        self.calls.lock().unwrap().clone()
-    }
-
-    /// Fails `method` with its request quoted, if it is to echo.
-    fn enter(
-        &self,
-        method: &'static str,
-        secrets: &HashMap<String, String>,
-        capability: Option<&csi::VolumeCapability>,
-    ) -> Result<(), Status> {
-        self.calls.lock().unwrap().push(method);
-        if !self.echoing.lock().unwrap().contains(&method) {
-            return Ok(());
-        }
-        let flags = match capability.and_then(|c| c.access_type.as_ref()) {
-            Some(csi::volume_capability::AccessType::Mount(m)) => m.mount_flags.join(","),
-            _ => String::new(),
-        };
-        let pairs: BTreeMap<_, _> = secrets.iter().collect();
-        Err(Status::invalid_argument(format!(
-            "{method}: mount -o {flags} failed: permission denied; secrets {pairs:?}; \
-             password was {}",
-            secrets.values().cloned().collect::<Vec<_>>().join(" and ")
-        )))
-    }
-
-    fn serve(&self, socket: &Path) -> tokio::sync::oneshot::Sender<()> {
-        let _ = std::fs::remove_file(socket);
-        let listener = tokio::net::UnixListener::bind(socket).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let me = self.clone();
-        tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(IdentityServer::new(me.clone()))
-                .add_service(ControllerServer::new(me.clone()))
-                .add_service(NodeServer::new(me))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(listener),
-                    async {
-                        let _ = stopped.await;
-                    },
-                )
-                .await
-                .unwrap();
-        });
-        stop
-    }
-}
-
-fn rpc_type(kind: i32) -> Option<csi::controller_service_capability::Type> {
-    Some(csi::controller_service_capability::Type::Rpc(
-        csi::controller_service_capability::Rpc { r#type: kind },
-    ))
-}
-
-#[tonic::async_trait]
-impl Identity for EchoDriver {
-    async fn get_plugin_info(
-        &self,
-        _: Request<csi::GetPluginInfoRequest>,
-    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
-        Ok(Response::new(csi::GetPluginInfoResponse {
-            name: "fake.csi.test".into(),
-            vendor_version: "1".into(),
-            manifest: Default::default(),
-        }))
-    }
-
-    async fn get_plugin_capabilities(
-        &self,
-        _: Request<csi::GetPluginCapabilitiesRequest>,
-    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
-        use csi::plugin_capability::{Service, Type, service::Type as S};
-        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: vec![csi::PluginCapability {
-                r#type: Some(Type::Service(Service {
-                    r#type: S::ControllerService as i32,
-                })),
-            }],
-        }))
-    }
-
-    async fn probe(
-        &self,
-        _: Request<csi::ProbeRequest>,
-    ) -> Result<Response<csi::ProbeResponse>, Status> {
-        Ok(Response::new(csi::ProbeResponse { ready: Some(true) }))
-    }
-}
-
-#[tonic::async_trait]
-impl Controller for EchoDriver {
-    async fn controller_get_capabilities(
-        &self,
-        _: Request<csi::ControllerGetCapabilitiesRequest>,
-    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
-        use csi::controller_service_capability::rpc::Type as R;
-        Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: [R::CreateDeleteVolume, R::PublishUnpublishVolume]
-                .into_iter()
-                .map(|r| csi::ControllerServiceCapability {
-                    r#type: rpc_type(r as i32),
-                })
-                .collect(),
-        }))
-    }
-
-    async fn create_volume(
-        &self,
-        request: Request<csi::CreateVolumeRequest>,
-    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
-        let req = request.into_inner();
-        self.enter(
-            "CreateVolume",
-            &req.secrets,
-            req.volume_capabilities.first(),
-        )?;
-        Ok(Response::new(csi::CreateVolumeResponse {
-            volume: Some(csi::Volume {
-                volume_id: format!("echo-{}", req.name),
-                ..Default::default()
-            }),
-        }))
-    }
-
-    async fn delete_volume(
-        &self,
-        request: Request<csi::DeleteVolumeRequest>,
-    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
-        let req = request.into_inner();
-        self.enter("DeleteVolume", &req.secrets, None)?;
-        Ok(Response::new(csi::DeleteVolumeResponse {}))
-    }
-
-    async fn controller_publish_volume(
-        &self,
-        request: Request<csi::ControllerPublishVolumeRequest>,
-    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
-        let req = request.into_inner();
-        self.enter(
-            "ControllerPublishVolume",
-            &req.secrets,
-            req.volume_capability.as_ref(),
-        )?;
-        Ok(Response::new(
-            csi::ControllerPublishVolumeResponse::default(),
-        ))
-    }
-
-    async fn controller_unpublish_volume(
-        &self,
-        request: Request<csi::ControllerUnpublishVolumeRequest>,
-    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
-        let req = request.into_inner();
-        self.enter("ControllerUnpublishVolume", &req.secrets, None)?;
-        Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
-    }
-}
-
-#[tonic::async_trait]
-impl Node for EchoDriver {
-    async fn node_get_capabilities(
-        &self,
-        _: Request<csi::NodeGetCapabilitiesRequest>,
-    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
-        use csi::node_service_capability::{Rpc, Type, rpc::Type as R};
-        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
-            capabilities: vec![csi::NodeServiceCapability {
-                r#type: Some(Type::Rpc(Rpc {
-                    r#type: R::StageUnstageVolume as i32,
-                })),
-            }],
-        }))
-    }
-
-    async fn node_get_info(
-        &self,
-        _: Request<csi::NodeGetInfoRequest>,
-    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
-        Ok(Response::new(csi::NodeGetInfoResponse {
-            node_id: "echo-node".into(),
-            ..Default::default()
-        }))
-    }
-
-    async fn node_stage_volume(
-        &self,
-        request: Request<csi::NodeStageVolumeRequest>,
-    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
-        let req = request.into_inner();
-        self.enter(
-            "NodeStageVolume",
-            &req.secrets,
-            req.volume_capability.as_ref(),
-        )?;
-        Ok(Response::new(csi::NodeStageVolumeResponse {}))
-    }
-
-    async fn node_unstage_volume(
-        &self,
-        _: Request<csi::NodeUnstageVolumeRequest>,
-    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
-        self.calls.lock().unwrap().push("NodeUnstageVolume");
-        Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
-    }
-
-    async fn node_publish_volume(
-        &self,
-        request: Request<csi::NodePublishVolumeRequest>,
-    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
-        let req = request.into_inner();
-        self.enter(
-            "NodePublishVolume",
-            &req.secrets,
-            req.volume_capability.as_ref(),
-        )?;
-        Ok(Response::new(csi::NodePublishVolumeResponse {}))
-    }
-
-    async fn node_unpublish_volume(
-        &self,
-        _: Request<csi::NodeUnpublishVolumeRequest>,
-    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
-        self.calls.lock().unwrap().push("NodeUnpublishVolume");
-        Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
-    }
-}
+use tonic::Code;
 
 // ---------------------------------------------------------------- harness
 
-/// A world whose CSI driver is an `EchoDriver` (in place of the fake) and whose config is
-/// `extra` on top of the test defaults.
+/// The next call of `method` fails with a message quoting its request's secrets and mount
+/// flags, as careless drivers do ([`Behavior::FailEchoing`]); every other call is served
+/// as usual.
+fn echo_next(driver: &FakeDriver, method: &'static str) {
+    driver.script(method, [Behavior::FailEchoing(Code::InvalidArgument)]);
+}
+
+/// A world whose config is `extra` on top of the test defaults and whose fake driver
+/// advertises every step. With `shared_data`, the driver is one on that data directory
+/// (the storage a controller-side world's driver created the volumes on).
 async fn echo_world(
     mode: Mode,
     extra: &str,
     edit: impl FnOnce(String) -> String,
-) -> (World, EchoDriver, tokio::sync::oneshot::Sender<()>) {
-    let mut w = World::start_with_config(Mode::Binary, Caps::default(), extra, edit).await;
+    shared_data: Option<&Path>,
+) -> (World, FakeDriver) {
+    let mut w = World::start_with_config(Mode::Binary, Caps::all_steps(), extra, edit).await;
     // It holds secrets: private, or the bridge refuses it.
     std::fs::set_permissions(&w.config_path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    if let Some(fake) = w.driver_server.take() {
-        fake.stop().await;
+    if let Some(data) = shared_data {
+        if let Some(fake) = w.driver_server.take() {
+            fake.stop().await;
+        }
+        w.driver = FakeDriver::new(Caps::all_steps(), data);
+        w.driver_server = Some(w.driver.serve(&w.dir.path().join("csi.sock")));
     }
-    let echo = EchoDriver::default();
-    let stop = echo.serve(&w.dir.path().join("csi.sock"));
     if mode == Mode::Rpc {
         w.mode = Mode::Rpc;
         w.start_daemon().await.unwrap();
     }
-    (w, echo, stop)
+    let driver = w.driver.clone();
+    (w, driver)
 }
 
 /// Checks that a failed hook's message (status or JSON error; stderr is in the logs)
@@ -340,10 +102,10 @@ const CONFIG_SECRET_VALUES: [&str; 5] = [
 #[tokio::test(flavor = "multi_thread")]
 async fn config_secrets_and_mount_flags_echoed_by_the_driver_reach_no_error_or_log() {
     for mode in MODES {
-        let (w, echo, _stop) = echo_world(mode, CONFIG_SECRETS, |t| t).await;
+        let (w, echo) = echo_world(mode, CONFIG_SECRETS, |t| t, None).await;
         let what = |step: &str| format!("{mode:?} {step}");
 
-        echo.echo_only(&["CreateVolume"]);
+        echo_next(&echo, "CreateVolume");
         let err = w.create("sec-vol").await.expect_err("echoing CreateVolume");
         assert_scrubbed(
             &what("create"),
@@ -352,23 +114,25 @@ async fn config_secrets_and_mount_flags_echoed_by_the_driver_reach_no_error_or_l
             &CONFIG_SECRET_VALUES,
         );
 
-        echo.echo_only(&[]);
         let created = w.create("sec-vol").await.expect("create");
         for call in [
             "ControllerPublishVolume",
             "NodeStageVolume",
             "NodePublishVolume",
         ] {
-            echo.echo_only(&[call]);
+            echo_next(&echo, call);
             let err = w
                 .attach("sb-1", "sec-vol", 0, &created.private_data)
                 .await
                 .expect_err("echoing attach");
             assert_scrubbed(&what(call), &err.message, call, &CONFIG_SECRET_VALUES);
         }
-        assert!(echo.calls().contains(&"NodeUnstageVolume"), "rolled back");
+        assert!(
+            echo.mutating_calls().contains(&"NodeUnstageVolume"),
+            "rolled back"
+        );
 
-        echo.echo_only(&["DeleteVolume"]);
+        echo_next(&echo, "DeleteVolume");
         let err = w
             .destroy("sec-vol")
             .await
@@ -379,7 +143,6 @@ async fn config_secrets_and_mount_flags_echoed_by_the_driver_reach_no_error_or_l
             "DeleteVolume",
             &CONFIG_SECRET_VALUES,
         );
-        echo.echo_only(&[]);
         w.destroy("sec-vol").await.expect("destroy");
 
         // Every log line, the daemon's and each forked hook's stderr (RUST_LOG=debug).
@@ -570,14 +333,15 @@ async fn storage_class_secrets_echoed_by_the_driver_reach_no_error_or_log() {
         .await;
 
     for mode in MODES {
-        let (controller, echo, _stop) = echo_world(
+        let (controller, echo) = echo_world(
             mode,
             "",
             kubernetes_mode(&controller_kubeconfig, "controller"),
+            None,
         )
         .await;
         let volume = format!("sc-vol-{mode:?}").to_lowercase();
-        echo.echo_only(&["CreateVolume"]);
+        echo_next(&echo, "CreateVolume");
         let err = controller
             .create(&volume)
             .await
@@ -588,17 +352,23 @@ async fn storage_class_secrets_echoed_by_the_driver_reach_no_error_or_log() {
             "CreateVolume",
             &leaks,
         );
-        echo.echo_only(&[]);
         let created = controller.create(&volume).await.expect("create");
 
-        let (node, node_echo, _node_stop) =
-            echo_world(mode, "", kubernetes_mode(&node_kubeconfig, "node")).await;
+        // The node's driver sees the storage the controller's driver created the volume on.
+        let storage = controller.dir.path().join("driver-data");
+        let (node, node_echo) = echo_world(
+            mode,
+            "",
+            kubernetes_mode(&node_kubeconfig, "node"),
+            Some(&storage),
+        )
+        .await;
         for call in [
             "ControllerPublishVolume",
             "NodeStageVolume",
             "NodePublishVolume",
         ] {
-            node_echo.echo_only(&[call]);
+            echo_next(&node_echo, call);
             let err = node
                 .attach("sb-1", &volume, 0, &created.private_data)
                 .await
@@ -606,7 +376,7 @@ async fn storage_class_secrets_echoed_by_the_driver_reach_no_error_or_log() {
             assert_scrubbed(&format!("{mode:?} {call}"), &err.message, call, &leaks);
         }
 
-        echo.echo_only(&["DeleteVolume"]);
+        echo_next(&echo, "DeleteVolume");
         let err = controller
             .destroy(&volume)
             .await
@@ -617,7 +387,6 @@ async fn storage_class_secrets_echoed_by_the_driver_reach_no_error_or_log() {
             "DeleteVolume",
             &leaks,
         );
-        echo.echo_only(&[]);
         controller.destroy(&volume).await.expect("destroy");
 
         assert_logs_clean(

@@ -1,22 +1,17 @@
-//! The suite's CSI driver double, run as a child process (`suite fake-csi …`): every call
-//! answers after a fixed latency (0 for "the bridge alone", 10 ms for a slow driver),
-//! volumes live in memory, and NodeStage/NodePublish make real bind mounts, so the
-//! bridge's check that host_path is a mount point sees what it would see with a real
-//! driver. It keeps which paths it mounted in memory (it is their only mounter).
+//! The suite's CSI driver, run as a child process (`suite fake-csi …`): the project's own
+//! driver (`cube_csi_bridge::demo::driver`, the one the demo and the tests use) with a
+//! bench profile. Every call answers after a fixed latency (0 for "the bridge alone",
+//! 10 ms for a slow driver); volumes are directories of the data directory, and
+//! NodeStage/NodePublish make real bind mounts, so the bridge's check that host_path is a
+//! mount point sees what it would see with a real driver. The same-run baselines call
+//! this same process directly.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use csi::controller_server::{Controller, ControllerServer};
-use csi::identity_server::{Identity, IdentityServer};
-use csi::node_server::{Node, NodeServer};
-use cube_csi_bridge::proto::csi::v1 as csi;
-use nix::mount::{MntFlags, MsFlags};
+use cube_csi_bridge::demo::driver::{LocalDirDriver, Profile};
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::{Request, Response, Status};
 
 /// The driver's GetPluginInfo name.
 pub const NAME: &str = "bench.csi.cube-csi-bridge";
@@ -74,270 +69,35 @@ impl Options {
     }
 }
 
-#[derive(Debug)]
-struct Inner {
-    latency: Duration,
-    stage: bool,
-    data_dir: PathBuf,
-    mounted: Mutex<HashSet<PathBuf>>,
-}
-
-#[derive(Debug, Clone)]
-struct FakeCsi(Arc<Inner>);
-
-impl FakeCsi {
-    async fn delay(&self) {
-        if !self.0.latency.is_zero() {
-            tokio::time::sleep(self.0.latency).await;
-        }
-    }
-
-    /// Bind-mounts `source` onto `target` unless this driver already did.
-    async fn bind(&self, source: PathBuf, target: PathBuf) -> Result<(), Status> {
-        let this = self.clone();
-        blocking(move || {
-            if this.0.mounted.lock().unwrap().contains(&target) {
-                return Ok(());
-            }
-            std::fs::create_dir_all(&source)?;
-            match std::fs::create_dir(&target) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(e),
-            }
-            nix::mount::mount(
-                Some(&source),
-                &target,
-                None::<&str>,
-                MsFlags::MS_BIND,
-                None::<&str>,
-            )?;
-            this.0.mounted.lock().unwrap().insert(target);
-            Ok(())
-        })
-        .await
-    }
-
-    /// Unmounts `target` if this driver mounted it; `remove` also removes the directory
-    /// (NodeUnpublish: the driver owns the target path).
-    async fn unbind(&self, target: PathBuf, remove: bool) -> Result<(), Status> {
-        let this = self.clone();
-        blocking(move || {
-            if this.0.mounted.lock().unwrap().remove(&target) {
-                nix::mount::umount2(&target, MntFlags::empty())?;
-            }
-            if remove {
-                match std::fs::remove_dir(&target) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            Ok(())
-        })
-        .await
-    }
-}
-
-async fn blocking(f: impl FnOnce() -> std::io::Result<()> + Send + 'static) -> Result<(), Status> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(|e| Status::internal(e.to_string()))
-}
-
-fn plain(id: &str) -> Result<&str, Status> {
-    let ok = !id.is_empty()
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(id)
-    } else {
-        Err(Status::invalid_argument(format!(
-            "volume id {id:?} is not a plain name"
-        )))
-    }
-}
-
-#[tonic::async_trait]
-impl Identity for FakeCsi {
-    async fn get_plugin_info(
-        &self,
-        _: Request<csi::GetPluginInfoRequest>,
-    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
-        self.delay().await;
-        Ok(Response::new(csi::GetPluginInfoResponse {
-            name: NAME.into(),
-            vendor_version: "1".into(),
-            manifest: Default::default(),
-        }))
-    }
-
-    async fn get_plugin_capabilities(
-        &self,
-        _: Request<csi::GetPluginCapabilitiesRequest>,
-    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
-        use csi::plugin_capability::{Service, Type, service::Type as S};
-        self.delay().await;
-        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: vec![csi::PluginCapability {
-                r#type: Some(Type::Service(Service {
-                    r#type: S::ControllerService as i32,
-                })),
-            }],
-        }))
-    }
-
-    async fn probe(
-        &self,
-        _: Request<csi::ProbeRequest>,
-    ) -> Result<Response<csi::ProbeResponse>, Status> {
-        self.delay().await;
-        Ok(Response::new(csi::ProbeResponse { ready: Some(true) }))
-    }
-}
-
-#[tonic::async_trait]
-impl Controller for FakeCsi {
-    async fn controller_get_capabilities(
-        &self,
-        _: Request<csi::ControllerGetCapabilitiesRequest>,
-    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
-        use csi::controller_service_capability::{Rpc, Type, rpc::Type as R};
-        self.delay().await;
-        Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: vec![csi::ControllerServiceCapability {
-                r#type: Some(Type::Rpc(Rpc {
-                    r#type: R::CreateDeleteVolume as i32,
-                })),
-            }],
-        }))
-    }
-
-    async fn create_volume(
-        &self,
-        request: Request<csi::CreateVolumeRequest>,
-    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
-        self.delay().await;
-        // Idempotent by name: the name is the id. The data directory is made on first use.
-        let name = request.into_inner().name;
-        plain(&name)?;
-        Ok(Response::new(csi::CreateVolumeResponse {
-            volume: Some(csi::Volume {
-                volume_id: name,
-                ..Default::default()
-            }),
-        }))
-    }
-
-    async fn delete_volume(
-        &self,
-        _: Request<csi::DeleteVolumeRequest>,
-    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
-        self.delay().await;
-        Ok(Response::new(csi::DeleteVolumeResponse {}))
-    }
-}
-
-#[tonic::async_trait]
-impl Node for FakeCsi {
-    async fn node_stage_volume(
-        &self,
-        request: Request<csi::NodeStageVolumeRequest>,
-    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
-        self.delay().await;
-        let req = request.into_inner();
-        let source = self.0.data_dir.join(plain(&req.volume_id)?);
-        self.bind(source, PathBuf::from(req.staging_target_path))
-            .await?;
-        Ok(Response::new(csi::NodeStageVolumeResponse {}))
-    }
-
-    async fn node_unstage_volume(
-        &self,
-        request: Request<csi::NodeUnstageVolumeRequest>,
-    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
-        self.delay().await;
-        let staging = PathBuf::from(request.into_inner().staging_target_path);
-        self.unbind(staging, false).await?;
-        Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
-    }
-
-    async fn node_publish_volume(
-        &self,
-        request: Request<csi::NodePublishVolumeRequest>,
-    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
-        self.delay().await;
-        let req = request.into_inner();
-        let source = if self.0.stage {
-            PathBuf::from(&req.staging_target_path)
-        } else {
-            self.0.data_dir.join(plain(&req.volume_id)?)
-        };
-        self.bind(source, PathBuf::from(req.target_path)).await?;
-        Ok(Response::new(csi::NodePublishVolumeResponse {}))
-    }
-
-    async fn node_unpublish_volume(
-        &self,
-        request: Request<csi::NodeUnpublishVolumeRequest>,
-    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
-        self.delay().await;
-        let target = PathBuf::from(request.into_inner().target_path);
-        self.unbind(target, true).await?;
-        Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
-    }
-
-    async fn node_get_capabilities(
-        &self,
-        _: Request<csi::NodeGetCapabilitiesRequest>,
-    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
-        use csi::node_service_capability::{Rpc, Type, rpc::Type as R};
-        self.delay().await;
-        let capabilities = if self.0.stage {
-            vec![csi::NodeServiceCapability {
-                r#type: Some(Type::Rpc(Rpc {
-                    r#type: R::StageUnstageVolume as i32,
-                })),
-            }]
-        } else {
-            vec![]
-        };
-        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
-            capabilities,
-        }))
-    }
-
-    async fn node_get_info(
-        &self,
-        _: Request<csi::NodeGetInfoRequest>,
-    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
-        self.delay().await;
-        Ok(Response::new(csi::NodeGetInfoResponse {
-            node_id: NODE_ID.into(),
-            ..Default::default()
-        }))
+/// The bench profile of the project's driver: named as the suite expects, every call
+/// answered after the fixed latency, nothing recorded (it would only grow), volumes made
+/// on first use (the suite attaches volumes it never created).
+fn profile(options: &Options) -> Profile {
+    Profile {
+        name: NAME.into(),
+        stage: options.stage,
+        record_calls: false,
+        latency: options.latency,
+        volumes_on_first_use: true,
+        ..Profile::demo(NODE_ID)
     }
 }
 
 /// Serves the driver until SIGTERM or SIGINT.
 pub fn run(options: Options) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&options.data_dir)
+        .with_context(|| format!("making {}", options.data_dir.display()))?;
+    let driver = LocalDirDriver::with_profile(&options.data_dir, profile(&options));
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let listener = bind(&options.socket)?;
-        let driver = FakeCsi(Arc::new(Inner {
-            latency: options.latency,
-            stage: options.stage,
-            data_dir: options.data_dir,
-            mounted: Mutex::default(),
-        }));
+        let (identity, controller, node) = driver.services();
         tonic::transport::Server::builder()
             // Real Go drivers take any number of concurrent calls; so does this one.
             .max_concurrent_streams(Some(4096))
-            .add_service(IdentityServer::new(driver.clone()))
-            .add_service(ControllerServer::new(driver.clone()))
-            .add_service(NodeServer::new(driver))
+            .add_service(identity)
+            .add_service(controller)
+            .add_service(node)
             .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop_signal())
             .await?;
         Ok(())

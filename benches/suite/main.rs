@@ -4,8 +4,9 @@
 //! PASS/MISS. It prints; it never fails on time. A figure it could not measure (a broken
 //! setup, a failing call) is printed as such, and the exit status is then non-zero.
 //!
-//! The same executable is also the suite's own child processes: `fake-csi` (a CSI driver
-//! double with a fixed latency per call) and `tonic-floor` (a trivial tonic Cube plugin).
+//! The same executable is also the suite's own child processes: `fake-csi` (the project's
+//! fake CSI driver with a fixed latency per call) and `tonic-floor` (a trivial tonic Cube
+//! plugin).
 
 mod fake_csi;
 mod kube_api;

@@ -2,9 +2,11 @@
 //! data directory; NodeStage bind-mounts it at the staging path and NodePublish bind-mounts
 //! the staging path (or, without staging, the volume) at the target.
 //!
-//! It serves the demo and, as the test double, the project's tests: a [`Profile`] sets what
-//! it advertises and how it names things, and it can record every call, react to the next
-//! calls of a method as scripted (fail, answer late, or hold the call until released), and
+//! It is the project's one CSI driver double: it serves the demo, the tests
+//! (tests/common/fake_driver.rs) and the benchmark suite (benches/suite/fake_csi.rs). A
+//! [`Profile`] sets what it advertises, how it names things and how long every call takes,
+//! and it can record every call, react to the next calls of a method as scripted (fail,
+//! fail echoing the request's secrets, answer late, or hold the call until released), and
 //! tell a waiting test when the Nth call of a method has arrived.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -60,6 +62,13 @@ pub struct Profile {
     /// NodeUnpublish of a listed target removes it once (and of an unlisted one does
     /// nothing), and NodeUnstage fails with FAILED_PRECONDITION while any is listed.
     pub counts_publishes: bool,
+    /// Every call waits this long before it is answered (the benchmark's slow driver);
+    /// zero for none.
+    pub latency: Duration,
+    /// NodeStage (NodePublish without staging) of a volume with no directory makes it, as
+    /// if the volume had been provisioned elsewhere: the benchmark attaches volumes it
+    /// never created (their CSI handle comes in Cube's private_data).
+    pub volumes_on_first_use: bool,
 }
 
 impl Profile {
@@ -78,6 +87,8 @@ impl Profile {
             share_mount_dir: None,
             verifies_existing_mount: false,
             counts_publishes: false,
+            latency: Duration::ZERO,
+            volumes_on_first_use: false,
         }
     }
 }
@@ -86,6 +97,10 @@ impl Profile {
 #[derive(Debug, Clone)]
 pub enum Behavior {
     Fail(Code, &'static str),
+    /// Fail with this code and a message quoting the request's secrets and mount flags,
+    /// as careless drivers do ("mount -o <flags> failed", "bad secret …"), plain and
+    /// quoted: what the bridge must scrub before anything shows it.
+    FailEchoing(Code),
     /// Sleep, then behave normally (the call is dropped if the client gives up).
     Delay(Duration),
     /// Wait until the gate is released, then behave normally: the call stays in flight
@@ -302,23 +317,33 @@ impl LocalDirDriver {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records `call` (if the profile says so), counts its arrival and applies the next
-    /// scripted reaction.
+    /// Records `call` (if the profile says so), counts its arrival, waits the profile's
+    /// latency and applies the next scripted reaction.
     async fn enter(&self, call: Call) -> Result<(), Status> {
         let method = call.method;
         let behavior = {
             let mut state = self.state();
+            let behavior = state.script.get_mut(method).and_then(VecDeque::pop_front);
+            // The echo is made before the call is moved into the record.
+            let behavior = match behavior {
+                Some(Behavior::FailEchoing(code)) => Err(Status::new(code, echo(&call))),
+                other => Ok(other),
+            };
             if self.inner.profile.record_calls {
                 state.calls.push(call);
             }
-            state.script.get_mut(method).and_then(VecDeque::pop_front)
+            behavior
         };
         self.inner
             .arrivals
             .send_modify(|counts| *counts.entry(method).or_default() += 1);
-        match behavior {
+        if !self.inner.profile.latency.is_zero() {
+            tokio::time::sleep(self.inner.profile.latency).await;
+        }
+        match behavior? {
             None => Ok(()),
             Some(Behavior::Fail(code, message)) => Err(Status::new(code, message)),
+            Some(Behavior::FailEchoing(_)) => unreachable!("answered above"),
             Some(Behavior::Delay(d)) => {
                 tokio::time::sleep(d).await;
                 Ok(())
@@ -328,6 +353,19 @@ impl LocalDirDriver {
                 Ok(())
             }
         }
+    }
+
+    /// NOT_FOUND unless volume `id` has its directory `dir`, which is made first if the
+    /// profile makes volumes on first use.
+    async fn existing_volume(&self, dir: &Path, id: &str) -> Result<(), Status> {
+        if dir.is_dir() {
+            return Ok(());
+        }
+        if self.inner.profile.volumes_on_first_use {
+            let dir = dir.to_path_buf();
+            return blocking(move || change_volume_dir(&dir, true)).await;
+        }
+        Err(Status::not_found(format!("volume {id} does not exist")))
     }
 
     fn controller_reachable(&self) -> Result<(), Status> {
@@ -353,6 +391,22 @@ impl LocalDirDriver {
     }
 }
 
+/// The message of [`Behavior::FailEchoing`]: the mount flags as a failed mount command shows
+/// them, the secrets as a Rust or Go map prints them (quoted) and each value bare.
+fn echo(call: &Call) -> String {
+    format!(
+        "{}: mount -o {} failed: permission denied; secrets {:?}; password was {}",
+        call.method,
+        call.mount_flags.join(","),
+        call.secrets,
+        call.secrets
+            .values()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" and ")
+    )
+}
+
 fn required<'a>(value: &'a str, field: &str) -> Result<&'a str, Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
@@ -373,6 +427,12 @@ async fn blocking(f: impl FnOnce() -> std::io::Result<()> + Send + 'static) -> R
 }
 
 fn is_mounted(path: &Path) -> Result<bool, Status> {
+    // Asked of the kernel in O(1) where it can say: reading the mount table on every call
+    // costs as much as there are mounts (the benchmark makes thousands) and takes the
+    // namespace lock that concurrent mounts need.
+    if let Some(root) = crate::mount::mountinfo::is_mount_root(path).map_err(internal)? {
+        return Ok(root);
+    }
     crate::mount::MountTable::read(None)
         .map(|t| t.is_mount_point(&crate::mount::resolve_parent(path)))
         .map_err(internal)
@@ -551,6 +611,7 @@ impl Controller for LocalDirDriver {
             volume_id: req.volume_id.clone(),
             node_id: req.node_id.clone(),
             secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
             ..Default::default()
         })
         .await?;
@@ -617,12 +678,7 @@ impl Node for LocalDirDriver {
                 "the CO must create the staging path",
             ));
         }
-        if !source.is_dir() {
-            return Err(Status::not_found(format!(
-                "volume {} does not exist",
-                req.volume_id
-            )));
-        }
+        self.existing_volume(&source, &req.volume_id).await?;
         if !is_mounted(&staging)? {
             blocking(move || ops::bind_mount(&source, &staging, false)).await?;
         }
@@ -683,12 +739,7 @@ impl Node for LocalDirDriver {
             staging
         } else {
             let dir = self.volume_dir(required(&req.volume_id, "volume_id")?)?;
-            if !dir.is_dir() {
-                return Err(Status::not_found(format!(
-                    "volume {} does not exist",
-                    req.volume_id
-                )));
-            }
+            self.existing_volume(&dir, &req.volume_id).await?;
             dir
         };
         if is_mounted(&target)? {

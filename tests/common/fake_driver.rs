@@ -1,6 +1,6 @@
 //! The tests' CSI driver: the program's own local-directory driver (src/demo/driver.rs)
 //! with the fake's profile (name `fake.csi.test`, ids `fake-<name>`), every call recorded,
-//! and scripted failures, delays and holds. A test waits for a call to reach the fake with
+//! and scripted failures (plain, or echoing the request's secrets), delays and holds. A test waits for a call to reach the fake with
 //! [`FakeDriver::wait_for_call`], never by sleeping. It makes real bind mounts (volume data
 //! lives in `<data_dir>/<volume id>`, so it outlives attachments).
 
@@ -127,6 +127,8 @@ impl FakeDriver {
             share_mount_dir,
             verifies_existing_mount: caps.verifies_existing_mount,
             counts_publishes: caps.counts_publishes,
+            latency: Duration::ZERO,
+            volumes_on_first_use: false,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
