@@ -56,7 +56,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the daemon: serve Cube's hooks over gRPC on a Unix socket (Cube type `rpc`).
-    Serve(ConfigArg),
+    Serve(ServeArgs),
     /// Run one hook as Cube's binary plugin (Cube forks the executable with `--op …`;
     /// the word `hook` may be left out).
     Hook(HookArgs),
@@ -143,6 +143,17 @@ pub struct ProbeArgs {
     /// How long to wait for the daemon's answer, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300))]
     pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Serve metrics on this address instead of metrics.listen's (its port is kept): the
+    /// pod's own IP in Kubernetes (the chart passes `$(POD_IP)`), so that the endpoint is
+    /// bound where Prometheus scrapes and no wider, even on the host network.
+    #[arg(long, value_name = "IP")]
+    pub metrics_listen_ip: Option<std::net::IpAddr>,
 }
 
 #[derive(Debug, Args)]
@@ -283,10 +294,22 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         Command::Hook(hook) => run_hook(cli.log_format, hook, argv0.as_deref()),
         Command::Serve(arg) => {
             telemetry::init(cli.log_format, "info");
-            let configs = match load_configs(arg, argv0.as_deref()) {
+            let mut configs = match load_configs(arg.config, argv0.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
+            if let Some(ip) = arg.metrics_listen_ip {
+                for config in &mut configs {
+                    let Some(listen) = &mut config.metrics.listen else {
+                        eprintln!(
+                            "--metrics-listen-ip {ip}: the config sets no metrics.listen (whose \
+                             port it keeps)"
+                        );
+                        return ExitCode::from(EXIT_CONFIG);
+                    };
+                    listen.set_ip(ip);
+                }
+            }
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
             let served = runtime.block_on(async {
                 let daemon = crate::transport::server::Daemon::open(configs).await?;

@@ -783,13 +783,34 @@ fn metrics_are_exposed_only_when_enabled() {
         ] {
             let text = block_scalar(&rendered, key).unwrap();
             let config = Config::parse(&text, Path::new(key)).unwrap();
+            // Loopback in the file; the pod's own IP, never every interface of a host
+            // whose network the pod may share, through the args (issue 18, finding 2).
             assert_eq!(
                 config.metrics.listen,
-                Some(format!("0.0.0.0:{port}").parse().unwrap()),
+                Some(format!("127.0.0.1:{port}").parse().unwrap()),
                 "{key}"
             );
+            assert!(!text.contains("0.0.0.0"), "{key}: {text}");
             let objects = manifests(&rendered);
             let bridge = container(pod_spec(&objects, side), "bridge");
+            let args: Vec<&str> = bridge["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect();
+            assert_eq!(
+                args[args.len() - 2..],
+                ["--metrics-listen-ip", "$(POD_IP)"],
+                "{side}: {args:?}"
+            );
+            let pod_ip = bridge["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == "POD_IP")
+                .unwrap_or_else(|| panic!("{side}: no POD_IP env"));
+            assert_eq!(pod_ip["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
             assert_eq!(bridge["ports"][0]["containerPort"], port, "{side}");
             let service = objects
                 .iter()

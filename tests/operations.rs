@@ -343,3 +343,47 @@ async fn rpc_call_create(w: &World) -> String {
         .into_inner()
         .private_data
 }
+
+/// `serve --metrics-listen-ip` (what the chart passes, with the pod's IP) binds the metrics
+/// endpoint at that address with the config's port, and nowhere else (issue 18, finding 2:
+/// the chart used to bind 0.0.0.0 on the host network).
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_bind_only_the_address_serve_is_given() {
+    require_root!();
+    let port = common::free_port();
+    let w = World::start(
+        Mode::Binary,
+        Caps::staging(),
+        &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"),
+    )
+    .await;
+    let log = std::fs::File::create(w.daemon_log_path()).unwrap();
+    let _daemon = tokio::process::Command::new(BRIDGE)
+        .args(["serve", "--metrics-listen-ip", "127.0.0.2", "--config"])
+        .arg(&w.config_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    common::wait_until(
+        "the metrics endpoint at 127.0.0.2",
+        Duration::from_secs(30),
+        || std::net::TcpStream::connect(("127.0.0.2", port)).is_ok(),
+    )
+    .await;
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the config's own address is not bound as well"
+    );
+    // A flag without metrics.listen in the config is a config error, not a guess.
+    let bare = World::start(Mode::Binary, Caps::staging(), "").await;
+    let out = std::process::Command::new(BRIDGE)
+        .args(["serve", "--metrics-listen-ip", "127.0.0.2", "--config"])
+        .arg(&bare.config_path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("metrics.listen"));
+}

@@ -184,7 +184,8 @@ mount_flags = [{{ range $i, $f := $v.volume.mountFlags }}{{ if $i }}, {{ end }}{
 {{- if $v.metrics.enabled }}
 
 [metrics]
-listen = {{ printf "0.0.0.0:%d" (include "cube-csi-bridge.metricsPort" (dict "root" .root "side" $side) | int) | toJson }}
+# Loopback here; the container's args bind the pod's own IP (--metrics-listen-ip).
+listen = {{ printf "127.0.0.1:%d" (include "cube-csi-bridge.metricsPort" (dict "root" .root "side" $side) | int) | toJson }}
 volume_stats_interval_secs = {{ ternary (int64 $v.metrics.volumeStatsIntervalSecs) 0 (eq $side "node") }}
 {{- end }}
 {{- with $v.timeouts }}
@@ -229,6 +230,22 @@ Environment every CSI driver container gets. Call with the driver values.
   value: {{ .Values.logLevel | quote }}
 - name: CUBE_CSI_BRIDGE_LOG_FORMAT
   value: {{ .Values.logFormat | quote }}
+{{- if .Values.metrics.enabled }}
+# The metrics endpoint binds this address only: where Prometheus scrapes the pod, not every
+# interface of the host whose network the pod may share.
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end }}
+{{- end }}
+
+{{/*
+The bridge container's args: serve the side's config, with metrics bound to the pod's IP
+when they are on. Call with (dict "root" $ "side" "node"|"controller").
+*/}}
+{{- define "cube-csi-bridge.bridgeArgs" -}}
+args: [serve, --config, /etc/cube-csi-bridge/{{ .side }}.toml{{ if .root.Values.metrics.enabled }}, --metrics-listen-ip, "$(POD_IP)"{{ end }}]
 {{- end }}
 
 {{/*
