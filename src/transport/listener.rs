@@ -230,9 +230,10 @@ impl PeerPolicy {
             return Ok(());
         }
         let uid = stream.peer_cred().ok().map(|c| c.uid());
-        match self.allows(uid) {
-            true => Ok(()),
-            false => Err(Refusal { uid, why: None }),
+        if self.allows(uid) {
+            Ok(())
+        } else {
+            Err(Refusal { uid, why: None })
         }
     }
 
@@ -248,9 +249,10 @@ impl PeerPolicy {
             Ok(uid) => (Some(uid), None),
             Err(why) => (None, Some(why)),
         };
-        match self.allows(uid) {
-            true => Ok(()),
-            false => Err(Refusal { uid, why }),
+        if self.allows(uid) {
+            Ok(())
+        } else {
+            Err(Refusal { uid, why })
         }
     }
 }
