@@ -9,6 +9,7 @@
 //! plugin).
 
 mod fake_csi;
+mod flood;
 mod kube_api;
 mod procs;
 mod profile;
@@ -26,8 +27,8 @@ const USAGE: &str = "\
 usage: cargo bench --bench suite -- [--quick] [--only SECTIONS] [--keep] [--profile DIR]
                                     [--bridge EXE] [--work-dir DIR]
   --quick          fewer iterations (a minute or two instead of several)
-  --only A,B       run only these sections: hot, first, binary, concurrent, store,
-                   kubernetes, ready (default: all)
+  --only A,B       run only these sections: hot, flood, first, binary, concurrent,
+                   store, kubernetes, ready (default: all)
   --keep           keep the work directory (logs, configs, state) and print its path
   --profile DIR    instead of the table: where the daemon's time goes (strace of hot
                    Attach/Detach, first Attach/Detach, Create/Destroy; perf of the hot

@@ -30,6 +30,7 @@ pub fn run_all(world: &World) -> bool {
         let t = Instant::now();
         let result = match section {
             "hot" => hot(world),
+            "flood" => flood(world),
             "first" => first(world),
             "binary" => binary(world),
             "concurrent" => concurrent(world),
@@ -339,6 +340,100 @@ fn hot(world: &World) -> anyhow::Result<Vec<Row>> {
         ));
     }
     Ok(rows)
+}
+
+/// Hot Attach/Detach over the socket while the daemon is flooded — idle half-sent
+/// requests on its metrics port and strangers reconnecting to its TCP port, each refused
+/// by `serve.allowed_uids` — beside the same pairs on the same daemon with no flood, in
+/// interleaved rounds (issue 18, findings 2 and 8).
+fn flood(world: &World) -> anyhow::Result<Vec<Row>> {
+    const IDLE: usize = 1000;
+    const PEERS: usize = 32;
+    // About 640 connections a second, ten times the rate of the issue's flood.
+    const EVERY: Duration = Duration::from_millis(50);
+    let s = world.sizes;
+    let (_driver, socket) = world.fake_driver("flood-driver", 0, true)?;
+    let (metrics, tcp) = (world::free_loopback_addr()?, world::free_loopback_addr()?);
+    let spec = BridgeSpec {
+        serve_extra: format!("allowed_uids = [0]\ntcp = \"{tcp}\"\n"),
+        extra: format!("\n[metrics]\nlisten = \"{metrics}\"\n"),
+        ..BridgeSpec::new("flood", &socket)
+    };
+    let (mut bridge, files) = world.bridge(&spec)?;
+    let via = Via::Socket(files.socket.clone());
+    let base = &files.base_dir;
+    let mut runner = world.runner()?;
+    runner.run(
+        "prime",
+        &via,
+        1,
+        &[Call::create("hot"), Call::attach("hot", "holder", 0, base)],
+    )?;
+    runner.run(
+        "warm-up",
+        &via,
+        1,
+        &hot_calls("hot", s.warmup_pairs, base, "warm"),
+    )?;
+    let per_round = s.hot_pairs / s.rounds;
+    let (mut quiet, mut flooded) = (Vec::new(), Vec::new());
+    let mut refused = 0;
+    let mut flood_time = Duration::ZERO;
+    for round in 0..s.rounds {
+        let calls = hot_calls("hot", per_round, base, &format!("q{round}"));
+        quiet.extend(
+            runner
+                .run(&format!("quiet round {round}"), &via, 1, &calls)?
+                .samples_ns,
+        );
+        let flood = crate::flood::Flood::start(metrics, IDLE, tcp, PEERS, EVERY)?;
+        let (t, before) = (Instant::now(), flood.refused());
+        let calls = hot_calls("hot", per_round, base, &format!("f{round}"));
+        let outcome = runner.run(&format!("flooded round {round}"), &via, 1, &calls);
+        // Only the connections refused while the pairs ran.
+        refused += flood.refused() - before;
+        flood_time += t.elapsed();
+        flood.stop()?;
+        flooded.extend(outcome?.samples_ns);
+        bridge.check_alive()?;
+    }
+    runner.run(
+        "release",
+        &via,
+        1,
+        &[Call::detach("hot", "holder", 0), Call::destroy("hot")],
+    )?;
+    let log = std::fs::read_to_string(&files.log)?;
+    let log_lines = log
+        .lines()
+        .filter(|l| l.contains("refused a TCP connection"))
+        .count();
+    let (q, f) = (Summary::of_ns(&quiet), Summary::of_ns(&flooded));
+    Ok(vec![Row::judged(
+        format!(
+            "hot Attach/Detach over the socket while {IDLE} idle metrics connections and \
+             {PEERS} refused TCP peers (uid {}, one connect per {} ms each) flood — p99",
+            crate::flood::STRANGER,
+            EVERY.as_millis()
+        ),
+        format!(
+            "{} (median {}, n {}; {refused} connections refused during the {:.1} s of \
+             flooded pairs, {log_lines} refusal log lines)",
+            fmt_duration(f.p99),
+            fmt_duration(f.median),
+            f.n,
+            flood_time.as_secs_f64()
+        ),
+        format!(
+            "no flood, same daemon: p99 {} (median {})",
+            fmt_duration(q.p99),
+            fmt_duration(q.median)
+        ),
+        ms(f.p99),
+        ms(q.p99),
+        Target::Ratio(2.0),
+        "ms",
+    )])
 }
 
 /// One driver of the first-Attach section.

@@ -25,6 +25,7 @@ pub const CSI_MOCK_MISSING: &str =
 /// Every section, in the order they run.
 pub const SECTIONS: &[&str] = &[
     "hot",
+    "flood",
     "first",
     "binary",
     "concurrent",
@@ -335,6 +336,10 @@ pub struct BridgeSpec {
     /// `node.mount_view`: "self" (the suite has no separate Cubelet namespace), or
     /// "none" for a driver that mounts nothing.
     pub mount_view: &'static str,
+    /// More lines of `[serve]` (e.g. `tcp`, `allowed_uids`).
+    pub serve_extra: String,
+    /// More tables at the end of the config (e.g. `[metrics]`).
+    pub extra: String,
 }
 
 impl BridgeSpec {
@@ -347,6 +352,8 @@ impl BridgeSpec {
             capacity_bytes: 0,
             store: Store::Embedded,
             mount_view: "self",
+            serve_extra: String::new(),
+            extra: String::new(),
         }
     }
 
@@ -402,7 +409,7 @@ endpoint = "unix://{csi}"
 [serve]
 socket = "{socket}"
 services = "{services}"
-
+{serve_extra}
 [volume]
 access_mode = "{access}"
 capacity_bytes = {capacity}
@@ -416,7 +423,7 @@ controller_store = "{store}"
 default_volume_base_dir = "{base}"
 mount_view = "{mount_view}"
 
-{kube}"#,
+{kube}{extra}"#,
             csi = spec.csi_socket.display(),
             socket = files.socket.display(),
             services = spec.services,
@@ -426,6 +433,8 @@ mount_view = "{mount_view}"
             state = files.state_dir.display(),
             base = files.base_dir.display(),
             mount_view = spec.mount_view,
+            serve_extra = spec.serve_extra,
+            extra = spec.extra,
         );
         std::fs::write(&files.config, text)?;
         Ok(files)
@@ -451,6 +460,11 @@ mount_view = "{mount_view}"
         proc.wait_for_socket(&files.socket, Duration::from_secs(30))?;
         Ok((proc, files))
     }
+}
+
+/// A loopback address nothing listens on right now.
+pub fn free_loopback_addr() -> anyhow::Result<std::net::SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
 /// Enters a new mount namespace whose mounts propagate nowhere.

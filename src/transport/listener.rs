@@ -6,7 +6,8 @@
 //! existing path is replaced only if it is a stale socket (never followed if it is a
 //! symlink); and it is removed on shutdown only if it is still the one this process made.
 //! With `serve.allowed_uids`, every connection's peer uid is checked (SO_PEERCRED on the
-//! socket; the kernel's socket table for loopback TCP) and strangers are dropped.
+//! socket; for loopback TCP, the kernel asked by the connection's exact 4-tuple over
+//! netlink sock_diag) and strangers are dropped, logged at most once per 10 s per listener.
 
 use std::net::SocketAddr;
 use std::os::fd::{FromRawFd, RawFd};
@@ -17,6 +18,9 @@ use std::task::{Context, Poll};
 
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio_stream::Stream;
+
+mod sock_diag;
+use sock_diag::SockDiag;
 
 /// The first file descriptor systemd passes (sd_listen_fds(3)).
 const SD_LISTEN_FDS_START: RawFd = 3;
@@ -201,6 +205,13 @@ pub struct PeerPolicy {
     allowed_uids: Option<Vec<u32>>,
 }
 
+/// Why a connection was refused: its peer's uid, or why it has none.
+#[derive(Debug)]
+struct Refusal {
+    uid: Option<u32>,
+    why: Option<Unidentified>,
+}
+
 impl PeerPolicy {
     pub fn new(allowed_uids: Option<Vec<u32>>) -> Self {
         Self { allowed_uids }
@@ -214,66 +225,80 @@ impl PeerPolicy {
         }
     }
 
-    fn admit_unix(&self, stream: &UnixStream) -> bool {
+    fn admit_unix(&self, stream: &UnixStream) -> Result<(), Refusal> {
         if self.allowed_uids.is_none() {
-            return true;
+            return Ok(());
         }
         let uid = stream.peer_cred().ok().map(|c| c.uid());
-        let ok = self.allows(uid);
-        if !ok {
-            tracing::warn!(
-                ?uid,
-                "refused a connection from a uid not in serve.allowed_uids"
-            );
+        if self.allows(uid) {
+            Ok(())
+        } else {
+            Err(Refusal { uid, why: None })
         }
-        ok
     }
 
-    fn admit_tcp(&self, stream: &TcpStream) -> bool {
+    fn admit_tcp(&self, stream: &TcpStream, diag: &mut Option<SockDiag>) -> Result<(), Refusal> {
         if self.allowed_uids.is_none() {
-            return true;
+            return Ok(());
         }
-        let uid = match (stream.peer_addr(), stream.local_addr()) {
-            (Ok(peer), Ok(local)) => loopback_peer_uid(peer, local),
-            _ => None,
+        let looked_up = match (stream.peer_addr(), stream.local_addr()) {
+            (Ok(peer), Ok(local)) => loopback_peer_uid(diag, peer, local),
+            (Err(e), _) | (_, Err(e)) => Err(Unidentified::Lookup(e.to_string())),
         };
-        let ok = self.allows(uid);
-        if !ok {
-            tracing::warn!(
-                ?uid,
-                "refused a TCP connection from a uid not in serve.allowed_uids"
-            );
+        let (uid, why) = match looked_up {
+            Ok(uid) => (Some(uid), None),
+            Err(why) => (None, Some(why)),
+        };
+        if self.allows(uid) {
+            Ok(())
+        } else {
+            Err(Refusal { uid, why })
         }
-        ok
     }
 }
 
-/// Accepted connections that pass the peer policy.
+/// Accepted connections that pass the peer policy. Refusals are logged at most once per
+/// `REFUSAL_LOG_EVERY` per listener, with their count.
 pub struct Incoming<L> {
     listener: L,
     policy: PeerPolicy,
+    refusals: RefusalLog,
+    /// Opened at the first TCP lookup; dropped after a failure, so the next one reopens it.
+    diag: Option<SockDiag>,
 }
 
 impl<L> Incoming<L> {
     pub fn new(listener: L, policy: PeerPolicy) -> Self {
-        Self { listener, policy }
+        Self {
+            listener,
+            policy,
+            refusals: RefusalLog::default(),
+            diag: None,
+        }
     }
 }
+
+/// Connections one poll may refuse before it yields: a flood of strangers must not keep
+/// a worker thread to itself.
+const REFUSALS_PER_POLL: usize = 64;
 
 impl Stream for Incoming<UnixListener> {
     type Item = std::io::Result<UnixStream>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        loop {
-            match self.listener.poll_accept(cx) {
-                Poll::Ready(Ok((stream, _))) if self.policy.admit_unix(&stream) => {
-                    return Poll::Ready(Some(Ok(stream)));
-                }
-                Poll::Ready(Ok(_)) => continue,
+        let this = self.get_mut();
+        for _ in 0..REFUSALS_PER_POLL {
+            match this.listener.poll_accept(cx) {
+                Poll::Ready(Ok((stream, _))) => match this.policy.admit_unix(&stream) {
+                    Ok(()) => return Poll::Ready(Some(Ok(stream))),
+                    Err(refusal) => this.refusals.note(Transport::Unix, &refusal),
+                },
                 Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
                 Poll::Pending => return Poll::Pending,
             }
         }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
@@ -281,85 +306,235 @@ impl Stream for Incoming<TcpListener> {
     type Item = std::io::Result<TcpStream>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        loop {
-            match self.listener.poll_accept(cx) {
-                Poll::Ready(Ok((stream, _))) if self.policy.admit_tcp(&stream) => {
-                    return Poll::Ready(Some(Ok(stream)));
+        let this = self.get_mut();
+        for _ in 0..REFUSALS_PER_POLL {
+            match this.listener.poll_accept(cx) {
+                Poll::Ready(Ok((stream, _))) => {
+                    match this.policy.admit_tcp(&stream, &mut this.diag) {
+                        Ok(()) => return Poll::Ready(Some(Ok(stream))),
+                        Err(refusal) => this.refusals.note(Transport::Tcp, &refusal),
+                    }
                 }
-                Poll::Ready(Ok(_)) => continue,
                 Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
                 Poll::Pending => return Poll::Pending,
             }
         }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
-/// The uid owning the client end of a loopback TCP connection, from the kernel's socket
-/// table (`/proc/net/tcp{,6}`): the established entry whose local address is the peer's
-/// and whose remote address is ours.
-fn loopback_peer_uid(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
-    if !peer.ip().is_loopback() {
-        return None;
-    }
-    ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .find_map(|table| {
-            let text = std::fs::read_to_string(table).ok()?;
-            text.lines().skip(1).find_map(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                let (l, r, state, uid, inode) = (
-                    fields.get(1)?,
-                    fields.get(2)?,
-                    fields.get(3)?,
-                    fields.get(7)?,
-                    fields.get(9)?,
-                );
-                // Only a live, established socket: a closed one in TIME_WAIT is listed
-                // with uid 0 and inode 0, whoever owned it.
-                (proc_addr(l)? == peer && proc_addr(r)? == local && *state == "01" && *inode != "0")
-                    .then(|| uid.parse().ok())
-                    .flatten()
-            })
-        })
+/// How often a listener logs its refusals at most.
+const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+#[derive(Debug, Clone, Copy)]
+enum Transport {
+    Unix,
+    Tcp,
 }
 
-/// Parses `0100007F:1F90` (IPv4) or the 32-hex-digit IPv6 form of /proc/net/tcp{,6}.
-fn proc_addr(field: &str) -> Option<SocketAddr> {
-    let (addr, port) = field.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    let words: Vec<u32> = (0..addr.len() / 8)
-        .map(|i| u32::from_str_radix(&addr[i * 8..i * 8 + 8], 16))
-        .collect::<Result<_, _>>()
-        .ok()?;
-    // Each 32-bit word is in host (little-endian) order.
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let ip = match bytes.len() {
-        4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
-        16 => {
-            let v6 = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(bytes).ok()?);
-            v6.to_ipv4_mapped()
-                .map(std::net::IpAddr::V4)
-                .unwrap_or(std::net::IpAddr::V6(v6))
+/// Refused connections, logged at most once per `REFUSAL_LOG_EVERY`: the first at once,
+/// later ones with the count refused since the last line (a flood of strangers must not
+/// become a flood of log lines).
+#[derive(Debug, Default)]
+struct RefusalLog {
+    count: u64,
+    since: Option<std::time::Instant>,
+}
+
+impl RefusalLog {
+    /// Counts one refusal at `now`; the count to log when a line is due.
+    fn due(&mut self, now: std::time::Instant) -> Option<u64> {
+        self.count += 1;
+        if self
+            .since
+            .is_some_and(|since| now.duration_since(since) < REFUSAL_LOG_EVERY)
+        {
+            return None;
         }
-        _ => return None,
+        self.since = Some(now);
+        Some(std::mem::take(&mut self.count))
+    }
+
+    fn note(&mut self, transport: Transport, refusal: &Refusal) {
+        let Some(count) = self.due(std::time::Instant::now()) else {
+            return;
+        };
+        let Refusal { uid, why } = refusal;
+        match (transport, why) {
+            (Transport::Unix, _) => tracing::warn!(
+                ?uid,
+                count,
+                "refused a connection from a uid not in serve.allowed_uids"
+            ),
+            (Transport::Tcp, None) => tracing::warn!(
+                ?uid,
+                count,
+                "refused a TCP connection from a uid not in serve.allowed_uids"
+            ),
+            (Transport::Tcp, Some(why)) => tracing::warn!(
+                ?uid,
+                count,
+                reason = %why,
+                "refused a TCP connection from a uid not in serve.allowed_uids"
+            ),
+        }
+    }
+}
+
+/// Why a TCP peer has no uid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Unidentified {
+    #[error("not a loopback peer: only loopback peers can be identified")]
+    NotLoopback,
+    #[error("the peer's socket is gone")]
+    Gone,
+    #[error("the peer's socket is not established (TCP state {0})")]
+    NotEstablished(u8),
+    #[error(
+        "the kernel found neither end of the connection: it was reset at once, or \
+         sock_diag cannot look up TCP sockets on this host (is the tcp_diag module \
+         available?)"
+    )]
+    NotFound,
+    #[error("looking the peer up failed: {0}")]
+    Lookup(String),
+}
+
+/// The uid owning the client end of a loopback TCP connection: the kernel's established
+/// socket whose local address is the peer's and whose remote address is ours, asked by
+/// that exact 4-tuple (sock_diag; no table walk, no waiting).
+fn loopback_peer_uid(
+    diag: &mut Option<SockDiag>,
+    peer: SocketAddr,
+    local: SocketAddr,
+) -> Result<u32, Unidentified> {
+    if !peer.ip().to_canonical().is_loopback() {
+        return Err(Unidentified::NotLoopback);
+    }
+    let lookup = |diag: &mut Option<SockDiag>, of: SocketAddr, to: SocketAddr| {
+        let socket = match diag {
+            Some(socket) => socket,
+            None => diag.insert(SockDiag::open().map_err(|e| Unidentified::Lookup(e.to_string()))?),
+        };
+        socket.lookup(of, to).map_err(|e| {
+            *diag = None;
+            Unidentified::Lookup(e.to_string())
+        })
     };
-    Some(SocketAddr::new(ip, port))
+    match lookup(diag, peer, local)? {
+        // Only a live, established socket: a closed one in TIME_WAIT is listed with uid 0
+        // and inode 0, whoever owned it.
+        Some(entry) if entry.state == sock_diag::TCP_ESTABLISHED && entry.inode != 0 => {
+            Ok(entry.uid)
+        }
+        Some(entry) => Err(Unidentified::NotEstablished(entry.state)),
+        // Our own end is there until the connection is reset: when it is not found
+        // either, the kernel may be unable to answer such lookups at all, and the log
+        // should say so.
+        None => match lookup(diag, local, peer)? {
+            Some(_) => Err(Unidentified::Gone),
+            None => Err(Unidentified::NotFound),
+        },
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A loopback connection: (client, server end, client address, server address).
+    fn loopback_pair(
+        ip: &str,
+    ) -> Option<(
+        std::net::TcpStream,
+        std::net::TcpStream,
+        SocketAddr,
+        SocketAddr,
+    )> {
+        // No IPv6 here (a container without it): nothing to test.
+        let listener = std::net::TcpListener::bind((ip, 0)).ok()?;
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, peer) = listener.accept().unwrap();
+        let local = server.local_addr().unwrap();
+        Some((client, server, peer, local))
+    }
+
     #[test]
-    fn proc_net_addresses_parse() {
+    fn loopback_peers_are_named_by_one_sock_diag_lookup() {
+        let me = nix::unistd::getuid().as_raw();
+        for ip in ["127.0.0.1", "::1"] {
+            let Some((_client, _server, peer, local)) = loopback_pair(ip) else {
+                continue;
+            };
+            let mut diag = None;
+            assert_eq!(loopback_peer_uid(&mut diag, peer, local), Ok(me), "{ip}");
+            // The socket is kept for the next lookup.
+            assert!(diag.is_some());
+            assert_eq!(loopback_peer_uid(&mut diag, peer, local), Ok(me), "{ip}");
+        }
+    }
+
+    #[test]
+    fn a_time_wait_entry_never_passes_as_root() {
+        use std::io::Read;
+        let (client, mut server, peer, local) = loopback_pair("127.0.0.1").unwrap();
+        // The client closes first, so its end goes through FIN_WAIT to TIME_WAIT once the
+        // server closes too.
+        drop(client);
+        assert_eq!(server.read(&mut [0u8; 8]).unwrap(), 0);
+        drop(server);
+        let mut diag = SockDiag::open().unwrap();
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let entry = loop {
+            let entry = diag.lookup(peer, local).unwrap().expect("listed");
+            if entry.state == sock_diag::TCP_TIME_WAIT {
+                break entry;
+            }
+            assert!(std::time::Instant::now() < until, "{entry:?}");
+            std::thread::yield_now();
+        };
+        // The kernel lists it as root's, with no inode: it must not pass as root.
+        assert_eq!((entry.uid, entry.inode), (0, 0));
         assert_eq!(
-            proc_addr("0100007F:1F90").unwrap(),
-            "127.0.0.1:8080".parse().unwrap()
+            loopback_peer_uid(&mut Some(diag), peer, local),
+            Err(Unidentified::NotEstablished(sock_diag::TCP_TIME_WAIT))
         );
+        assert!(!PeerPolicy::new(Some(vec![0])).allows(None));
+    }
+
+    #[test]
+    fn peers_the_kernel_cannot_name_are_unidentified() {
+        let mut diag = None;
+        let remote: SocketAddr = "192.0.2.7:40000".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:7000".parse().unwrap();
         assert_eq!(
-            proc_addr("00000000000000000000000001000000:0016").unwrap(),
-            "[::1]:22".parse().unwrap()
+            loopback_peer_uid(&mut diag, remote, local),
+            Err(Unidentified::NotLoopback)
         );
+        assert!(diag.is_none(), "no lookup for a peer that is not loopback");
+        // A 4-tuple no socket has: not found, and our own end not found either.
+        let (peer, local) = (
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        );
+        assert_eq!(SockDiag::open().unwrap().lookup(peer, local), Ok(None));
+        assert_eq!(
+            loopback_peer_uid(&mut diag, peer, local),
+            Err(Unidentified::NotFound)
+        );
+    }
+
+    #[test]
+    fn refusals_are_logged_once_per_period_with_their_count() {
+        let mut log = RefusalLog::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(log.due(t0), Some(1), "the first at once");
+        for i in 1..1000 {
+            assert_eq!(log.due(t0 + std::time::Duration::from_millis(i)), None);
+        }
+        assert_eq!(log.due(t0 + REFUSAL_LOG_EVERY), Some(1000));
+        assert_eq!(log.due(t0 + REFUSAL_LOG_EVERY * 3), Some(1));
     }
 
     #[tokio::test]
@@ -415,7 +590,7 @@ mod tests {
             assert_eq!(got.is_ok(), admitted);
             std::fs::remove_file(&path).unwrap();
         }
-        // Loopback TCP: the peer's uid comes from the kernel's socket table.
+        // Loopback TCP: the peer's uid comes from the kernel (sock_diag).
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = tcp.local_addr().unwrap();
         let mut incoming = Incoming::new(tcp, PeerPolicy::new(Some(vec![me])));
