@@ -401,6 +401,28 @@ enum Unidentified {
     Lookup(String),
 }
 
+/// Whether this host can tell who is at the other end of a loopback TCP connection, as
+/// `serve.allowed_uids` on `serve.tcp` needs: a connection of this process to itself must
+/// be found and be ours. Without it (no `tcp_diag` in the kernel) every TCP caller would
+/// be refused, so the daemon refuses to start instead, saying why.
+pub fn check_tcp_peer_lookup() -> Result<(), String> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(|e| e.to_string())?;
+    let client = std::net::TcpStream::connect(listener.local_addr().map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let (server_end, peer) = listener.accept().map_err(|e| e.to_string())?;
+    let local = server_end.local_addr().map_err(|e| e.to_string())?;
+    let uid = loopback_peer_uid(&mut None, peer, local).map_err(|why| why.to_string())?;
+    let ours = nix::unistd::geteuid().as_raw();
+    drop(client);
+    if uid == ours {
+        Ok(())
+    } else {
+        Err(format!(
+            "the kernel named uid {uid} for a connection of this process (uid {ours})"
+        ))
+    }
+}
+
 /// The uid owning the client end of a loopback TCP connection: the kernel's established
 /// socket whose local address is the peer's and whose remote address is ours, asked by
 /// that exact 4-tuple (sock_diag; no table walk, no waiting).
@@ -573,6 +595,13 @@ mod tests {
             Err(ListenError::NotASocket { .. })
         ));
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "data");
+    }
+
+    #[test]
+    fn this_host_can_identify_loopback_tcp_peers() {
+        // What `serve` checks before it serves TCP with allowed_uids: a failure here is a
+        // kernel without sock_diag for TCP, and the daemon would refuse to start.
+        check_tcp_peer_lookup().unwrap();
     }
 
     #[tokio::test]

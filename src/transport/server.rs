@@ -40,13 +40,17 @@ pub enum ServeError {
     Listen(#[from] ListenError),
     #[error("serving: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// This host cannot do what the config asks (exit code 78: the operator must change
+    /// one of them).
+    #[error("refusing to start: {0}")]
+    Host(String),
 }
 
 impl ServeError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            ServeError::Misconfigured(_) => 78,
+            ServeError::Misconfigured(_) | ServeError::Host(_) => 78,
             ServeError::Listen(ListenError::InUse { .. } | ListenError::NotASocket { .. }) => 78,
             _ => 1,
         }
@@ -306,6 +310,16 @@ impl Instance {
             }
             None => UnixSocket::bind(&socket_path, socket_gid).await?,
         };
+        if tcp_addr.is_some() && config.serve.allowed_uids.is_some() {
+            super::listener::check_tcp_peer_lookup().map_err(|why| {
+                ServeError::Host(format!(
+                    "serve.tcp with serve.allowed_uids needs the kernel to name the uid of each \
+                     loopback TCP caller (netlink sock_diag), and it cannot here ({why}); load \
+                     the tcp_diag module (modprobe tcp_diag), or remove serve.tcp and let Cube \
+                     dial the Unix socket"
+                ))
+            })?;
+        }
         let tcp = match tcp_addr {
             Some(addr) => {
                 let listener = TcpListener::bind(addr)
