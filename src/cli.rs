@@ -312,10 +312,10 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             }
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
             let served = runtime.block_on(async {
+                // Before anything is bound: a SIGTERM from then on stops the daemon cleanly.
+                let shutdown = crate::transport::server::shutdown_signal();
                 let daemon = crate::transport::server::Daemon::open(configs).await?;
-                daemon
-                    .run(crate::transport::server::shutdown_signal())
-                    .await
+                daemon.run(shutdown).await
             });
             match served {
                 Ok(()) => ExitCode::SUCCESS,

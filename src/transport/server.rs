@@ -415,13 +415,18 @@ async fn poll_volume_metrics(node: Arc<NodeSide>, stats_every: Option<Duration>)
 }
 
 /// Resolves on SIGTERM (systemd, Kubernetes) or SIGINT (a terminal), logging which.
-pub async fn shutdown_signal() {
+/// The handlers are installed when this is called, not when the future is first polled:
+/// call it before binding anything, so that a SIGTERM that comes as soon as the socket
+/// answers (systemd, a test) is a graceful stop, not the default action's kill.
+pub fn shutdown_signal() -> impl Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
-    let name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
-    tracing::info!(signal = name, "received shutdown signal");
+    async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "received shutdown signal");
+    }
 }
