@@ -233,20 +233,6 @@ rollback_secs = 10
     }
 }
 
-async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await.unwrap();
-    body
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn one_daemon_serves_two_drivers_each_on_its_own() {
     require_root!();
@@ -333,7 +319,7 @@ async fn one_daemon_serves_two_drivers_each_on_its_own() {
     );
 
     // Metrics: one endpoint, every series labelled with its driver.
-    let text = scrape(host.metrics_port).await;
+    let text = common::scrape_metrics(host.metrics_port).await;
     for needle in [
         "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\",driver=\"alpha\"} 2",
         "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\",driver=\"beta\"} 2",

@@ -13,16 +13,7 @@ use common::fake_driver::Caps;
 use common::{BRIDGE, Mode, World};
 
 async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.unwrap();
+    let text = common::scrape_metrics(port).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     text
 }

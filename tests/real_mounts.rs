@@ -350,19 +350,7 @@ async fn volume_stats_and_hook_metrics_reach_the_metrics_endpoint() {
         .await
         .unwrap_or_else(|f| panic!("attach: {f:?}\n{}", node.logs()));
     std::fs::write(a.host_path.join("data"), vec![7u8; 1 << 20]).unwrap();
-    let scrape = || async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut text = String::new();
-        stream.read_to_string(&mut text).await.unwrap();
-        text
-    };
+    let scrape = || common::scrape_metrics(port);
     let series = |name: &str| format!("cube_csi_bridge_{name}{{volume_id=\"{label}\"}}");
     let gauge = series("volume_capacity_bytes");
     let mut text = scrape().await;

@@ -68,6 +68,21 @@ pub async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> b
     }
 }
 
+/// One `GET /metrics` on the loopback port, the whole HTTP answer as text.
+pub async fn scrape_metrics(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.unwrap();
+    text
+}
+
 /// Skips a test that needs root (real mounts) when not root; fails it in CI.
 #[macro_export]
 macro_rules! require_root {
