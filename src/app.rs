@@ -170,6 +170,17 @@ fn open_controller(config: &Config, shared: &Shared) -> Result<ControllerSide, B
     ))
 }
 
+/// The node side's directories under the volume base dirs, with the config's policy for
+/// who may own a base dir.
+pub fn host_dirs(config: &Config) -> HostDirs {
+    HostDirs::new(match &config.node.untrusted_base_dir_reason {
+        Some(reason) => BaseDirPolicy::AnyOwner {
+            reason: reason.clone(),
+        },
+        None => BaseDirPolicy::Strict,
+    })
+}
+
 fn open_node(
     config: &Config,
     shared: &Shared,
@@ -185,14 +196,7 @@ fn open_node(
             journal: Arc::new(journal),
             settings: shared.volume_settings.clone(),
             mounts,
-            host_paths: Arc::new(HostDirs::new(
-                match &config.node.untrusted_base_dir_reason {
-                    Some(reason) => BaseDirPolicy::AnyOwner {
-                        reason: reason.clone(),
-                    },
-                    None => BaseDirPolicy::Strict,
-                },
-            )),
+            host_paths: Arc::new(host_dirs(config)),
             locks: shared.locks.clone(),
             recorder: shared.recorder.clone(),
             boot_id: shared.clock.boot_id(),

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::fake_driver::Caps;
 use common::{BRIDGE, DRIVER, Mode, World};
+use cube_csi_bridge::bridge::naming::VolumePaths;
 use cube_csi_bridge::proto::cube::v1 as pb;
 use sha2::{Digest, Sha256};
 
@@ -560,6 +561,25 @@ fn cases(ctx: &Ctx) -> Vec<Case> {
             "symlink",
             1,
         ),
+        // -------- base dirs someone other than root can steer (a non-root Cubelet's)
+        case(
+            "steered base dir: writable by others",
+            hook(with_attach(ctx, |a| a.base_dir = dir("/open"))),
+            "writable by group or others",
+            1,
+        ),
+        case(
+            "steered base dir: host_path planted as a symlink",
+            hook(with_attach(ctx, |a| a.base_dir = dir("/planted"))),
+            "is a symlink",
+            1,
+        ),
+        case(
+            "steered base dir: .staging planted as a symlink",
+            hook(with_attach(ctx, |a| a.base_dir = dir("/swapped"))),
+            "is a symlink",
+            1,
+        ),
         case(
             "base dir flag missing",
             attach_argv(ctx, |a| remove_flag(a, "--volume-base-dir")),
@@ -887,6 +907,24 @@ fn changes(before: &BTreeMap<PathBuf, String>, root: &Path) -> Result<(), String
     ))
 }
 
+/// What `case` must leave unchanged. One allowance: the daemon's hot path checks no path
+/// (issue 20), so an Attach in a steered base dir takes the volume's lock, and may make its
+/// empty lock file, before it finds the paths refused. A lock file is no state (any valid
+/// hook of that volume makes it); the binary hook checks the paths before it opens
+/// anything, and leaves not even that.
+fn before_case(
+    mut before: BTreeMap<PathBuf, String>,
+    case: &Case,
+    mode: Mode,
+) -> BTreeMap<PathBuf, String> {
+    let lock = PathBuf::from(format!("locks/node-{GOOD_ID}.lock"));
+    if mode == Mode::Rpc && case.name.starts_with("steered base dir") {
+        let empty = format!("file {:x}", Sha256::digest(b""));
+        before.entry(lock).or_insert(empty);
+    }
+    before
+}
+
 fn assert_unchanged(before: &BTreeMap<PathBuf, String>, root: &Path, what: &str) {
     if let Err(e) = changes(before, root) {
         panic!("{what}: {e}");
@@ -947,10 +985,40 @@ fn root_path_untouched() -> Result<(), String> {
     Ok(())
 }
 
-/// A world with `{dir}/link` (an allowed base dir in the test config) a symlink to /.
+/// Allowed base dirs someone other than root has steered, each with a trap the bridge must
+/// not walk into: `open` is writable by anyone; `planted` holds a symlink where the
+/// volume's host_path goes, and `swapped` a symlink for `.staging`, both leading to
+/// `victim`, a root-only directory that must never be mounted over.
+fn plant_base_dirs(dir: &Path) {
+    let mkdir = |name: &str, mode: u32| {
+        let path = dir.join(name);
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        path
+    };
+    let victim = mkdir("victim", 0o700);
+    std::fs::write(victim.join("secret"), "root's").unwrap();
+    mkdir("open", 0o777);
+    let planted = mkdir("planted", 0o755);
+    let leaf = VolumePaths::new(&planted, DRIVER, GOOD_ID).target;
+    std::os::unix::fs::symlink(&victim, leaf).unwrap();
+    let swapped = mkdir("swapped", 0o755);
+    std::os::unix::fs::symlink(&victim, swapped.join(".staging")).unwrap();
+}
+
+/// A world with `{dir}/link` (an allowed base dir in the test config) a symlink to /, and
+/// the steered base dirs of `plant_base_dirs`, all allowed.
 async fn world(mode: Mode) -> (World, Ctx) {
     let mut w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let dir = w.dir.path().display().to_string();
+    let config = std::fs::read_to_string(&w.config_path).unwrap().replacen(
+        "allowed_base_dirs = [",
+        &format!("allowed_base_dirs = [\"{dir}/open\", \"{dir}/planted\", \"{dir}/swapped\", "),
+        1,
+    );
+    std::fs::write(&w.config_path, config).unwrap();
     std::os::unix::fs::symlink("/", w.dir.path().join("link")).unwrap();
+    plant_base_dirs(w.dir.path());
     if mode == Mode::Rpc {
         w.mode = Mode::Rpc;
         w.start_daemon().await.unwrap();
@@ -1023,6 +1091,7 @@ async fn hostile_requests_get_clear_errors_and_change_nothing() {
         assert!(table.len() >= 40, "{} cases", table.len());
         for case in &table {
             w.driver.clear_calls();
+            before = before_case(before, case, mode);
             let Some(outcome) = run_case(&w, case, mode).await else {
                 continue;
             };

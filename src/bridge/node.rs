@@ -1344,6 +1344,27 @@ pub(crate) fn base_of(target: &Path) -> PathBuf {
     target.parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
+/// Attach's paths checked as `HostPaths::verify` describes, by a process that has opened
+/// nothing yet (a forked hook, before it opens the bridge's state): a base dir or a path
+/// under it that another user has steered is refused, and the refused Attach leaves no
+/// trace. `verify` never waits on a filesystem mounted at a leaf, so no deadline is needed.
+pub fn check_attach_paths_first(
+    host_paths: &dyn HostPaths,
+    driver: &str,
+    req: &AttachVolume,
+) -> Result<(), HookError> {
+    let paths = VolumePaths::new(&req.base_dir, driver, &req.volume_id);
+    let base = base_of(&paths.target);
+    [&paths.target, &paths.staging]
+        .into_iter()
+        .try_for_each(|path| host_paths.verify(&base, path).map(drop))
+        .map_err(|error| HookError {
+            hook: HookKind::Attach,
+            volume_id: req.volume_id.clone(),
+            error: error.into(),
+        })
+}
+
 /// Runs a `HostPaths` call on a blocking thread, bounded by the deadline.
 async fn on_paths<T: Send + 'static>(
     path: &Path,

@@ -108,8 +108,34 @@ fn not_a_dir(dir: &OwnedFd, name: &OsStr, path: &Path) -> PathError {
     }
 }
 
-fn is_dir(stat: &FileStat) -> bool {
-    SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR
+/// Whether `name` in `dir` is a real directory (a symlink is not). The leaf may be the
+/// root of a volume's mount, perhaps of a network or FUSE filesystem whose server is gone:
+/// its type is taken from the cached attributes (`AT_STATX_DONT_SYNC`), so the check never
+/// waits on that server, and a forked hook can make it before it has any deadline to keep.
+fn leaf_is_dir(dir: &OwnedFd, name: &OsStr) -> Result<bool, Errno> {
+    use nix::libc;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(name.as_bytes()).map_err(|_| Errno::EINVAL)?;
+    let mut buf = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_DONT_SYNC | libc::AT_NO_AUTOMOUNT;
+    // SAFETY: name is NUL-terminated, dir an open descriptor, buf a zeroed statx the kernel
+    // fills.
+    let rc = unsafe {
+        libc::statx(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags,
+            libc::STATX_TYPE,
+            buf.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: statx returned 0, so the kernel filled the buffer.
+    let mode = u32::from(unsafe { buf.assume_init() }.stx_mode);
+    Ok(mode & libc::S_IFMT == libc::S_IFDIR)
 }
 
 /// The names of `path` below `base`: one or two plain names (`<leaf>`, `.staging/<leaf>`).
@@ -144,7 +170,10 @@ enum Walk {
 impl HostDirs {
     /// Directories checked with `policy` for the base dir.
     pub fn new(policy: BaseDirPolicy) -> Self {
-        if let BaseDirPolicy::AnyOwner { reason } = &policy {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if let BaseDirPolicy::AnyOwner { reason } = &policy
+            && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
             // Said once per process: the operator chose a weaker check and must see why.
             tracing::warn!(
                 %reason,
@@ -205,9 +234,9 @@ impl HostDirs {
         if make {
             mkdir(&dir, leaf, path)?;
         }
-        let leaf_is = match fstatat(&dir, *leaf, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
-            Ok(stat) if is_dir(&stat) => Leaf::Dir,
-            Ok(_) => return Err(not_a_dir(&dir, leaf, path)),
+        let leaf_is = match leaf_is_dir(&dir, leaf) {
+            Ok(true) => Leaf::Dir,
+            Ok(false) => return Err(not_a_dir(&dir, leaf, path)),
             Err(Errno::ENOENT) => Leaf::Missing,
             Err(e) => return Err(io("check", path, e)),
         };

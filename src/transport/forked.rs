@@ -54,6 +54,9 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
         Ok(checked) => checked,
         Err(error) => return Some(failure(&error)),
     };
+    if let Err(error) = check_paths_first(config, &checked) {
+        return Some(failure(&error));
+    }
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
     let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
     // Work an earlier, killed hook left behind is finished by a worker after it answers.
@@ -71,6 +74,19 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
         },
         Err(error) => failure(&error),
     })
+}
+
+/// An Attach's paths, checked before the bridge's state is opened (which makes its
+/// directories): paths another user has steered are refused without a trace.
+fn check_paths_first(config: &Config, checked: &hooks::Checked) -> Result<(), HookError> {
+    match checked {
+        hooks::Checked::Attach(req) => crate::bridge::node::check_attach_paths_first(
+            &crate::app::host_dirs(config),
+            &config.driver,
+            req,
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// How long a marker of another volume sends every node hook to a worker (which finishes
@@ -112,6 +128,9 @@ pub async fn run(
         Ok(checked) => checked,
         Err(error) => return answered(failure(&error)),
     };
+    if let Err(error) = check_paths_first(&config, &checked) {
+        return answered(failure(&error));
+    }
     // Cubelet forks the hook inside its own mount namespace.
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
     let config = Arc::new(config);
