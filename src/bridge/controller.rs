@@ -199,11 +199,7 @@ impl ControllerSide {
                     Some(key) => key,
                     None => self.make_record_key().await?,
                 };
-                tracing::info!(
-                    key = %source.describe(),
-                    sha256 = %key.fingerprint(),
-                    "controller records are signed with this key (pin its sha256 to refuse any other)"
-                );
+                tracing::debug!(key = %source.describe(), sha256 = %key.fingerprint(), "record key read");
                 let pending = self
                     .unsigned_records_pending
                     .load(std::sync::atomic::Ordering::SeqCst);
@@ -370,6 +366,11 @@ impl ControllerSide {
     /// own are only reported (Destroy refuses each).
     async fn check_key_fits_records(&self) -> Result<(), BridgeError> {
         let key = self.record_key().await?;
+        tracing::info!(
+            key = %self.record_key_source.describe(),
+            sha256 = %key.fingerprint(),
+            "controller records are signed with this key (pin its sha256 to refuse any other)"
+        );
         let store = self.controller_store();
         let records = store.list().await?;
         let fit = KeyFit::tally(
