@@ -41,7 +41,7 @@ pub fn core_settings(config: &Config) -> Settings {
         default_base_dir: config.node.default_volume_base_dir.clone(),
         node_id: config.csi.node_id.clone(),
         separate_controller_endpoint: config.csi.controller_endpoint.is_some(),
-        sign_unsigned_records: config.controller.sign_unsigned_records,
+        sign_unsigned_records: config.controller.sign_unsigned_records.clone(),
         shared_store: config.state.controller_store == ControllerStoreKind::Kubernetes,
     }
 }
@@ -153,6 +153,7 @@ fn open_controller(config: &Config, shared: &Shared) -> Result<ControllerSide, B
         (Some(kube), ControllerStoreKind::Kubernetes) => Arc::new(SecretKeySource::new(
             kube.clone(),
             &config.record_key_secret(),
+            config.kubernetes.record_key_sha256.as_deref(),
         )),
         _ => Arc::new(FileKeySource::new(&config.state.dir.join("record.key"))),
     };

@@ -286,6 +286,11 @@ fn schema_refuses_bad_values_naming_the_field() {
         ),
         ("a bad mount view", "node.mountView=host", "/node/mountView"),
         (
+            "a record key pin that is no SHA-256",
+            "kubernetes.recordKeySha256=abc",
+            "/kubernetes/recordKeySha256",
+        ),
+        (
             "an unprivileged node driver container",
             "node.driver.securityContext.privileged=false",
             "/node/driver/securityContext/privileged",
@@ -374,6 +379,7 @@ fn rendered_configs_are_valid_bridge_configs() {
         r#"driver: my.driver_1
 kubernetes:
   storageClass: ""
+  recordKeySha256: "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
 volume:
   accessMode: single_node_writer
   capacityBytes: 107374182400
@@ -449,6 +455,11 @@ controller:
                 assert_eq!(config.volume.mount_flags, ["nfsvers=4.1", "hard"]);
                 assert_eq!(config.volume.capacity_bytes, 107_374_182_400);
                 assert_eq!(config.timeouts.attach, std::time::Duration::from_secs(60));
+                // The pin reaches the side that reads the key, and only that one.
+                assert_eq!(
+                    config.kubernetes.record_key_sha256.is_some(),
+                    key == "controller.toml"
+                );
                 if key == "node.toml" {
                     assert_eq!(
                         config.csi.controller_endpoint,

@@ -1205,6 +1205,22 @@ async fn broken_missing_and_exposed_configs_are_refused_before_anything() {
             0o660,
             "chmod go-w",
         ),
+        (
+            "signing every unsigned record (would launder forged ones)",
+            Some(format!(
+                "{good}\n[controller]\nsign_unsigned_records = true\n"
+            )),
+            0o600,
+            "list the Cube volume ids",
+        ),
+        (
+            "a record key pin that is no SHA-256",
+            Some(format!(
+                "{good}\n[kubernetes]\nrecord_key_sha256 = \"abc\"\n"
+            )),
+            0o600,
+            "kubernetes.record_key_sha256",
+        ),
     ];
     let before = snapshot(w.dir.path());
     for (name, text, mode, expect) in configs {

@@ -22,7 +22,7 @@ use super::caller::Answer;
 use super::discovery::DriverView;
 use super::faults::{self, When};
 use super::handoff::VolumeHandle;
-use super::integrity::{RecordKey, RecordKeySource, Verdict};
+use super::integrity::{KeyFit, RecordKey, RecordKeySource, Verdict};
 use super::naming::csi_volume_name;
 use super::ports::{
     Clock, ControllerCaps, ControllerStore, CreatedVolume, DriverIdentity, LockScope, NewVolume,
@@ -166,7 +166,7 @@ impl ControllerSide {
                 tracing::info!(volumes = count, store = %self.store.describe(), "controller store reachable");
             }
             // Made (and records from before keys existed signed) before the first hook.
-            self.record_key().await?;
+            self.check_key_fits_records().await?;
             Ok::<_, BridgeError>(())
         }
         .await;
@@ -187,46 +187,100 @@ impl ControllerSide {
         Ok(written?)
     }
 
-    /// The key controller records are signed with, loaded (or made) on first use. When
-    /// this process makes it, records written before records were signed are signed now
-    /// (trust on first use); `controller.sign_unsigned_records` asks for that again.
+    /// The key controller records are signed with, read (or, the first time, made) on
+    /// first use. Records without a MAC are signed only when making the key proves that
+    /// none existed before (then they predate keys), or when the operator names them in
+    /// `controller.sign_unsigned_records`.
     pub(crate) async fn record_key(&self) -> Result<&RecordKey, BridgeError> {
         self.record_key
             .get_or_try_init(|| async {
                 let source = &self.record_key_source;
-                let loaded = source.load().await?;
-                if loaded.created {
-                    tracing::info!(key = %source.describe(), "made the key controller records are signed with");
-                    // Kept until the signing pass succeeds, should it fail now.
-                    self.unsigned_records_pending
-                        .store(true, std::sync::atomic::Ordering::SeqCst);
-                }
+                let key = match source.read().await? {
+                    Some(key) => key,
+                    None => self.make_record_key().await?,
+                };
+                tracing::debug!(key = %source.describe(), sha256 = %key.fingerprint(), "record key read");
                 let pending = self
                     .unsigned_records_pending
                     .load(std::sync::atomic::Ordering::SeqCst);
-                if pending || self.config.sign_unsigned_records {
-                    match self.sign_unsigned_records(&loaded.key).await {
-                        Ok(_) => self
-                            .unsigned_records_pending
-                            .store(false, std::sync::atomic::Ordering::SeqCst),
-                        // Retried on the next use (the daemon starts anyway).
-                        Err(e @ BridgeError::Store(_)) if store_transient(&e) => return Err(e),
-                        Err(e) => {
-                            return Err(BridgeError::Precondition(format!(
-                                "signing the controller records written before records were \
-                                 signed failed ({e}); set controller.sign_unsigned_records = \
-                                 true for one restart to finish it"
-                            )));
-                        }
-                    }
+                if pending {
+                    self.sign_pass(self.sign_all_unsigned_records(&key)).await?;
+                    self.unsigned_records_pending
+                        .store(false, std::sync::atomic::Ordering::SeqCst);
                 }
-                Ok(loaded.key)
+                if !self.config.sign_unsigned_records.is_empty() {
+                    self.sign_pass(self.sign_named_records(&key)).await?;
+                }
+                Ok(key)
             })
             .await
     }
 
-    /// Signs every record that carries no MAC, logging each one.
-    async fn sign_unsigned_records(&self, key: &RecordKey) -> Result<usize, BridgeError> {
+    /// Makes the record key; only a store without signed records may get a new one.
+    /// Signed records mean a key existed and was lost or removed: a new key would leave
+    /// them unverifiable and trust whatever it signs next, so the old one is restored.
+    async fn make_record_key(&self) -> Result<RecordKey, BridgeError> {
+        let source = &self.record_key_source;
+        let store = self.controller_store();
+        let records = store.list().await?;
+        if let Some(signed) = records.iter().find(|r| r.integrity.is_some()) {
+            // Another replica may have made the key and signed a record meanwhile.
+            if let Some(key) = source.read().await? {
+                return Ok(key);
+            }
+            let count = records.iter().filter(|r| r.integrity.is_some()).count();
+            return Err(BridgeError::Precondition(format!(
+                "the record key ({}) is missing, but {count} controller record(s) are signed \
+                 with one (e.g. {}): the key was lost or removed, and the bridge does not \
+                 make a new one (the signed records would no longer verify, and a record \
+                 forged meanwhile would be trusted). Restore the key from a backup and \
+                 restart",
+                source.describe(),
+                store.locate(&signed.volume_id)
+            )));
+        }
+        let loaded = source.create().await?;
+        if loaded.created {
+            let unsigned = records.len();
+            if source.making_proves_first_key() {
+                tracing::info!(key = %source.describe(), "made the key controller records are signed with");
+                // Kept until the signing pass succeeds, should it fail now.
+                self.unsigned_records_pending
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+            } else if unsigned > 0 {
+                tracing::warn!(
+                    key = %source.describe(),
+                    unsigned,
+                    "made the key controller records are signed with, but signed none of \
+                     the records that carry no MAC: here a key may have been removed and \
+                     records forged since. Check each against the storage backend and name \
+                     the good ones in controller.sign_unsigned_records"
+                );
+            } else {
+                tracing::info!(key = %source.describe(), "made the key controller records are signed with");
+            }
+        }
+        Ok(loaded.key)
+    }
+
+    /// Runs a signing pass; a store that cannot be reached now is retried on next use.
+    async fn sign_pass(
+        &self,
+        pass: impl std::future::Future<Output = Result<usize, BridgeError>>,
+    ) -> Result<(), BridgeError> {
+        match pass.await {
+            Ok(_) => Ok(()),
+            Err(e @ BridgeError::Store(_)) if store_transient(&e) => Err(e),
+            Err(e) => Err(BridgeError::Precondition(format!(
+                "signing controller records that carry no MAC failed ({e}); check them and \
+                 name the good ones in controller.sign_unsigned_records"
+            ))),
+        }
+    }
+
+    /// Signs every record that carries no MAC, logging each: only right after a key was
+    /// made where that proves no key existed (the records predate keys).
+    async fn sign_all_unsigned_records(&self, key: &RecordKey) -> Result<usize, BridgeError> {
         let store = self.controller_store();
         let mut signed = 0;
         for mut record in store.list().await? {
@@ -257,6 +311,102 @@ impl ControllerSide {
         Ok(signed)
     }
 
+    /// Signs the records `controller.sign_unsigned_records` names, if they carry no MAC.
+    /// A record carrying a MAC this key did not make is never re-signed: it was edited, or
+    /// signed under another key, and signing it would make the edit look like the bridge's.
+    async fn sign_named_records(&self, key: &RecordKey) -> Result<usize, BridgeError> {
+        let store = self.controller_store();
+        let driver = &self.config.driver;
+        let mut signed = 0;
+        for volume_id in &self.config.sign_unsigned_records {
+            for _ in 0..STORE_RACE_RETRIES {
+                let Some(mut record) = store.get(volume_id).await? else {
+                    tracing::warn!(
+                        volume_id,
+                        "controller.sign_unsigned_records names a volume that has no record"
+                    );
+                    break;
+                };
+                let place = store.locate(volume_id);
+                match key.verify(driver, &record) {
+                    Verdict::Valid => break,
+                    Verdict::Mismatch => {
+                        tracing::warn!(
+                            record = %place,
+                            "not signed, though controller.sign_unsigned_records names it: it \
+                             carries a MAC this key did not make (edited, or signed under \
+                             another key), and such a record is never re-signed"
+                        );
+                        break;
+                    }
+                    Verdict::Unsigned => {}
+                }
+                record.integrity = Some(key.sign(driver, &record));
+                match store.put(&mut record).await {
+                    Ok(()) => {
+                        tracing::warn!(
+                            record = %place,
+                            csi_volume_id = record.csi_volume_id.as_deref().unwrap_or("-"),
+                            "signed a controller record that carried no MAC, as \
+                             controller.sign_unsigned_records asks"
+                        );
+                        signed += 1;
+                        break;
+                    }
+                    Err(StoreError::Conflict { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(signed)
+    }
+
+    /// Refuses to serve with a key that made none of the signed records' MACs: it is not
+    /// the key they were signed with, so it replaced theirs. Records that fail on their
+    /// own are only reported (Destroy refuses each).
+    async fn check_key_fits_records(&self) -> Result<(), BridgeError> {
+        let key = self.record_key().await?;
+        tracing::info!(
+            key = %self.record_key_source.describe(),
+            sha256 = %key.fingerprint(),
+            "controller records are signed with this key (pin its sha256 to refuse any other)"
+        );
+        let store = self.controller_store();
+        let records = store.list().await?;
+        let fit = KeyFit::tally(
+            key,
+            &self.config.driver,
+            records.iter().map(|r| (r, store.locate(&r.volume_id))),
+        );
+        if fit.is_foreign_key() {
+            return Err(BridgeError::Precondition(format!(
+                "the record key ({}, sha256 {}) made none of the MACs of the {} signed \
+                 controller records (e.g. {}): it is not the key they were signed with, so \
+                 it replaced theirs, and the controller side does not serve with it. \
+                 Restore the original key from a backup",
+                self.record_key_source.describe(),
+                key.fingerprint(),
+                fit.mismatched_count,
+                fit.mismatched.join(", ")
+            )));
+        }
+        if fit.mismatched_count > 0 {
+            tracing::warn!(
+                count = fit.mismatched_count,
+                records = %fit.mismatched.join(", "),
+                "controller records fail their integrity check; Destroy refuses each"
+            );
+        }
+        if fit.unsigned > 0 {
+            tracing::warn!(
+                count = fit.unsigned,
+                "controller records carry no MAC; Destroy refuses each until it is checked \
+                 and named in controller.sign_unsigned_records"
+            );
+        }
+        Ok(())
+    }
+
     /// Refuses a record whose MAC does not verify: it may have been pointed at someone
     /// else's volume.
     async fn check_integrity(&self, record: &VolumeRecord) -> Result<(), BridgeError> {
@@ -284,12 +434,13 @@ impl ControllerSide {
             ))),
             Verdict::Unsigned => Err(BridgeError::Precondition(format!(
                 "refusing to delete anything for this volume: {place} carries no integrity \
-                 MAC. {}. Records written before records were signed are signed once, when \
-                 the record key is made; this one was not (restored from an old backup, or \
-                 its MAC removed?). If it is right, set controller.sign_unsigned_records = \
-                 true for one restart to sign it; otherwise delete the CSI volume and the \
-                 record by hand",
-                fields()
+                 MAC. {}. The bridge signs every record it writes; this one was written \
+                 before records were signed, restored from an old backup, or forged (its \
+                 MAC removed?). If it is right (compare it with the storage backend), name \
+                 it in controller.sign_unsigned_records = [{:?}] for one restart to sign \
+                 it; otherwise delete the CSI volume and the record by hand",
+                fields(),
+                record.volume_id
             ))),
         }
     }

@@ -6,9 +6,12 @@
 //!
 //! The key lives beside the embedded store (`state.dir/record.key`, mode 0600) or, with
 //! CubeVolume records, in a Kubernetes Secret that every controller replica reads (k8s/).
-//! It is made on first use. Records written before records carried a MAC are signed once,
-//! when the key is made (trust on first use); after that an unsigned record is refused
-//! like a forged one, unless `controller.sign_unsigned_records` asks for a re-sign.
+//! It is made on first use, and never while signed records exist (a lost key is restored,
+//! not replaced). Records written before records carried a MAC are signed once, when the
+//! key is made, only where making it proves no key existed before (the embedded store's
+//! root-only directory; trust on first use). Otherwise an unsigned record is refused like
+//! a forged one until the operator names it in `controller.sign_unsigned_records`: a
+//! blanket re-sign would launder records forged after someone removed the key.
 
 use std::fmt;
 
@@ -44,6 +47,17 @@ impl RecordKey {
 
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// The key's SHA-256 in hex, which names it without revealing it (the key is 32
+    /// random bytes): what `kubernetes.record_key_sha256` pins, and what
+    /// `base64 -d | sha256sum` of the Secret's `key` prints.
+    pub fn fingerprint(&self) -> String {
+        use sha2::Digest;
+        Sha256::digest(self.0)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     /// A fresh key from the kernel's random source.
@@ -143,8 +157,7 @@ pub fn decode_hex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// A key as loaded, and whether this load made it (then records written before keys
-/// existed are signed once).
+/// A key as made, and whether this call made it (false: another process made it first).
 #[derive(Debug, Clone)]
 pub struct LoadedKey {
     pub key: RecordKey,
@@ -154,11 +167,63 @@ pub struct LoadedKey {
 /// Where the record key is kept.
 #[async_trait]
 pub trait RecordKeySource: Send + Sync + fmt::Debug {
-    /// Reads the key, making it first if there is none yet (exactly one of several
-    /// concurrent first loads makes it; the others read it).
-    async fn load(&self) -> Result<LoadedKey, BridgeError>;
+    /// The key, or None when none has been made. An error when the key there is not one
+    /// the bridge may trust (not made by the bridge, not the one the operator pinned), or
+    /// when none is there but one must be (pinned).
+    async fn read(&self) -> Result<Option<RecordKey>, BridgeError>;
+    /// Makes the key (exactly one of several concurrent calls makes it; the others read
+    /// it, with the same checks as `read`).
+    async fn create(&self) -> Result<LoadedKey, BridgeError>;
+    /// Whether a key this source makes proves that no key existed before: only someone
+    /// the bridge trusts (root, for a file in its state dir) could have removed an earlier
+    /// one. Then records without a MAC predate keys and are signed when the key is made.
+    /// A Secret does not prove it: whoever may delete Secrets can remove the key.
+    fn making_proves_first_key(&self) -> bool;
     /// Where the key is, for messages.
     fn describe(&self) -> String;
+}
+
+/// What a store's signed records say about a key (see `KeyFit::check`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct KeyFit {
+    /// Records whose MAC this key made.
+    pub valid: usize,
+    /// Records without a MAC.
+    pub unsigned: usize,
+    /// Records carrying a MAC this key did not make: where each is (up to 5).
+    pub mismatched: Vec<String>,
+    pub mismatched_count: usize,
+}
+
+impl KeyFit {
+    /// Tallies `records` (each with where it is) against `key`.
+    pub fn tally<'a>(
+        key: &RecordKey,
+        driver: &str,
+        records: impl IntoIterator<Item = (&'a VolumeRecord, String)>,
+    ) -> Self {
+        let mut fit = Self::default();
+        for (record, place) in records {
+            match key.verify(driver, record) {
+                Verdict::Valid => fit.valid += 1,
+                Verdict::Unsigned => fit.unsigned += 1,
+                Verdict::Mismatch => {
+                    fit.mismatched_count += 1;
+                    if fit.mismatched.len() < 5 {
+                        fit.mismatched.push(place);
+                    }
+                }
+            }
+        }
+        fit
+    }
+
+    /// Signed records exist and the key made none of their MACs: it is not the key they
+    /// were signed with (the key was replaced), and using it would refuse them all while
+    /// trusting whatever the replacement's maker signs.
+    pub fn is_foreign_key(&self) -> bool {
+        self.valid == 0 && self.mismatched_count > 0
+    }
 }
 
 #[cfg(test)]
@@ -227,5 +292,47 @@ mod tests {
         }
         assert_eq!(key.verify("nfs", &record()), Verdict::Unsigned);
         assert!(!format!("{key:?}").contains("07"));
+    }
+
+    #[test]
+    fn the_fingerprint_is_the_sha256_of_the_key_bytes() {
+        let key = RecordKey::from_bytes(&[0; KEY_LEN]).unwrap();
+        // printf '\0%.0s' $(seq 32) | sha256sum
+        assert_eq!(
+            key.fingerprint(),
+            "66687aadf862bd776c8fc18b8e9f8e20089714856ee233b3902a591d0d5f2925"
+        );
+    }
+
+    #[test]
+    fn a_key_that_made_none_of_the_signed_records_is_foreign() {
+        let key = RecordKey::from_bytes(&[7; KEY_LEN]).unwrap();
+        let other = RecordKey::from_bytes(&[8; KEY_LEN]).unwrap();
+        let signed_by = |k: &RecordKey, id: &str| {
+            let mut r = record();
+            r.volume_id = id.into();
+            r.integrity = Some(k.sign("nfs", &r));
+            r
+        };
+        let tally = |records: &[VolumeRecord]| {
+            KeyFit::tally(
+                &key,
+                "nfs",
+                records
+                    .iter()
+                    .map(|r| (r, format!("record {}", r.volume_id))),
+            )
+        };
+        // Nothing signed yet (a fresh store, or one from before MACs): nothing to judge.
+        assert!(!tally(&[]).is_foreign_key());
+        assert!(!tally(&[record()]).is_foreign_key());
+        // One edited record among good ones is that record's problem, not the key's.
+        let fit = tally(&[signed_by(&key, "a"), signed_by(&other, "b"), record()]);
+        assert_eq!((fit.valid, fit.unsigned, fit.mismatched_count), (1, 1, 1));
+        assert_eq!(fit.mismatched, ["record b"]);
+        assert!(!fit.is_foreign_key());
+        // Every signed record was signed with another key: this key replaced theirs.
+        let fit = tally(&[signed_by(&other, "a"), signed_by(&other, "b"), record()]);
+        assert!(fit.is_foreign_key());
     }
 }

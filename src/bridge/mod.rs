@@ -70,8 +70,9 @@ pub struct Settings {
     pub node_id: Option<String>,
     /// Controller calls go to an endpoint of their own (`csi.controller_endpoint`).
     pub separate_controller_endpoint: bool,
-    /// Re-sign records that carry no MAC (`controller.sign_unsigned_records`).
-    pub sign_unsigned_records: bool,
+    /// Cube volume ids whose records carry no MAC and are to be signed: the operator
+    /// checked them (`controller.sign_unsigned_records`).
+    pub sign_unsigned_records: Vec<String>,
     /// The controller store is shared with other replicas (listed at start to check it).
     pub shared_store: bool,
 }

@@ -1738,11 +1738,11 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         "{err}"
     );
     assert!(w.backend_volumes().contains_key("cube-late"));
-    // An operator who checked it asks for a re-sign (one restart with the setting on).
+    // An operator who checked it names it for a re-sign (one restart with the setting).
     let restarted = sides_with(
         &Config::parse(
             &format!(
-                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[controller]\nsign_unsigned_records = true\n",
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[controller]\nsign_unsigned_records = [\"late\"]\n",
                 d = w.dir.path().display()
             ),
             Path::new("test.toml"),
@@ -2357,4 +2357,266 @@ async fn a_last_detach_on_a_full_disk_still_tears_down() {
         .store(true, std::sync::atomic::Ordering::SeqCst);
     w.detach("v", "ns1", "s1", 0).await.unwrap();
     w.assert_clean("v");
+}
+
+// ---------------------------------------------------------------- the record key's provenance
+
+/// A record no bridge signed (written before MACs, or forged with its MAC left off).
+fn unsigned_record(volume: &str, handle: &str) -> VolumeRecord {
+    VolumeRecord {
+        volume_id: volume.into(),
+        csi_name: format!("cube-{volume}"),
+        csi_driver: Some("fake.csi".into()),
+        state: VolumeState::Created,
+        csi_volume_id: Some(handle.into()),
+        volume_context: Default::default(),
+        capacity_bytes: 0,
+        updated_at: 1,
+        deletion: None,
+        revision: Some("0".into()),
+        integrity: None,
+    }
+}
+
+/// The world's config (its state dir) with `controller` added to `[controller]`.
+fn config_of(w: &World, controller: &str) -> Config {
+    Config::parse(
+        &format!(
+            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[controller]\n{controller}\n",
+            d = w.dir.path().display()
+        ),
+        Path::new("test.toml"),
+    )
+    .unwrap()
+}
+
+/// The embedded store's key file, standing in for a key kept where whoever may delete it
+/// is not the bridge (Kubernetes' Secret): making it proves no key existed before.
+#[derive(Debug)]
+struct RemovableKey(crate::store::FileKeySource);
+
+#[async_trait]
+impl integrity::RecordKeySource for RemovableKey {
+    async fn read(&self) -> Result<Option<integrity::RecordKey>, BridgeError> {
+        self.0.read().await
+    }
+    async fn create(&self) -> Result<integrity::LoadedKey, BridgeError> {
+        self.0.create().await
+    }
+    fn making_proves_first_key(&self) -> bool {
+        false
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+}
+
+/// A controller side as a fresh process of `w` would make it, its key in a
+/// `RemovableKey`.
+fn controller_with_removable_key(w: &World, controller: &str) -> ControllerSide {
+    let config = config_of(w, controller);
+    let core = crate::app::core_settings(&config);
+    ControllerSide::new(
+        core.clone(),
+        ControllerPorts {
+            driver: Arc::new(discovery::DriverView::new(
+                Arc::new(w.fake.clone()),
+                Arc::new(w.fake.clone()),
+                core.node_id.clone(),
+                core.separate_controller_endpoint,
+            )),
+            store: w.store.clone(),
+            record_key: Arc::new(RemovableKey(crate::store::FileKeySource::new(
+                &config.state.dir.join("record.key"),
+            ))),
+            settings: Arc::new(ConfigSettings::new(&config.volume, &config.secrets)),
+            locks: Arc::new(crate::store::FileLocks::new(&config.state.lock_dir).unwrap()),
+            clock: Arc::new(crate::system::SystemClock),
+            recorder: Arc::new(NoRecorder),
+        },
+    )
+}
+
+fn destroy_req(volume: &str) -> DestroyVolume {
+    DestroyVolume {
+        volume_id: volume.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_lost_key_is_not_replaced_while_signed_records_exist() {
+    let w = World::new(Fake::new(false, false));
+    w.create("mine").await.unwrap();
+    let key_file = w.dir.path().join("state/record.key");
+    std::fs::remove_file(&key_file).unwrap();
+    // Someone adds a record without a MAC, hoping a new key signs it.
+    w.fake
+        .state
+        .lock()
+        .unwrap()
+        .volumes
+        .insert("cube-planted".into(), "planted-handle".into());
+    w.store.records.lock().unwrap().insert(
+        "planted".into(),
+        unsigned_record("planted", "planted-handle"),
+    );
+    w.fake.clear_calls();
+    // A fresh process (the running one keeps the key it read).
+    let restarted = sides(
+        &config_of(&w, ""),
+        &w.fake,
+        w.store.clone(),
+        Roles::CONTROLLER,
+    );
+    for volume in ["planted", "mine"] {
+        let err = restarted
+            .destroy(destroy_req(volume))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("record key (file ")
+                && err.contains("is missing")
+                && err.contains("1 controller record(s) are signed")
+                && err.contains("Restore the key"),
+            "{err}"
+        );
+    }
+    assert!(!key_file.exists(), "no new key replaces the lost one");
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert!(w.stored("planted").unwrap().integrity.is_none());
+}
+
+#[tokio::test]
+async fn where_making_a_key_proves_nothing_only_named_unsigned_records_are_signed() {
+    let w = World::new(Fake::new(false, false));
+    {
+        let mut backend = w.fake.state.lock().unwrap();
+        backend
+            .volumes
+            .insert("cube-old".into(), "old-handle".into());
+        backend
+            .volumes
+            .insert("cube-victim".into(), "victim-handle".into());
+    }
+    // With every MAC stripped and the key gone, a store with a forged record looks like
+    // one from before records were signed.
+    for (volume, handle) in [("old", "old-handle"), ("forged", "victim-handle")] {
+        w.store
+            .records
+            .lock()
+            .unwrap()
+            .insert(volume.into(), unsigned_record(volume, handle));
+    }
+    let controller = controller_with_removable_key(&w, "");
+    let err = controller
+        .destroy(destroy_req("forged"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no integrity MAC") && err.contains("sign_unsigned_records = [\"forged\"]"),
+        "{err}"
+    );
+    assert!(
+        w.dir.path().join("state/record.key").exists(),
+        "the key is made"
+    );
+    for volume in ["old", "forged"] {
+        assert!(
+            w.stored(volume).unwrap().integrity.is_none(),
+            "{volume} signed"
+        );
+    }
+    // The operator checks "old" against the backend and names it: only it is signed.
+    let named = controller_with_removable_key(&w, "sign_unsigned_records = [\"old\", \"gone\"]");
+    named.destroy(destroy_req("old")).await.unwrap();
+    assert!(!w.backend_volumes().contains_key("cube-old"));
+    named.destroy(destroy_req("forged")).await.unwrap_err();
+    assert!(w.backend_volumes().contains_key("cube-victim"));
+    assert!(w.stored("forged").unwrap().integrity.is_none());
+}
+
+#[tokio::test]
+async fn a_record_signed_under_another_key_is_never_re_signed() {
+    let w = World::new(Fake::new(false, false));
+    w.create("mine").await.unwrap();
+    w.fake
+        .state
+        .lock()
+        .unwrap()
+        .volumes
+        .insert("cube-victim".into(), "victim-handle".into());
+    let someone_elses = integrity::RecordKey::from_bytes(&[9; integrity::KEY_LEN]).unwrap();
+    let mut forged = unsigned_record("forged", "victim-handle");
+    forged.integrity = Some(someone_elses.sign("fk", &forged));
+    let mac = forged.integrity.clone();
+    w.store
+        .records
+        .lock()
+        .unwrap()
+        .insert("forged".into(), forged);
+    let named = "sign_unsigned_records = [\"forged\"]";
+    let embedded = sides(
+        &config_of(&w, named),
+        &w.fake,
+        w.store.clone(),
+        Roles::CONTROLLER,
+    );
+    for controller in [
+        Arc::new(controller_with_removable_key(&w, named)),
+        embedded.controller.unwrap(),
+    ] {
+        let err = controller
+            .destroy(destroy_req("forged"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fails its integrity check"), "{err}");
+        assert_eq!(w.stored("forged").unwrap().integrity, mac);
+    }
+    assert!(w.backend_volumes().contains_key("cube-victim"));
+}
+
+#[tokio::test]
+async fn a_key_that_made_none_of_the_signed_records_is_refused_at_start() {
+    let w = World::new(Fake::new(false, false));
+    w.create("a").await.unwrap();
+    w.create("b").await.unwrap();
+    // The key file replaced (by whoever could): every signed record fails under it.
+    let key_file = w.dir.path().join("state/record.key");
+    std::fs::write(&key_file, format!("{}\n", "ab".repeat(32))).unwrap();
+    let restarted = sides(
+        &config_of(&w, ""),
+        &w.fake,
+        w.store.clone(),
+        Roles::CONTROLLER,
+    );
+    let err = restarted
+        .check(&Deadline::after(Duration::from_secs(10)))
+        .await
+        .unwrap_err()
+        .to_string();
+    let replaced = integrity::RecordKey::from_bytes(&[0xab; 32]).unwrap();
+    assert!(
+        err.contains("made none of the MACs of the 2 signed controller records")
+            && err.contains(&replaced.fingerprint())
+            && err.contains("Restore the original key"),
+        "{err}"
+    );
+    // One edited record is that record's problem: the key that made the other is kept.
+    let w = World::new(Fake::new(false, false));
+    w.create("a").await.unwrap();
+    w.create("b").await.unwrap();
+    w.edit_record("b", |r| r.csi_volume_id = Some("elsewhere".into()));
+    let restarted = sides(
+        &config_of(&w, ""),
+        &w.fake,
+        w.store.clone(),
+        Roles::CONTROLLER,
+    );
+    restarted
+        .check(&Deadline::after(Duration::from_secs(10)))
+        .await
+        .unwrap();
 }

@@ -121,9 +121,18 @@ pub(super) struct ControllerFile {
     pub sweep_interval_secs: Option<u64>,
     #[serde(default)]
     pub abandoned_create_secs: Option<u64>,
-    /// Sign controller records that carry no MAC (written before records were signed).
+    /// Controller records without a MAC the operator checked and wants signed: a list of
+    /// Cube volume ids (`true`, which once meant all of them, is refused with the reason).
     #[serde(default)]
-    pub sign_unsigned_records: bool,
+    pub sign_unsigned_records: Option<SignUnsigned>,
+}
+
+/// `controller.sign_unsigned_records` as written.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum SignUnsigned {
+    All(bool),
+    These(Vec<String>),
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -220,6 +229,8 @@ pub(super) struct KubernetesFile {
     pub cache_secs: u64,
     #[serde(default)]
     pub record_key_secret: Option<String>,
+    #[serde(default)]
+    pub record_key_sha256: Option<String>,
 }
 
 impl Default for KubernetesFile {
@@ -230,6 +241,7 @@ impl Default for KubernetesFile {
             storage_class: None,
             cache_secs: default_kube_cache_secs(),
             record_key_secret: None,
+            record_key_sha256: None,
         }
     }
 }

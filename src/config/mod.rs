@@ -259,6 +259,9 @@ pub struct KubernetesSettings {
     /// signed with; the bridge makes it on first use. Only the controller side reads it.
     /// Default: `cube-csi-bridge-<driver>-record-key` (see `Config::record_key_secret`).
     pub record_key_secret: Option<String>,
+    /// The SHA-256 (lower-case hex) of the record key the operator pinned: a key Secret
+    /// holding another key is refused, and a missing one is never made anew.
+    pub record_key_sha256: Option<String>,
 }
 
 /// Whose view of the mount table decides that a host_path is really mounted.
@@ -320,10 +323,10 @@ pub struct ControllerSettings {
     pub sweep_interval: Option<Duration>,
     /// A `Creating` record untouched for this long is an abandoned Create.
     pub abandoned_create_after: Duration,
-    /// Sign, once per process, every controller record that carries no MAC. Records are
-    /// signed automatically only when the record key is first made; set this for one
-    /// restart after restoring records from before they were signed.
-    pub sign_unsigned_records: bool,
+    /// Cube volume ids whose records carry no MAC and are to be signed (once per
+    /// process): records the operator checked against the storage backend. Only the
+    /// embedded store's records are signed without being named, when its key is made.
+    pub sign_unsigned_records: Vec<String>,
 }
 
 /// The Prometheus endpoint.
@@ -907,10 +910,36 @@ impl Checker<'_> {
                 ),
             ));
         }
+        let sign_unsigned_records = match raw.sign_unsigned_records {
+            None | Some(file::SignUnsigned::All(false)) => Vec::new(),
+            Some(file::SignUnsigned::All(true)) => {
+                return Err(self.invalid(
+                    "controller.sign_unsigned_records",
+                    "true would sign every record that carries no MAC, including one forged \
+                     after the record key was removed; list the Cube volume ids whose records \
+                     you checked instead, e.g. sign_unsigned_records = [\"vol-a\"]",
+                ));
+            }
+            Some(file::SignUnsigned::These(ids)) => {
+                if let Some(bad) = ids
+                    .iter()
+                    .find(|id| id.is_empty() || id.len() > 128 || id.chars().any(char::is_control))
+                {
+                    return Err(self.invalid(
+                        "controller.sign_unsigned_records",
+                        format!(
+                            "{:?} is not a Cube volume id",
+                            bad.chars().take(64).collect::<String>()
+                        ),
+                    ));
+                }
+                ids
+            }
+        };
         Ok(ControllerSettings {
             sweep_interval: (interval > 0).then(|| Duration::from_secs(interval)),
             abandoned_create_after: Duration::from_secs(abandoned),
-            sign_unsigned_records: raw.sign_unsigned_records,
+            sign_unsigned_records,
         })
     }
 
@@ -967,6 +996,7 @@ impl Checker<'_> {
             storage_class: raw.storage_class,
             cache: Duration::from_secs(raw.cache_secs),
             record_key_secret: raw.record_key_secret,
+            record_key_sha256: raw.record_key_sha256.map(|pin| pin.to_ascii_lowercase()),
         })
     }
 
@@ -996,6 +1026,23 @@ impl Checker<'_> {
                 "kubernetes.record_key_secret",
                 format!("{name:?} is not a Secret name (a DNS-1123 subdomain)"),
             ));
+        }
+        if let Some(pin) = &k.record_key_sha256 {
+            if pin.len() != 64 || !pin.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(self.invalid(
+                    "kubernetes.record_key_sha256",
+                    "must be the 64 hex digits of the record key's SHA-256 (the daemon logs \
+                     it; or kubectl get secret <record key Secret> -o \
+                     jsonpath='{.data.key}' | base64 -d | sha256sum)",
+                ));
+            }
+            if config.state.controller_store != ControllerStoreKind::Kubernetes {
+                return Err(self.invalid(
+                    "kubernetes.record_key_sha256",
+                    "pins the CubeVolume store's key; it needs state.controller_store = \
+                     \"kubernetes\"",
+                ));
+            }
         }
         if let Some(class) = &k.storage_class {
             if !is_dns_subdomain(class) {
@@ -1494,6 +1541,55 @@ access_mode = "single_node_writer"
         ))
         .unwrap();
         assert_eq!(c.volume.capacity_bytes, i64::MAX as u64);
+    }
+
+    #[test]
+    fn unsigned_records_are_signed_only_by_name_and_the_key_pin_is_checked() {
+        let c = parse(&format!(
+            "{MINIMAL}[controller]\nsign_unsigned_records = [\"vol-a\", \"vol-b\"]\n"
+        ))
+        .unwrap();
+        assert_eq!(c.controller.sign_unsigned_records, ["vol-a", "vol-b"]);
+        let c = parse(&format!(
+            "{MINIMAL}[controller]\nsign_unsigned_records = false\n"
+        ))
+        .unwrap();
+        assert!(c.controller.sign_unsigned_records.is_empty());
+        let err = parse(&format!(
+            "{MINIMAL}[controller]\nsign_unsigned_records = true\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("controller.sign_unsigned_records") && err.contains("forged"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "{MINIMAL}[controller]\nsign_unsigned_records = [\"\"]\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("not a Cube volume id"), "{err}");
+
+        let pin = "AB".repeat(32);
+        let kubernetes = format!(
+            "{MINIMAL}[state]\ncontroller_store = \"kubernetes\"\n[kubernetes]\nrecord_key_sha256 = \"{pin}\"\n"
+        );
+        let c = parse(&kubernetes).unwrap();
+        assert_eq!(c.kubernetes.record_key_sha256, Some("ab".repeat(32)));
+        let err = parse(&kubernetes.replace(&pin, "abc"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("kubernetes.record_key_sha256") && err.contains("64 hex"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "{MINIMAL}[kubernetes]\nrecord_key_sha256 = \"{pin}\"\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("controller_store"), "{err}");
     }
 
     #[test]

@@ -62,7 +62,7 @@ impl FileKeySource {
 
     /// Writes a new key under a temporary name, then links it into place: the link fails
     /// if another process made the key first, and then its key is read instead.
-    fn create(&self) -> Result<LoadedKey, BridgeError> {
+    fn make(&self) -> Result<LoadedKey, BridgeError> {
         let io = |e| BridgeError::io(format!("record key {}", self.path.display()), e);
         if let Some(dir) = self.path.parent() {
             crate::mount::ops::ensure_dir(dir, 0o700).map_err(io)?;
@@ -105,17 +105,23 @@ impl FileKeySource {
 
 #[async_trait]
 impl RecordKeySource for FileKeySource {
-    async fn load(&self) -> Result<LoadedKey, BridgeError> {
+    async fn read(&self) -> Result<Option<RecordKey>, BridgeError> {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || match me.read_existing()? {
-            Some(key) => Ok(LoadedKey {
-                key,
-                created: false,
-            }),
-            None => me.create(),
-        })
-        .await
-        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+        tokio::task::spawn_blocking(move || me.read_existing())
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    async fn create(&self) -> Result<LoadedKey, BridgeError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.make())
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// The state dir is root's (the bridge's uid's): only it could remove an earlier key.
+    fn making_proves_first_key(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {
@@ -132,11 +138,11 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("state/record.key");
         let source = FileKeySource::new(&path);
-        let first = source.load().await.unwrap();
+        assert_eq!(source.read().await.unwrap(), None);
+        let first = source.create().await.unwrap();
         assert!(first.created);
-        let again = source.load().await.unwrap();
-        assert!(!again.created);
-        assert_eq!(first.key, again.key);
+        let again = source.read().await.unwrap();
+        assert_eq!(Some(first.key), again);
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         // Concurrent first loads agree on one key.
@@ -144,7 +150,7 @@ mod tests {
         let loads: Vec<_> = (0..8)
             .map(|_| {
                 let s = FileKeySource::new(&path2);
-                tokio::spawn(async move { s.load().await.unwrap() })
+                tokio::spawn(async move { s.create().await.unwrap() })
             })
             .collect();
         let mut keys = Vec::new();
@@ -157,7 +163,7 @@ mod tests {
         assert_eq!(made, 1);
         assert!(keys.windows(2).all(|w| w[0] == w[1]));
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let err = source.load().await.unwrap_err().to_string();
+        let err = source.read().await.unwrap_err().to_string();
         assert!(err.contains("0600") && err.contains("644"), "{err}");
     }
 }

@@ -163,6 +163,9 @@ storage_class = {{ . | toJson }}
 cache_secs = {{ int64 $v.kubernetes.cacheSecs }}
 {{- if $serveController }}
 record_key_secret = {{ include "cube-csi-bridge.recordKeySecret" .root | toJson }}
+{{- with $v.kubernetes.recordKeySha256 }}
+record_key_sha256 = {{ . | toJson }}
+{{- end }}
 {{- end }}
 {{- end }}
 
