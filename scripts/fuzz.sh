@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# fuzz.sh — runs every cargo-fuzz target in fuzz/ (the parsers of what Cube and operators
-# hand the bridge: the binary hook's argv, private_data, Detach metadata, the config) for a
+# fuzz.sh — runs every cargo-fuzz target in fuzz/ (the parsers of what Cube, operators and
+# socket peers hand the bridge: the binary hook's argv, private_data, Detach metadata, the
+# config, the HTTP/2 stream the :authority filter reads) for a
 # bounded time each, starting from the committed seed corpora, and fails on any crash
 # (the crashing input is kept under fuzz/artifacts/<target>/).
 #
