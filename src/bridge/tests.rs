@@ -1896,8 +1896,14 @@ impl NodeJournal for FailingSaves {
     fn load_holders(
         &self,
         volume_id: &str,
-    ) -> Result<Option<super::records::Holders>, JournalError> {
+    ) -> Result<Option<(super::records::Holders, super::records::HolderTimes)>, JournalError> {
         self.inner.load_holders(volume_id)
+    }
+    fn keep_last_hooks(&self, last_hook: &BTreeMap<String, u64>) -> Result<(), JournalError> {
+        self.inner.keep_last_hooks(last_hook)
+    }
+    fn kept_last_hooks(&self) -> Result<BTreeMap<String, u64>, JournalError> {
+        self.inner.kept_last_hooks()
     }
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         self.inner.remove(volume_id)
