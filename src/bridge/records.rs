@@ -105,44 +105,58 @@ impl HolderChange {
 
     /// Applies the change to `holders` and its times to `times`: a sandbox that was not a
     /// holder before is added at the change's time (a retried Attach keeps the first
-    /// time), and the namespace's last hook moves forward. Replaying a log suffix over its
-    /// own result changes nothing here either.
+    /// time), one that leaves takes its time along, and the namespace's last hook moves
+    /// forward. Replaying a log suffix over its own result changes nothing here either.
+    /// Touches only the change's own entries: the log replays it line by line.
     pub fn apply_timed(&self, holders: &mut Holders, times: &mut HolderTimes) {
-        let (HolderChange::Attach {
-            namespace,
-            sandbox,
-            at,
-            ..
-        }
-        | HolderChange::Detach {
-            namespace,
-            sandbox,
-            at,
-            ..
-        }) = self;
-        let first = matches!(self, HolderChange::Attach { first: true, .. });
-        let was_holder = !first
-            && holders
-                .get(namespace)
-                .is_some_and(|set| set.contains(sandbox));
-        self.apply(holders);
-        if let HolderChange::Attach { .. } = self
-            && !was_holder
-        {
-            let added = times.added.entry(namespace.clone()).or_default();
-            if first {
-                added.clear();
+        match self {
+            HolderChange::Attach {
+                namespace,
+                sandbox,
+                first,
+                at,
+            } => {
+                let was_holder = !first
+                    && holders
+                        .get(namespace)
+                        .is_some_and(|set| set.contains(sandbox));
+                if !was_holder {
+                    let added = times.added.entry(namespace.clone()).or_default();
+                    if *first {
+                        added.clear();
+                    }
+                    match *at {
+                        0 => added.remove(sandbox),
+                        at => added.insert(sandbox.clone(), at),
+                    };
+                    if added.is_empty() {
+                        times.added.remove(namespace);
+                    }
+                }
             }
-            match *at {
-                0 => added.remove(sandbox),
-                at => added.insert(sandbox.clone(), at),
-            };
+            HolderChange::Detach {
+                namespace,
+                sandbox,
+                last,
+                ..
+            } => {
+                if *last {
+                    times.added.remove(namespace);
+                } else if let Some(added) = times.added.get_mut(namespace) {
+                    added.remove(sandbox);
+                    if added.is_empty() {
+                        times.added.remove(namespace);
+                    }
+                }
+            }
         }
+        self.apply(holders);
+        let (HolderChange::Attach { namespace, at, .. }
+        | HolderChange::Detach { namespace, at, .. }) = self;
         if *at > 0 {
             let last = times.last_hook.entry(namespace.clone()).or_default();
             *last = (*last).max(*at);
         }
-        times.prune(holders);
     }
 }
 
@@ -251,9 +265,11 @@ impl NodeRecord {
         }
     }
 
-    /// Applies a holder change to the holders and their times.
+    /// Applies a holder change to the holders and their times (forgetting the times of
+    /// holders removed otherwise: an undone Attach, an operator's release).
     pub fn apply(&mut self, change: &HolderChange) {
         change.apply_timed(&mut self.holders, &mut self.holder_times);
+        self.holder_times.prune(&self.holders);
     }
 
     /// Whether any namespace still holds the volume.
