@@ -8,7 +8,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use crate::bridge::Deadline;
-use crate::bridge::inventory::node_volumes;
+use crate::bridge::inventory::{NodeVolume, node_volumes};
 use crate::bridge::ports::ControllerDriver;
 use crate::config::Config;
 use crate::csi::{CsiClient, GrpcDriver};
@@ -309,11 +309,126 @@ pub async fn release_holders(
     ))
 }
 
-/// This node's volumes: the node journal joined with the mount table.
-pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
+/// This node's volumes (the node journal joined with the mount table), their holders
+/// judged for age and staleness.
+async fn judged_volumes(config: &Config) -> anyhow::Result<Vec<NodeVolume>> {
+    use crate::bridge::ports::NodeJournal;
     let journal = FileJournal::open(&config.state.journal_dir())?;
     let mounts = MountView::new(&config.node.mount_view, false);
-    let volumes = node_volumes(&journal, &mounts).await?;
+    let mut volumes = node_volumes(&journal, &mounts).await?;
+    crate::bridge::staleness::judge_holders(
+        &mut volumes,
+        &journal.kept_last_hooks()?,
+        crate::system::now_secs(),
+        config.node.stale_holder_after,
+    );
+    Ok(volumes)
+}
+
+/// The HOLDERS column of `list`: `namespace/sandbox(age)`, `(age STALE)` when its
+/// namespace has gone quiet, `(?)` when the age is unknown.
+fn holders_column(volume: &NodeVolume) -> Vec<String> {
+    volume
+        .holder_ages
+        .iter()
+        .map(|h| {
+            let age = h.age_secs.map_or_else(|| "?".to_string(), duration);
+            let stale = if h.stale { " STALE" } else { "" };
+            format!("{}/{}({age}{stale})", h.namespace, h.sandbox)
+        })
+        .collect()
+}
+
+/// `holders list` over the drivers of one file: one driver prints as it always has;
+/// several print one section each (text) or one object keyed by driver name (JSON). A
+/// volume id need only be in one driver's journal.
+pub async fn list_holders_drivers(
+    configs: &[Config],
+    volume_id: Option<&str>,
+    output: Output,
+) -> anyhow::Result<String> {
+    if let Some(volume_id) = volume_id {
+        crate::bridge::naming::validate_volume_id(volume_id).map_err(anyhow::Error::msg)?;
+    }
+    let mut listed = Vec::new();
+    for config in configs {
+        let volumes: Vec<NodeVolume> = judged_volumes(config)
+            .await
+            .map_err(|e| e.context(format!("driver {}", config.driver)))?
+            .into_iter()
+            .filter(|v| volume_id.is_none_or(|id| v.volume_id == id))
+            .collect();
+        listed.push((config.driver.as_str(), volumes));
+    }
+    if let Some(volume_id) = volume_id
+        && listed.iter().all(|(_, volumes)| volumes.is_empty())
+    {
+        anyhow::bail!("volume {volume_id:?} has no node journal record here");
+    }
+    if let [(_, volumes)] = listed.as_slice() {
+        return render_holders(volumes, output);
+    }
+    let mut text = String::new();
+    let mut json = serde_json::Map::new();
+    for (driver, volumes) in &listed {
+        let rendered = render_holders(volumes, output)?;
+        match output {
+            Output::Text => {
+                let _ = write!(text, "== driver {driver} ==\n{rendered}");
+            }
+            Output::Json => {
+                json.insert(driver.to_string(), serde_json::from_str(&rendered)?);
+            }
+        }
+    }
+    if output == Output::Json {
+        text = serde_json::to_string_pretty(&json)? + "\n";
+    }
+    Ok(text)
+}
+
+/// `holders list` of one driver's volumes: every holder with when it was added, how long
+/// its namespace has made no hook, and whether that makes it stale.
+fn render_holders(volumes: &[NodeVolume], output: Output) -> anyhow::Result<String> {
+    if output == Output::Json {
+        let holders: Vec<_> = volumes
+            .iter()
+            .flat_map(|v| {
+                v.holder_ages.iter().map(|h| {
+                    let mut entry = serde_json::to_value(h).expect("plain fields");
+                    entry["volume_id"] = v.volume_id.clone().into();
+                    entry
+                })
+            })
+            .collect();
+        return Ok(serde_json::to_string_pretty(&holders)? + "\n");
+    }
+    let now = crate::system::now_secs();
+    let mut out = String::from("VOLUME\tNAMESPACE\tSANDBOX\tAGE\tNAMESPACE_QUIET\tSTALE\n");
+    for v in volumes {
+        if v.holders_unknown {
+            let _ = writeln!(out, "{}\t?\tUNKNOWN\t?\t?\t-", v.volume_id);
+        }
+        for h in &v.holder_ages {
+            let _ = writeln!(
+                out,
+                "{}\t{}\t{}\t{}\t{}\t{}",
+                v.volume_id,
+                h.namespace,
+                h.sandbox,
+                h.age_secs.map_or_else(|| "?".to_string(), duration),
+                h.namespace_last_hook
+                    .map_or_else(|| "?".to_string(), |at| duration(now.saturating_sub(at))),
+                if h.stale { "STALE" } else { "-" }
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// This node's volumes: the node journal joined with the mount table.
+pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
+    let volumes = judged_volumes(config).await?;
     if output == Output::Json {
         return Ok(serde_json::to_string_pretty(&volumes)? + "\n");
     }
@@ -323,11 +438,7 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             let _ = writeln!(out, "{}\t?\t?\t?\t?\t{error}\t", v.volume_id);
             continue;
         }
-        let mut holders: Vec<String> = v
-            .holders
-            .iter()
-            .flat_map(|(ns, sandboxes)| sandboxes.iter().map(move |sb| format!("{ns}/{sb}")))
-            .collect();
+        let mut holders = holders_column(&v);
         if v.holders_unknown {
             // Its record was lost: others may hold it too (see docs/reliability.md).
             holders.insert(0, "UNKNOWN".into());
@@ -406,7 +517,11 @@ fn age(since: u64) -> String {
     if since == 0 {
         return "-".into();
     }
-    let secs = crate::system::now_secs().saturating_sub(since);
+    duration(crate::system::now_secs().saturating_sub(since))
+}
+
+/// `3d4h`, `5m`, `12s`: `secs` as a person reads it.
+fn duration(secs: u64) -> String {
     match secs {
         s if s < 60 => format!("{s}s"),
         s if s < 3600 => format!("{}m", s / 60),

@@ -43,6 +43,7 @@ pub fn core_settings(config: &Config) -> Settings {
         separate_controller_endpoint: config.csi.controller_endpoint.is_some(),
         sign_unsigned_records: config.controller.sign_unsigned_records.clone(),
         shared_store: config.state.controller_store == ControllerStoreKind::Kubernetes,
+        stale_holder_after: config.node.stale_holder_after,
     }
 }
 

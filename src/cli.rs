@@ -111,6 +111,21 @@ pub enum HoldersAction {
     /// Release one sandbox (--namespace and --sandbox), every sandbox of a namespace
     /// (--namespace), or the unknown holders of a record that lost them (--unknown).
     Release(ReleaseArgs),
+    /// List the holders of this node's volumes (or of VOLUME_ID) with their age, how
+    /// long their namespace has made no hook, and STALE past node.stale_holder_secs.
+    List(ListHoldersArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ListHoldersArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Only this Cube volume's holders.
+    #[arg(value_name = "VOLUME_ID")]
+    pub volume_id: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
 }
 
 #[derive(Debug, Args)]
@@ -444,6 +459,33 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("holders release failed: {e:#}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+        Command::Holders(HoldersArgs {
+            action: HoldersAction::List(args),
+        }) => {
+            telemetry::init(cli.log_format, "warn");
+            let configs = match load_configs(args.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("starting the async runtime");
+            match runtime.block_on(crate::admin::list_holders_drivers(
+                &configs,
+                args.volume_id.as_deref(),
+                args.output,
+            )) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("holders list failed: {e:#}");
                     ExitCode::from(EXIT_FAILURE)
                 }
             }

@@ -80,6 +80,7 @@ pub struct Metrics {
     sweep_findings: Family<Labeled<FindingLabels>, Counter>,
     attached_volumes: Family<DriverLabel, Gauge>,
     holders: Family<DriverLabel, Gauge>,
+    stale_holders: Family<DriverLabel, Gauge>,
     volume_capacity: Family<Labeled<VolumeLabels>, Gauge>,
     volume_used: Family<Labeled<VolumeLabels>, Gauge>,
     volume_available: Family<Labeled<VolumeLabels>, Gauge>,
@@ -154,6 +155,13 @@ impl Metrics {
             "Sandboxes holding volumes on this node",
             holders.clone(),
         );
+        let stale_holders = Family::<DriverLabel, Gauge>::default();
+        registry.register(
+            "stale_holders",
+            "Sandboxes holding volumes on this node whose containerd namespace has made no \
+             hook for longer than node.stale_holder_secs (list names them)",
+            stale_holders.clone(),
+        );
         let volume_capacity = Family::<Labeled<VolumeLabels>, Gauge>::default();
         registry.register_with_unit(
             "volume_capacity",
@@ -192,6 +200,7 @@ impl Metrics {
             sweep_findings,
             attached_volumes,
             holders,
+            stale_holders,
             volume_capacity,
             volume_used,
             volume_available,
@@ -264,6 +273,14 @@ pub fn node_inventory(driver: &DriverLabel, attached_volumes: usize, holders: us
         .get_or_create(driver)
         .set(attached_volumes as i64);
     m.holders.get_or_create(driver).set(holders as i64);
+}
+
+/// Holders whose namespace has gone quiet, now (no volume label: `list` names them).
+pub fn stale_holders(driver: &DriverLabel, count: usize) {
+    metrics()
+        .stale_holders
+        .get_or_create(driver)
+        .set(count as i64);
 }
 
 /// Volumes whose stats gauges exist, by driver and volume label.
@@ -514,6 +531,10 @@ impl crate::bridge::ports::Recorder for PrometheusRecorder {
 
     fn node_inventory(&self, attached_volumes: usize, holders: usize) {
         node_inventory(&self.driver, attached_volumes, holders);
+    }
+
+    fn stale_holders(&self, count: usize) {
+        stale_holders(&self.driver, count);
     }
 
     fn volume_stats(&self, volume_id: &str, stats: Option<&crate::bridge::ports::VolumeStats>) {

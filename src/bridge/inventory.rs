@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::ports::{MountCheck, NodeJournal, Visibility};
-use super::records::Step;
+use super::records::{HolderTimes, Step};
+use super::staleness::HolderAge;
 use super::{BridgeError, Deadline, NodeSide};
 
 /// The most volumes whose stats one refresh asks for (bounded work per interval).
@@ -37,6 +38,12 @@ pub struct NodeVolume {
     pub mount: &'static str,
     /// Set when the record could not be read.
     pub error: Option<String>,
+    /// When the holders were added and their namespaces last hooked this volume.
+    #[serde(skip)]
+    pub holder_times: HolderTimes,
+    /// Each holder with its age and whether it is stale (`staleness::judge_holders`
+    /// fills it; empty until then).
+    pub holder_ages: Vec<HolderAge>,
 }
 
 /// Every volume in `journal`, with its mount state as `mounts` sees it.
@@ -68,6 +75,8 @@ pub async fn node_volumes(
                     since: r.since,
                     mount,
                     error: None,
+                    holder_times: r.holder_times,
+                    holder_ages: Vec::new(),
                 }
             }
             Ok(None) => continue,
@@ -84,6 +93,8 @@ pub async fn node_volumes(
                 since: 0,
                 mount: "unknown",
                 error: Some(e.to_string()),
+                holder_times: HolderTimes::default(),
+                holder_ages: Vec::new(),
             },
         };
         out.push(entry);
@@ -96,7 +107,8 @@ impl NodeSide {
     /// NodeGetVolumeStats, each mounted volume's capacity, usage and condition. Runs off
     /// the hook path.
     pub async fn refresh_volume_metrics(&self, stats: bool) -> Result<(), BridgeError> {
-        let volumes = node_volumes(self.node_journal().as_ref(), self.mounts.as_ref()).await?;
+        let mut volumes = node_volumes(self.node_journal().as_ref(), self.mounts.as_ref()).await?;
+        self.report_stale_holders(&mut volumes);
         let holders = volumes
             .iter()
             .map(|v| v.holders.values().map(BTreeSet::len).sum::<usize>())

@@ -23,6 +23,7 @@ pub mod node;
 pub mod ports;
 pub mod reconcile;
 pub mod records;
+pub mod staleness;
 #[cfg(test)]
 mod tests;
 pub mod types;
@@ -75,6 +76,9 @@ pub struct Settings {
     pub sign_unsigned_records: Vec<String>,
     /// The controller store is shared with other replicas (listed at start to check it).
     pub shared_store: bool,
+    /// Holders whose namespace has made no hook for this long are reported stale (the
+    /// inventory's metric); `None`: never.
+    pub stale_holder_after: Option<Duration>,
 }
 
 /// The sides one process serves. A side this process does not serve, or one that could

@@ -236,13 +236,14 @@ impl NodeSide {
             Err(JournalError::Corrupt { path, message }) => {
                 let mut record = NodeRecord::new(volume_id, csi_volume_id, paths.target.clone());
                 match self.node_journal().load_holders(volume_id) {
-                    Ok(Some(holders)) => {
+                    Ok(Some((holders, times))) => {
                         tracing::error!(
                             record = %path.display(),
                             %message,
                             "node journal record unusable; rebuilding it from the mount table and its holder log"
                         );
                         record.holders = holders;
+                        record.holder_times = times;
                     }
                     found => {
                         let log_error = found.err().map(|e| e.to_string());
@@ -293,7 +294,7 @@ impl NodeSide {
         let log_size = self
             .node_journal()
             .append_holder(&record.volume_id, change)?;
-        record.holders = holders;
+        record.apply(change);
         if log_size > HOLDER_LOG_LIMIT {
             // The change is in the log already: a fold that fails (a full disk) leaves the
             // log long, not the hook failed. The next change tries the fold again.
@@ -351,6 +352,7 @@ impl NodeSide {
                     namespace: req.namespace.clone(),
                     sandbox: req.sandbox_id.clone(),
                     first: req.ref_count == 0,
+                    at: self.clock.now_secs(),
                 };
                 self.record_holder_change(&mut record, &change)?;
                 Ok(Some(attached(&record, &req.volume_id)))
@@ -379,6 +381,7 @@ impl NodeSide {
                     namespace: req.namespace.clone(),
                     sandbox: req.sandbox_id.clone(),
                     last: req.ref_count == 0,
+                    at: self.clock.now_secs(),
                 };
                 let mut holders = record.holders.clone();
                 change.apply(&mut holders);
@@ -406,6 +409,7 @@ impl NodeSide {
                 namespace: req.namespace.clone(),
                 sandbox: req.sandbox_id.clone(),
                 first: req.ref_count == 0,
+                at: self.clock.now_secs(),
             };
             let mut record = self.record_for_attach(&req, &paths, &deadline).await?;
             // Only a published or held volume can be mounted for someone here: a fresh
@@ -469,7 +473,7 @@ impl NodeSide {
             let established = match established {
                 Ok(()) => {
                     let mut held = record.clone();
-                    change.apply(&mut held.holders);
+                    held.apply(&change);
                     match self.save(HookKind::Attach, &held, false).await {
                         Ok(()) => {
                             let answer = Answer::Attached(attached(&held, &req.volume_id));
@@ -634,6 +638,7 @@ impl NodeSide {
             namespace,
             sandbox,
             first,
+            ..
         } = change
         else {
             return Ok(());
@@ -646,6 +651,7 @@ impl NodeSide {
             namespace: namespace.clone(),
             sandbox: sandbox.clone(),
             last: *first,
+            at: self.clock.now_secs(),
         };
         let mut holders = record.holders.clone();
         withdrawal.apply(&mut holders);
@@ -678,6 +684,7 @@ impl NodeSide {
             namespace,
             sandbox,
             first,
+            ..
         } = change
         {
             if *first {
@@ -1001,6 +1008,7 @@ impl NodeSide {
                     namespace: req.namespace.clone(),
                     sandbox: req.sandbox_id.clone(),
                     last: req.ref_count == 0,
+                    at: self.clock.now_secs(),
                 };
                 let paths = match &req.recorded {
                     Some(meta) => meta.paths.clone(),
@@ -1064,7 +1072,7 @@ impl NodeSide {
                             );
                             return Ok(());
                         }
-                        record.holders = holders;
+                        record.apply(&change);
                         record
                     }
                     (None, _) if req.ref_count > 0 => {
@@ -1115,6 +1123,15 @@ impl NodeSide {
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
         faults::point(hook, When::Before, "journal");
+        // The namespaces that hooked this volume are alive whatever becomes of its record:
+        // their holders of other volumes must not be judged stale for want of it. Losing
+        // this only risks a false stale report, never a release.
+        if let Err(error) = self
+            .node_journal()
+            .keep_last_hooks(&record.holder_times.last_hook)
+        {
+            tracing::warn!(%error, "could not keep the namespaces' last hooks");
+        }
         // Two unlinks without fsync: no need for a blocking thread.
         self.node_journal().remove(&record.volume_id)?;
         self.node_journal().clear_pending(&record.volume_id)?;

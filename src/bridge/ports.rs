@@ -10,7 +10,9 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::Deadline;
-use super::records::{DeletionPolicy, HolderChange, Holders, NodeRecord, VolumeRecord};
+use super::records::{
+    DeletionPolicy, HolderChange, HolderTimes, Holders, NodeRecord, VolumeRecord,
+};
 use super::types::AccessMode;
 
 /// A map of CSI secrets (or anything else that must never be printed). Debug shows the
@@ -447,7 +449,11 @@ pub trait NodeJournal: Send + Sync + fmt::Debug {
     /// The holders the holder log alone says, when it is complete on its own (it begins
     /// with the snapshot its record's last save wrote); None when it is absent, partial or
     /// unreadable. Lets a record that cannot be read be rebuilt without losing holders.
-    fn load_holders(&self, volume_id: &str) -> Result<Option<Holders>, JournalError> {
+    /// Their times come with them.
+    fn load_holders(
+        &self,
+        volume_id: &str,
+    ) -> Result<Option<(Holders, HolderTimes)>, JournalError> {
         let _ = volume_id;
         Ok(None)
     }
@@ -455,6 +461,17 @@ pub trait NodeJournal: Send + Sync + fmt::Debug {
     /// last save, so that the core can fold a long log into the record
     /// (`HOLDER_LOG_LIMIT`).
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError>;
+    /// Keeps when each namespace of `last_hook` last hooked a volume whose record is
+    /// going (a teardown), so that the namespace's holders of other volumes are not
+    /// judged stale for want of it. Off the hot path. Default: not kept.
+    fn keep_last_hooks(&self, last_hook: &BTreeMap<String, u64>) -> Result<(), JournalError> {
+        let _ = last_hook;
+        Ok(())
+    }
+    /// The last hooks `keep_last_hooks` kept, by namespace.
+    fn kept_last_hooks(&self) -> Result<BTreeMap<String, u64>, JournalError> {
+        Ok(BTreeMap::new())
+    }
     /// Forgets `volume_id` (after a complete teardown).
     fn remove(&self, volume_id: &str) -> Result<(), JournalError>;
     /// Every volume id with a record or a holder log.
@@ -536,6 +553,8 @@ pub trait Recorder: Send + Sync + fmt::Debug {
     fn sweep_finding(&self, finding: &'static str, count: usize);
     /// The node's attached volumes and holders, now.
     fn node_inventory(&self, attached_volumes: usize, holders: usize);
+    /// Holders on this node whose namespace has gone quiet (staleness.rs), now.
+    fn stale_holders(&self, count: usize);
     /// One attached volume's usage (None: unknown now).
     fn volume_stats(&self, volume_id: &str, stats: Option<&VolumeStats>);
     /// Volumes not in `keep` are no longer attached: drop their series.
@@ -552,6 +571,7 @@ impl Recorder for NoRecorder {
     fn reconcile_finding(&self, _: &'static str, _: usize) {}
     fn sweep_finding(&self, _: &'static str, _: usize) {}
     fn node_inventory(&self, _: usize, _: usize) {}
+    fn stale_holders(&self, _: usize) {}
     fn volume_stats(&self, _: &str, _: Option<&VolumeStats>) {}
     fn forget_volumes_except(&self, _: &BTreeSet<String>) {}
 }

@@ -48,7 +48,8 @@ impl Step {
 /// mount is shared by all of them.
 pub type Holders = BTreeMap<String, BTreeSet<String>>;
 
-/// One change to the holders, as Cube reported it.
+/// One change to the holders, as Cube reported it, and when (`at`, seconds since the
+/// epoch; 0 when unknown: a change logged before times were kept).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HolderChange {
     /// Attach. `first` when Cube's ref_count was 0: the namespace held nothing before,
@@ -57,12 +58,14 @@ pub enum HolderChange {
         namespace: String,
         sandbox: String,
         first: bool,
+        at: u64,
     },
     /// Detach. `last` when Cube's ref_count is 0: the namespace holds nothing more.
     Detach {
         namespace: String,
         sandbox: String,
         last: bool,
+        at: u64,
     },
 }
 
@@ -75,6 +78,7 @@ impl HolderChange {
                 namespace,
                 sandbox,
                 first,
+                ..
             } => {
                 let set = holders.entry(namespace.clone()).or_default();
                 if *first {
@@ -86,6 +90,7 @@ impl HolderChange {
                 namespace,
                 sandbox,
                 last,
+                ..
             } => {
                 if *last {
                     holders.remove(namespace);
@@ -96,6 +101,99 @@ impl HolderChange {
                 }
             }
         }
+    }
+
+    /// Applies the change to `holders` and its times to `times`: a sandbox that was not a
+    /// holder before is added at the change's time (a retried Attach keeps the first
+    /// time), one that leaves takes its time along, and the namespace's last hook moves
+    /// forward. Replaying a log suffix over its own result changes nothing here either.
+    /// Touches only the change's own entries: the log replays it line by line.
+    pub fn apply_timed(&self, holders: &mut Holders, times: &mut HolderTimes) {
+        match self {
+            HolderChange::Attach {
+                namespace,
+                sandbox,
+                first,
+                at,
+            } => {
+                let was_holder = !first
+                    && holders
+                        .get(namespace)
+                        .is_some_and(|set| set.contains(sandbox));
+                if !was_holder {
+                    let added = times.added.entry(namespace.clone()).or_default();
+                    if *first {
+                        added.clear();
+                    }
+                    match *at {
+                        0 => added.remove(sandbox),
+                        at => added.insert(sandbox.clone(), at),
+                    };
+                    if added.is_empty() {
+                        times.added.remove(namespace);
+                    }
+                }
+            }
+            HolderChange::Detach {
+                namespace,
+                sandbox,
+                last,
+                ..
+            } => {
+                if *last {
+                    times.added.remove(namespace);
+                } else if let Some(added) = times.added.get_mut(namespace) {
+                    added.remove(sandbox);
+                    if added.is_empty() {
+                        times.added.remove(namespace);
+                    }
+                }
+            }
+        }
+        self.apply(holders);
+        let (HolderChange::Attach { namespace, at, .. }
+        | HolderChange::Detach { namespace, at, .. }) = self;
+        if *at > 0 {
+            let last = times.last_hook.entry(namespace.clone()).or_default();
+            *last = (*last).max(*at);
+        }
+    }
+}
+
+/// When each holder of a volume was added and when each namespace last hooked it, in
+/// seconds since the epoch: what tells a phantom holder (one Cube never learned of, in a
+/// namespace that has since gone quiet) from a live one. A holder recorded before times
+/// were kept has none (its age is unknown).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HolderTimes {
+    /// By namespace, then sandbox: when the holder was added.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub added: BTreeMap<String, BTreeMap<String, u64>>,
+    /// By namespace: its last Attach or Detach of this volume (kept after the namespace
+    /// stops holding it, as evidence the namespace is alive).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub last_hook: BTreeMap<String, u64>,
+}
+
+impl HolderTimes {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.last_hook.is_empty()
+    }
+
+    /// When `sandbox` of `namespace` was added, if known.
+    pub fn added_at(&self, namespace: &str, sandbox: &str) -> Option<u64> {
+        self.added.get(namespace)?.get(sandbox).copied()
+    }
+
+    /// Forgets the added times of sandboxes that no longer hold the volume.
+    pub fn prune(&mut self, holders: &Holders) {
+        self.added.retain(|namespace, added| {
+            let Some(set) = holders.get(namespace) else {
+                return false;
+            };
+            added.retain(|sandbox, _| set.contains(sandbox));
+            !added.is_empty()
+        });
     }
 }
 
@@ -139,6 +237,10 @@ pub struct NodeRecord {
     /// tears such a volume down while it may be mounted; an operator releases it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub holders_unknown: bool,
+    /// When the holders were added and each namespace last hooked the volume (absent
+    /// from records written before times were kept: ages unknown).
+    #[serde(default, skip_serializing_if = "HolderTimes::is_empty")]
+    pub holder_times: HolderTimes,
 }
 
 impl NodeRecord {
@@ -159,7 +261,15 @@ impl NodeRecord {
             boot_id: String::new(),
             since: 0,
             holders_unknown: false,
+            holder_times: HolderTimes::default(),
         }
+    }
+
+    /// Applies a holder change to the holders and their times (forgetting the times of
+    /// holders removed otherwise: an undone Attach, an operator's release).
+    pub fn apply(&mut self, change: &HolderChange) {
+        change.apply_timed(&mut self.holders, &mut self.holder_times);
+        self.holder_times.prune(&self.holders);
     }
 
     /// Whether any namespace still holds the volume.

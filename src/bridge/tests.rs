@@ -1458,6 +1458,36 @@ async fn an_attach_whose_answer_is_not_delivered_withdraws_its_holder() {
     assert!(w.record("v").unwrap().holders.contains_key("ns2"));
 }
 
+/// Both paths record when a holder was added (the full path in the record, the hot path
+/// in its log line), a retried Attach keeps the first time, and a teardown keeps its
+/// namespaces' last hooks after its record is gone (issue 19, defect 1: else a namespace
+/// busy on other volumes would look quiet, and its holders stale).
+#[tokio::test]
+async fn holders_carry_their_times_and_a_teardown_keeps_its_namespaces_last_hooks() {
+    let w = World::new(Fake::new(true, false));
+    let before = crate::system::SystemClock.now_secs();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    w.attach("w", "ns2", "s3", 0).await.unwrap();
+    let record = w.record("v").unwrap();
+    let added = |sandbox| record.holder_times.added_at("ns1", sandbox).unwrap();
+    assert!(
+        added("s1") >= before && added("s2") >= added("s1"),
+        "{record:?}"
+    );
+    assert!(record.holder_times.last_hook["ns1"] >= added("s2"));
+    w.attach("v", "ns1", "s2", 2).await.unwrap();
+    assert_eq!(w.record("v").unwrap().holder_times, record.holder_times);
+
+    let journal = w.bridge.node().unwrap().node_journal().clone();
+    assert!(journal.kept_last_hooks().unwrap().is_empty());
+    w.detach("w", "ns2", "s3", 0).await.unwrap();
+    w.assert_clean("w");
+    let kept = journal.kept_last_hooks().unwrap();
+    assert!(kept["ns2"] >= before, "{kept:?}");
+    assert!(!kept.contains_key("ns1"), "{kept:?}");
+}
+
 #[tokio::test]
 async fn an_operator_releases_holders_and_the_last_release_detaches() {
     use crate::bridge::Release;
@@ -1896,8 +1926,14 @@ impl NodeJournal for FailingSaves {
     fn load_holders(
         &self,
         volume_id: &str,
-    ) -> Result<Option<super::records::Holders>, JournalError> {
+    ) -> Result<Option<(super::records::Holders, super::records::HolderTimes)>, JournalError> {
         self.inner.load_holders(volume_id)
+    }
+    fn keep_last_hooks(&self, last_hook: &BTreeMap<String, u64>) -> Result<(), JournalError> {
+        self.inner.keep_last_hooks(last_hook)
+    }
+    fn kept_last_hooks(&self) -> Result<BTreeMap<String, u64>, JournalError> {
+        self.inner.kept_last_hooks()
     }
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         self.inner.remove(volume_id)

@@ -112,6 +112,9 @@ pub(super) struct NodeFile {
     /// Accept base dirs of any owner and mode, for this reason (a non-root Cubelet's).
     #[serde(default)]
     pub allow_untrusted_base_dir: Option<String>,
+    /// A holder whose namespace has made no hook for this long is reported stale; 0: never.
+    #[serde(default)]
+    pub stale_holder_secs: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, Default)]

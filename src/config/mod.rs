@@ -306,6 +306,10 @@ pub struct NodeSettings {
     /// `None`: a base dir must be owned by root (or the bridge's uid) and writable by no
     /// group or other user.
     pub untrusted_base_dir_reason: Option<String>,
+    /// A holder whose namespace has made no Attach or Detach on this node for this long
+    /// is reported stale (`list`, a metric): maybe a phantom Cube never learned of, for an
+    /// operator to release. `None`: never reported.
+    pub stale_holder_after: Option<Duration>,
 }
 
 impl NodeSettings {
@@ -374,6 +378,10 @@ pub struct TimeoutSettings {
 
 const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 const DEFAULT_SWEEP_INTERVAL_SECS: u64 = 300;
+/// A holder's namespace quiet for a day is worth an operator's look.
+const DEFAULT_STALE_HOLDER_SECS: u64 = 86_400;
+/// The longest `node.stale_holder_secs`: a year.
+const MAX_STALE_HOLDER_SECS: u64 = 366 * 86_400;
 /// An abandoned Create is judged only well after any Create could still be running.
 const MIN_ABANDONED_CREATE_SECS: u64 = 600;
 
@@ -855,11 +863,19 @@ impl Checker<'_> {
                  acceptable here (it is logged at start)",
             ));
         }
+        let stale_holder = raw.stale_holder_secs.unwrap_or(DEFAULT_STALE_HOLDER_SECS);
+        if stale_holder > MAX_STALE_HOLDER_SECS {
+            return Err(self.invalid(
+                "node.stale_holder_secs",
+                format!("must be at most {MAX_STALE_HOLDER_SECS} (0 never reports holders stale)"),
+            ));
+        }
         Ok(NodeSettings {
             default_volume_base_dir: base,
             allowed_base_dirs: allowed,
             mount_view,
             untrusted_base_dir_reason: raw.allow_untrusted_base_dir,
+            stale_holder_after: (stale_holder > 0).then(|| Duration::from_secs(stale_holder)),
         })
     }
 
@@ -1500,6 +1516,22 @@ access_mode = "single_node_writer"
             .unwrap_err()
             .to_string();
         assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn stale_holders_are_reported_after_a_day_by_default_or_as_set() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.node.stale_holder_after, Some(Duration::from_secs(86_400)));
+        let c = parse(&format!("{MINIMAL}[node]\nstale_holder_secs = 90\n")).unwrap();
+        assert_eq!(c.node.stale_holder_after, Some(Duration::from_secs(90)));
+        let c = parse(&format!("{MINIMAL}[node]\nstale_holder_secs = 0\n")).unwrap();
+        assert_eq!(c.node.stale_holder_after, None);
+        let err = parse(&format!(
+            "{MINIMAL}[node]\nstale_holder_secs = 18446744073709551615\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("node.stale_holder_secs"), "{err}");
     }
 
     #[test]

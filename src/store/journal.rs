@@ -22,7 +22,7 @@
 //! volume lock is free belongs to an operation that died (a killed hook): whoever finds it
 //! finishes or undoes that operation.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -30,7 +30,7 @@ use std::time::SystemTime;
 
 use super::fsutil::{DirSync, write_atomic};
 use crate::bridge::ports::{JournalError, NodeJournal};
-use crate::bridge::records::{HolderChange, Holders, JOURNAL_FORMAT, NodeRecord};
+use crate::bridge::records::{HolderChange, HolderTimes, Holders, JOURNAL_FORMAT, NodeRecord};
 
 /// The journal directory.
 #[derive(Debug, Clone)]
@@ -61,6 +61,20 @@ impl FileJournal {
         self.dir.join(format!("{volume_id}.holders"))
     }
 
+    /// Where the last hooks of namespaces whose volume records are gone are kept.
+    fn kept_hooks_dir(&self) -> PathBuf {
+        self.dir.join(KEPT_HOOKS_DIR)
+    }
+
+    /// A namespace's file there: named by a hash (a namespace may be any 256 bytes), the
+    /// namespace its content, the hook time its mtime.
+    fn kept_hook_file(&self, namespace: &str) -> PathBuf {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(namespace.as_bytes());
+        let name: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        self.kept_hooks_dir().join(name)
+    }
+
     fn io(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
         move |source| JournalError::Io {
             path: path.to_path_buf(),
@@ -78,7 +92,7 @@ impl FileJournal {
             Some((header, snapshot)) => text.get(header + snapshot..).unwrap_or(""),
             None => &text,
         };
-        apply_lines(changes, &mut record.holders, &log);
+        apply_lines(changes, &mut record.holders, &mut record.holder_times, &log);
         Ok(())
     }
 }
@@ -96,11 +110,12 @@ fn read_log(log: &Path) -> Result<Option<String>, JournalError> {
     Ok(Some(complete.to_string()))
 }
 
-/// Applies every readable change line of `text`; a snapshot header is not a change.
-fn apply_lines(text: &str, holders: &mut Holders, log: &Path) {
+/// Applies every readable change line of `text`, with its time; a snapshot header is not
+/// a change.
+fn apply_lines(text: &str, holders: &mut Holders, times: &mut HolderTimes, log: &Path) {
     for line in text.lines() {
         match parse_holder_line(line) {
-            Some(change) => change.apply(holders),
+            Some(change) => change.apply_timed(holders, times),
             None if line.starts_with(SNAPSHOT_TAG) => {}
             None => {
                 tracing::warn!(log = %log.display(), "skipping an unreadable holder-log line")
@@ -109,13 +124,16 @@ fn apply_lines(text: &str, holders: &mut Holders, log: &Path) {
     }
 }
 
+/// The directory (under the journal's) of namespaces' last hooks kept past a teardown.
+const KEPT_HOOKS_DIR: &str = "namespaces";
+
 /// The tag of a log's first line when a save wrote it: `*\t<size of the snapshot lines
 /// that follow>`.
 const SNAPSHOT_TAG: &str = "*\t";
 
 /// A log that starts with the holders a save folded: the header line, then each holder
-/// as a change that rebuilds it from nothing.
-fn snapshot_log(holders: &Holders) -> String {
+/// as a change that rebuilds it from nothing, at the time it was added.
+fn snapshot_log(holders: &Holders, times: &HolderTimes) -> String {
     let mut lines = String::new();
     for (namespace, sandboxes) in holders {
         for (n, sandbox) in sandboxes.iter().enumerate() {
@@ -123,6 +141,7 @@ fn snapshot_log(holders: &Holders) -> String {
                 namespace: namespace.clone(),
                 sandbox: sandbox.clone(),
                 first: n == 0,
+                at: times.added_at(namespace, sandbox).unwrap_or(0),
             }));
         }
     }
@@ -167,7 +186,11 @@ impl NodeJournal for FileJournal {
         // needs no fsync: holders do not outlive a power loss (a reboot).
         let log = self.holder_log(&record.volume_id);
         if !record.holders_unknown {
-            match write_atomic(&log, snapshot_log(&record.holders).as_bytes(), None) {
+            match write_atomic(
+                &log,
+                snapshot_log(&record.holders, &record.holder_times).as_bytes(),
+                None,
+            ) {
                 Ok(()) => return Ok(()),
                 Err(error) => tracing::warn!(
                     log = %log.display(),
@@ -186,16 +209,19 @@ impl NodeJournal for FileJournal {
     }
 
     /// The holders of a log that starts with its record's snapshot, from the log alone.
-    fn load_holders(&self, volume_id: &str) -> Result<Option<Holders>, JournalError> {
+    fn load_holders(
+        &self,
+        volume_id: &str,
+    ) -> Result<Option<(Holders, HolderTimes)>, JournalError> {
         let log = self.holder_log(volume_id);
         let Some(text) = read_log(&log)? else {
             return Ok(None);
         };
         match parse_snapshot_header(&text) {
             Some((header, snapshot)) if text.len() >= header + snapshot => {
-                let mut holders = Holders::new();
-                apply_lines(&text[header..], &mut holders, &log);
-                Ok(Some(holders))
+                let (mut holders, mut times) = (Holders::new(), HolderTimes::default());
+                apply_lines(&text[header..], &mut holders, &mut times, &log);
+                Ok(Some((holders, times)))
             }
             // No snapshot (a log of an older build, or of a record whose holders were
             // already unknown), or a torn one: the log has only some of the holders.
@@ -288,6 +314,67 @@ impl NodeJournal for FileJournal {
         Ok(ids)
     }
 
+    /// Keeps each namespace's last hook past the teardown of the record that had it: one
+    /// small file per namespace, its mtime the time. Off the hot path (a teardown makes
+    /// CSI calls); no fsync: after a power loss no holder survives to be judged.
+    fn keep_last_hooks(&self, last_hook: &BTreeMap<String, u64>) -> Result<(), JournalError> {
+        if last_hook.is_empty() {
+            return Ok(());
+        }
+        let dir = self.kept_hooks_dir();
+        crate::mount::ops::ensure_dir(&dir, 0o700).map_err(Self::io(&dir))?;
+        for (namespace, at) in last_hook {
+            let path = self.kept_hook_file(namespace);
+            let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(*at);
+            let kept = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+            if kept.is_some_and(|kept| kept >= at) {
+                continue;
+            }
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(Self::io(&path))?;
+            use std::io::Write as _;
+            (&file)
+                .write_all(namespace.as_bytes())
+                .and_then(|()| file.set_modified(at))
+                .map_err(Self::io(&path))?;
+        }
+        Ok(())
+    }
+
+    /// The last hooks `keep_last_hooks` kept, by namespace; a file that does not name its
+    /// namespace (cut short by a crash) is passed over.
+    fn kept_last_hooks(&self) -> Result<BTreeMap<String, u64>, JournalError> {
+        let dir = self.kept_hooks_dir();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+            Err(e) => return Err(Self::io(&dir)(e)),
+        };
+        let mut kept = BTreeMap::new();
+        for entry in entries {
+            let path = entry.map_err(Self::io(&dir))?.path();
+            let (Ok(namespace), Ok(modified)) = (
+                std::fs::read_to_string(&path),
+                std::fs::metadata(&path).and_then(|m| m.modified()),
+            ) else {
+                continue;
+            };
+            if self.kept_hook_file(&namespace) != path {
+                continue;
+            }
+            let at = modified
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            kept.insert(namespace, at);
+        }
+        Ok(kept)
+    }
+
     /// Marks `volume_id` as having an operation under way (durable: it must outlive a
     /// crash of the process that made it).
     fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError> {
@@ -332,31 +419,46 @@ impl NodeJournal for FileJournal {
     }
 }
 
-/// One log line of a holder change; fields are free of control characters (checked at
-/// the edge).
+/// One log line of a holder change: `tag`, namespace, sandbox and, when known, the time
+/// of the change in seconds since the epoch, tab-separated. Fields are free of control
+/// characters (checked at the edge).
 fn holder_line(change: &HolderChange) -> String {
-    let (tag, namespace, sandbox) = match change {
+    let (tag, namespace, sandbox, at) = match change {
         HolderChange::Attach {
             namespace,
             sandbox,
             first,
-        } => (if *first { '=' } else { '+' }, namespace, sandbox),
+            at,
+        } => (if *first { '=' } else { '+' }, namespace, sandbox, at),
         HolderChange::Detach {
             namespace,
             sandbox,
             last,
-        } => (if *last { '0' } else { '-' }, namespace, sandbox),
+            at,
+        } => (if *last { '0' } else { '-' }, namespace, sandbox, at),
     };
-    format!("{tag}\t{namespace}\t{sandbox}\n")
+    match at {
+        0 => format!("{tag}\t{namespace}\t{sandbox}\n"),
+        at => format!("{tag}\t{namespace}\t{sandbox}\t{at}\n"),
+    }
 }
 
-/// The holder change of one log line, if it is one.
+/// The holder change of one log line, if it is one. A line of three fields (written
+/// before times were kept) is a change at an unknown time (0).
 fn parse_holder_line(line: &str) -> Option<HolderChange> {
     let mut parts = line.split('\t');
     let (tag, namespace, sandbox) = (parts.next()?, parts.next()?, parts.next()?);
-    // Exactly three fields, none empty, no control character: anything else is a line
-    // glued to a torn one or damaged, and must not become a holder.
+    // Three fields, or four whose last is a time in digits; none empty, no control
+    // character: anything else is a line glued to a torn one or damaged, and must not
+    // become a holder. (Gluing adds at least two fields.)
     let plain = |field: &str| !field.is_empty() && !field.chars().any(char::is_control);
+    let at = match parts.next() {
+        None => 0,
+        Some(at) if !at.is_empty() && at.len() <= 20 && at.bytes().all(|b| b.is_ascii_digit()) => {
+            at.parse().ok()?
+        }
+        Some(_) => return None,
+    };
     if parts.next().is_some() || !plain(namespace) || !plain(sandbox) {
         return None;
     }
@@ -366,11 +468,13 @@ fn parse_holder_line(line: &str) -> Option<HolderChange> {
             namespace,
             sandbox,
             first: tag == "=",
+            at,
         },
         "0" | "-" => HolderChange::Detach {
             namespace,
             sandbox,
             last: tag == "0",
+            at,
         },
         _ => return None,
     })
@@ -434,19 +538,30 @@ mod tests {
     use super::*;
     use crate::bridge::records::Step;
 
+    /// A change at an unknown time, as builds before times were kept logged it.
     fn attach(ns: &str, sb: &str, first: bool) -> HolderChange {
+        attach_at(ns, sb, first, 0)
+    }
+
+    fn detach(ns: &str, sb: &str, last: bool) -> HolderChange {
+        detach_at(ns, sb, last, 0)
+    }
+
+    fn attach_at(ns: &str, sb: &str, first: bool, at: u64) -> HolderChange {
         HolderChange::Attach {
             namespace: ns.into(),
             sandbox: sb.into(),
             first,
+            at,
         }
     }
 
-    fn detach(ns: &str, sb: &str, last: bool) -> HolderChange {
+    fn detach_at(ns: &str, sb: &str, last: bool, at: u64) -> HolderChange {
         HolderChange::Detach {
             namespace: ns.into(),
             sandbox: sb.into(),
             last,
+            at,
         }
     }
 
@@ -530,7 +645,13 @@ mod tests {
             ("nsA".into(), BTreeSet::from(["a2".into()])),
             ("nsB".into(), BTreeSet::from(["b".into()])),
         ]);
-        assert_eq!(journal.load_holders("v").unwrap(), Some(expected));
+        assert_eq!(
+            journal
+                .load_holders("v")
+                .unwrap()
+                .map(|(holders, _)| holders),
+            Some(expected)
+        );
 
         // A torn snapshot, or a log without one (an older build's), says too little.
         let log = journal.holder_log("v");
@@ -647,6 +768,164 @@ mod tests {
                 ("nsB".to_string(), BTreeSet::from(["b".to_string()])),
             ])
         );
+    }
+
+    /// Lines carry the time of their change; the snapshot a save writes carries each
+    /// holder's added time, so times survive a fold and a lost record. Lines of builds
+    /// before times were kept (three fields) are still read, at an unknown time.
+    #[test]
+    fn holder_times_round_trip_through_lines_snapshots_and_old_logs() {
+        for change in [
+            attach_at("ns", "sb", true, 1_700_000_000),
+            attach_at("ns", "sb", false, 1),
+            detach_at("ns", "sb", true, u64::MAX),
+            detach_at("ns", "sb", false, 0),
+        ] {
+            let line = holder_line(&change);
+            assert_eq!(parse_holder_line(line.trim_end()), Some(change), "{line:?}");
+        }
+        assert_eq!(
+            holder_line(&attach_at("ns", "sb", true, 42)),
+            "=\tns\tsb\t42\n"
+        );
+        assert_eq!(
+            parse_holder_line("+\tns\tsb"),
+            Some(attach("ns", "sb", false))
+        );
+
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        journal
+            .save(&NodeRecord::new("v", "h", "/t".into()), false)
+            .unwrap();
+        for change in [
+            attach_at("nsA", "a", true, 100),
+            attach_at("nsA", "b", false, 200),
+            attach_at("nsA", "a", false, 300),
+            attach_at("nsB", "c", true, 400),
+            detach_at("nsB", "c", true, 500),
+        ] {
+            journal.append_holder("v", &change).unwrap();
+        }
+        let loaded = journal.load("v").unwrap().unwrap();
+        let times = &loaded.holder_times;
+        assert_eq!(
+            times.added_at("nsA", "a"),
+            Some(100),
+            "a retry keeps the first time"
+        );
+        assert_eq!(times.added_at("nsA", "b"), Some(200));
+        assert_eq!(times.added_at("nsB", "c"), None, "left");
+        assert_eq!(
+            times.last_hook,
+            BTreeMap::from([("nsA".to_string(), 300), ("nsB".to_string(), 500)])
+        );
+        // A fold keeps them in the record and in the snapshot.
+        journal.save(&loaded, false).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(journal.holder_log("v")).unwrap(),
+            "*\t24\n=\tnsA\ta\t100\n+\tnsA\tb\t200\n"
+        );
+        assert_eq!(journal.load("v").unwrap().unwrap(), loaded);
+        std::fs::write(journal.path("v"), b"").unwrap();
+        let (holders, times) = journal.load_holders("v").unwrap().unwrap();
+        assert_eq!(holders, loaded.holders);
+        assert_eq!(times.added, loaded.holder_times.added);
+
+        // A log and a record of an older build: holders without times.
+        let old = r#"{"format":2,"volume_id":"v","csi_volume_id":"h","target_path":"/t",
+            "publish":"done","holders":{"nsA":["a"]}}"#;
+        std::fs::write(journal.path("v"), old).unwrap();
+        std::fs::write(journal.holder_log("v"), "*\t8\n=\tnsA\ta\n+\tnsA\tb\n").unwrap();
+        let loaded = journal.load("v").unwrap().unwrap();
+        assert_eq!(loaded.holders["nsA"].len(), 2);
+        assert!(loaded.holder_times.is_empty(), "{:?}", loaded.holder_times);
+    }
+
+    /// A time field is digits only, and a line glued to a torn one (with or without
+    /// times) is never read as a holder: gluing adds fields.
+    #[test]
+    fn torn_or_malformed_timed_lines_are_skipped() {
+        for bad in [
+            "=\tnsA\ta\t",
+            "=\tnsA\ta\t12x",
+            "=\tnsA\ta\t-1",
+            "=\tnsA\ta\t 12",
+            "=\tnsA\ta\t99999999999999999999999",
+            "=\tnsA\ta\t12\t13",
+            "=\tnsA\tsb=\tnsB\tb\t1700",
+            "=\tnsA\tsb\t17=\tnsB\tb\t1700",
+            "=\tnsA\tsb\t=\tnsB\tb",
+        ] {
+            assert_eq!(parse_holder_line(bad), None, "{bad:?}");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        journal
+            .save(&NodeRecord::new("v", "h", "/t".into()), false)
+            .unwrap();
+        journal
+            .append_holder("v", &attach_at("nsA", "a", true, 10))
+            .unwrap();
+        let log = journal.holder_log("v");
+        // A line torn inside its time is cut by the next append, not glued.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .unwrap()
+            .write_all(b"+\tnsA\tz\t17")
+            .unwrap();
+        journal
+            .append_holder("v", &attach_at("nsB", "b", true, 20))
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&log).unwrap(),
+            "*\t0\n=\tnsA\ta\t10\n=\tnsB\tb\t20\n"
+        );
+        // One in the middle is skipped; the rest is replayed.
+        std::fs::write(
+            &log,
+            "=\tnsA\ta\t10\n+\tnsA\tz\t17+\tnsB\tq\t18\n=\tnsB\tb\t20\n",
+        )
+        .unwrap();
+        let loaded = journal.load("v").unwrap().unwrap();
+        assert_eq!(
+            loaded.holders,
+            BTreeMap::from([
+                ("nsA".to_string(), BTreeSet::from(["a".to_string()])),
+                ("nsB".to_string(), BTreeSet::from(["b".to_string()])),
+            ])
+        );
+        assert_eq!(loaded.holder_times.added_at("nsB", "b"), Some(20));
+    }
+
+    /// The last hooks of a torn-down record's namespaces are kept, the latest of each;
+    /// a file that does not name its namespace is passed over.
+    #[test]
+    fn last_hooks_are_kept_past_a_teardown() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        assert!(journal.kept_last_hooks().unwrap().is_empty());
+        journal
+            .keep_last_hooks(&BTreeMap::from([
+                ("nsA".to_string(), 100),
+                ("a/../b c".to_string(), 50),
+            ]))
+            .unwrap();
+        journal
+            .keep_last_hooks(&BTreeMap::from([("nsA".to_string(), 90)]))
+            .unwrap();
+        assert_eq!(
+            journal.kept_last_hooks().unwrap(),
+            BTreeMap::from([("nsA".to_string(), 100), ("a/../b c".to_string(), 50)])
+        );
+        journal
+            .keep_last_hooks(&BTreeMap::from([("nsA".to_string(), 150)]))
+            .unwrap();
+        assert_eq!(journal.kept_last_hooks().unwrap()["nsA"], 150);
+        std::fs::write(journal.kept_hook_file("nsA"), "nsB").unwrap();
+        assert!(!journal.kept_last_hooks().unwrap().contains_key("nsB"));
+        assert!(journal.volume_ids().unwrap().is_empty());
     }
 
     /// An append that fails on a full file system leaves no part of its line behind
