@@ -84,6 +84,7 @@ pub struct Metrics {
     volume_used: Family<Labeled<VolumeLabels>, Gauge>,
     volume_available: Family<Labeled<VolumeLabels>, Gauge>,
     volume_abnormal: Family<Labeled<VolumeLabels>, Gauge>,
+    volume_condition_abnormal: Family<Labeled<VolumeLabels>, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -181,6 +182,14 @@ impl Metrics {
             "1 when the driver reports an attached volume's condition as abnormal",
             volume_abnormal.clone(),
         );
+        let volume_condition_abnormal = Family::<Labeled<VolumeLabels>, Gauge>::default();
+        registry.register(
+            "volume_condition_abnormal",
+            "1 when an attached volume's periodic check finds its mount dead (a stat of \
+             host_path answers ENOTCONN, ESTALE, EIO or EHOSTDOWN) or its driver reports \
+             its VolumeCondition abnormal",
+            volume_condition_abnormal.clone(),
+        );
         Self {
             registry,
             hook_calls,
@@ -196,6 +205,7 @@ impl Metrics {
             volume_used,
             volume_available,
             volume_abnormal,
+            volume_condition_abnormal,
         }
     }
 }
@@ -339,6 +349,25 @@ pub fn volume_stats(
     m.volume_abnormal
         .get_or_create(&labels)
         .set(i64::from(stats.abnormal.is_some()));
+}
+
+/// One volume's condition from the periodic check, or `None` to forget the volume.
+pub fn volume_condition(driver: &DriverLabel, volume_id: &str, abnormal: Option<bool>) {
+    let labels = (
+        VolumeLabels {
+            volume_id: volume_id.to_string(),
+        },
+        driver.clone(),
+    );
+    let family = &metrics().volume_condition_abnormal;
+    match abnormal {
+        Some(abnormal) => {
+            family.get_or_create(&labels).set(i64::from(abnormal));
+        }
+        None => {
+            family.remove(&labels);
+        }
+    }
 }
 
 /// The text exposition of every metric.
@@ -528,6 +557,12 @@ impl crate::bridge::ports::Recorder for PrometheusRecorder {
             .filter_map(|volume_id| self.volume_label(volume_id))
             .collect();
         forget_volumes_except(&self.driver, &labels);
+    }
+
+    fn volume_condition(&self, volume_id: &str, abnormal: Option<bool>) {
+        if let Some(label) = self.volume_label(volume_id) {
+            volume_condition(&self.driver, &label, abnormal);
+        }
     }
 }
 

@@ -209,10 +209,48 @@ impl HostDirs {
             Ok(stat) if is_dir(&stat) => Leaf::Dir,
             Ok(_) => return Err(not_a_dir(&dir, leaf, path)),
             Err(Errno::ENOENT) => Leaf::Missing,
+            // A dead mount (a FUSE daemon or NFS server gone) answers ENOTCONN or ESTALE;
+            // its cached type still says what the path is, so it can be unmounted and
+            // repaired rather than refused.
+            Err(e) if super::mountinfo::dead_mount_errno(e as i32).is_some() => {
+                match cached_is_dir(&dir, leaf) {
+                    Ok(true) => Leaf::Dir,
+                    Ok(false) => return Err(not_a_dir(&dir, leaf, path)),
+                    Err(_) => return Err(io("check", path, e)),
+                }
+            }
             Err(e) => return Err(io("check", path, e)),
         };
         Ok(Walk::At(dir, leaf_is))
     }
+}
+
+/// Whether `name` in `dir` is a directory, by the attributes the kernel has cached
+/// (AT_STATX_DONT_SYNC: the filesystem is not asked), without following a symlink.
+fn cached_is_dir(dir: &OwnedFd, name: &OsStr) -> Result<bool, Errno> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c_name = std::ffi::CString::new(name.as_bytes()).map_err(|_| Errno::EINVAL)?;
+    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
+    let flags =
+        nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
+    // SAFETY: c_name is NUL-terminated, dir is an open descriptor and buf is a zeroed
+    // statx the kernel fills.
+    let rc = unsafe {
+        nix::libc::statx(
+            dir.as_raw_fd(),
+            c_name.as_ptr(),
+            flags,
+            nix::libc::STATX_TYPE,
+            buf.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: statx returned 0, so the kernel filled the buffer.
+    let stx = unsafe { buf.assume_init() };
+    Ok(u32::from(stx.stx_mode) & nix::libc::S_IFMT == nix::libc::S_IFDIR)
 }
 
 /// mkdir of `name` in `dir` (an existing entry is left for the check that follows).

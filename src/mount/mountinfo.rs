@@ -101,6 +101,56 @@ pub fn is_mount_root(path: &Path) -> std::io::Result<Option<bool>> {
     Ok((stx.stx_attributes_mask & bit != 0).then_some(stx.stx_attributes & bit != 0))
 }
 
+/// The errors by which a mount whose filesystem is gone answers a stat that reaches it:
+/// a FUSE daemon that died (ENOTCONN), an NFS server that forgot the export's handles
+/// (ESTALE), a failed device or connection (EIO), an unreachable host (EHOSTDOWN). The
+/// same set Kubernetes' mount-utils calls a corrupted mount (less EACCES, which a FUSE
+/// mount without `allow_other` answers root while it is healthy).
+pub fn dead_mount_errno(errno: i32) -> Option<crate::bridge::ports::DeadMount> {
+    use crate::bridge::ports::DeadMount;
+    let name = match errno {
+        nix::libc::ENOTCONN => "ENOTCONN",
+        nix::libc::ESTALE => "ESTALE",
+        nix::libc::EIO => "EIO",
+        nix::libc::EHOSTDOWN => "EHOSTDOWN",
+        _ => return None,
+    };
+    Some(DeadMount { errno, name })
+}
+
+/// Whether the filesystem at `path` still answers: one `statx` that its filesystem must
+/// answer itself (AT_STATX_FORCE_SYNC: FUSE asks its daemon, NFS its server), without
+/// following a symlink at `path`. Blocking: a hung network filesystem blocks it, so the
+/// caller bounds it. Errors other than a dead mount's (a missing path) are no verdict:
+/// `Answers`, and the mount check says the rest.
+pub fn mount_health(path: &Path) -> std::io::Result<crate::bridge::ports::MountHealth> {
+    use crate::bridge::ports::MountHealth;
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
+    let flags = nix::libc::AT_STATX_FORCE_SYNC
+        | nix::libc::AT_NO_AUTOMOUNT
+        | nix::libc::AT_SYMLINK_NOFOLLOW;
+    // SAFETY: c_path is NUL-terminated and buf is a zeroed statx the kernel fills.
+    let rc = unsafe {
+        nix::libc::statx(
+            nix::libc::AT_FDCWD,
+            c_path.as_ptr(),
+            flags,
+            nix::libc::STATX_TYPE,
+            buf.as_mut_ptr(),
+        )
+    };
+    if rc == 0 {
+        return Ok(MountHealth::Answers);
+    }
+    let error = std::io::Error::last_os_error();
+    Ok(error
+        .raw_os_error()
+        .and_then(dead_mount_errno)
+        .map_or(MountHealth::Answers, MountHealth::Dead))
+}
+
 /// Whether `path` is a mount point in mountinfo `text`, without building a table (the
 /// hot Attach path asks exactly this).
 pub fn is_mount_point_in(text: &str, path: &Path) -> bool {
