@@ -309,6 +309,24 @@ mod tests {
     use super::*;
     use std::os::unix::fs::{PermissionsExt, symlink};
 
+    /// Issue 19, defect 8: a dead mount at a checked leaf (its stat answers ENOTCONN) is a
+    /// directory to the checks, so it can be unpublished and repaired, and removed once
+    /// unmounted.
+    #[test]
+    fn a_dead_mount_root_is_a_directory_to_the_path_checks() {
+        let (_dir, base) = base();
+        let dirs = HostDirs::default();
+        let target = base.join("d-v");
+        std::fs::create_dir(&target).unwrap();
+        if crate::mount::mountinfo::mount_dead_fuse(&target).is_none() {
+            return;
+        }
+        let checked = dirs.verify(&base, &target);
+        ops::unmount(&target).unwrap();
+        assert_eq!(checked.unwrap(), Leaf::Dir);
+        assert!(dirs.remove_dir_if_empty(&base, &target).unwrap());
+    }
+
     fn base() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let base = dir.path().join("vol");

@@ -206,9 +206,71 @@ fn unescape(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Test support: mounts a FUSE filesystem at `at` and closes its daemon's end at once, so
+/// the mount stays and every request to it fails with ENOTCONN (a crashed FUSE daemon).
+/// `None` when not root or without /dev/fuse (a skip outside CI, a failure in it).
+#[cfg(test)]
+pub(crate) fn mount_dead_fuse(at: &Path) -> Option<()> {
+    use std::os::fd::AsRawFd;
+    if !nix::unistd::Uid::effective().is_root() || !Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI runs this as root with /dev/fuse"
+        );
+        eprintln!("skipped: needs root and /dev/fuse");
+        return None;
+    }
+    let fuse = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .unwrap();
+    let options = format!(
+        "fd={},rootmode=40000,user_id=0,group_id=0",
+        fuse.as_raw_fd()
+    );
+    nix::mount::mount(
+        Some("cube-csi-bridge-test"),
+        at,
+        Some("fuse.cube-csi-bridge-test"),
+        nix::mount::MsFlags::empty(),
+        Some(options.as_str()),
+    )
+    .unwrap();
+    drop(fuse);
+    Some(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 19, defect 8: the O(1) mount check still calls a dead FUSE mount a mount
+    /// root (it answers from the cache, by design), and only the health check, which the
+    /// filesystem must answer itself, tells that it is dead.
+    #[test]
+    fn a_dead_fuse_mount_is_a_mount_root_that_does_not_answer() {
+        use crate::bridge::ports::MountHealth;
+        let dir = tempfile::tempdir().unwrap();
+        let at = dir.path().join("dead");
+        std::fs::create_dir(&at).unwrap();
+        assert_eq!(mount_health(&at).unwrap(), MountHealth::Answers);
+        if mount_dead_fuse(&at).is_none() {
+            return;
+        }
+        let root = is_mount_root(&at);
+        let health = mount_health(&at);
+        super::super::ops::unmount(&at).unwrap();
+        assert_eq!(root.unwrap(), Some(true));
+        match health.unwrap() {
+            MountHealth::Dead(dead) => {
+                assert_eq!(dead.errno, nix::libc::ENOTCONN);
+                assert!(dead.to_string().starts_with("ENOTCONN: "), "{dead}");
+            }
+            other => panic!("a dead FUSE mount answered: {other:?}"),
+        }
+        assert_eq!(mount_health(&at).unwrap(), MountHealth::Answers);
+    }
 
     const SAMPLE: &str = "\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
