@@ -629,6 +629,33 @@ mod tests {
         assert!(!encode().contains("volume_id=\"v1\""));
     }
 
+    /// Issue 19, defect 8: the periodic check's condition gauge, by the volume label
+    /// `metrics.volume_ids` chooses (none at all with `none`), dropped once detached.
+    #[test]
+    fn the_volume_condition_gauge_follows_the_volume_id_setting() {
+        use crate::bridge::ports::Recorder;
+        use crate::config::VolumeIdLabels;
+        let plain = PrometheusRecorder::new(VolumeIdLabels::Plain, DriverLabel::default());
+        plain.volume_condition("cond-plain", Some(true));
+        let series = "cube_csi_bridge_volume_condition_abnormal{volume_id=\"cond-plain\"} 1";
+        assert!(encode().contains(series), "{series} missing:\n{}", encode());
+        plain.volume_condition("cond-plain", Some(false));
+        assert!(encode().contains(&series.replace("} 1", "} 0")));
+        plain.volume_condition("cond-plain", None);
+        assert!(!encode().contains("cond-plain"));
+        let hashed = PrometheusRecorder::default();
+        hashed.volume_condition("cond-tenant-secret", Some(true));
+        let none = PrometheusRecorder::new(VolumeIdLabels::None, DriverLabel::default());
+        none.volume_condition("cond-other-secret", Some(true));
+        let text = encode();
+        assert!(!text.contains("secret"), "{text}");
+        let label = hashed.volume_label("cond-tenant-secret").unwrap();
+        assert!(text.contains(&format!(
+            "cube_csi_bridge_volume_condition_abnormal{{volume_id=\"{label}\"}} 1"
+        )));
+        hashed.volume_condition("cond-tenant-secret", None);
+    }
+
     #[test]
     fn a_named_driver_labels_its_series_apart_from_the_others() {
         let (a, b) = (

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::fake_driver::Caps;
+use common::fake_driver::{Behavior, Caps};
 use common::{BRIDGE, MODES, Mode, World};
 
 const CAPS: Caps = Caps {
@@ -172,6 +172,35 @@ async fn a_dead_fuse_mount_is_repaired_before_attach_hands_it_out() {
             assert_eq!(condition_gauge(port, "dead").await, "1");
         }
 
+        // A repair that fails fails the Attach, naming the path, the errno and the step,
+        // and keeps the holder the volume had.
+        w.driver.script(
+            "NodeStageVolume",
+            [Behavior::Fail(tonic::Code::Internal, "backend unreachable")],
+        );
+        let failed = w
+            .attach("s2", "dead", 1, pd)
+            .await
+            .expect_err("the repair's NodeStageVolume fails");
+        for needed in [
+            a.host_path.as_str(),
+            "ENOTCONN",
+            "mounting it again",
+            "NodeStageVolume",
+            "backend unreachable",
+        ] {
+            assert!(
+                failed.message.contains(needed),
+                "{mode:?}: {needed:?} missing from: {}",
+                failed.message
+            );
+        }
+        assert!(
+            listed_line(&w, "dead").ends_with("\tdefault/s1"),
+            "{mode:?}: {}",
+            list(&w, false)
+        );
+
         w.driver.clear_calls();
         let b = w
             .attach("s2", "dead", 1, pd)
@@ -184,14 +213,10 @@ async fn a_dead_fuse_mount_is_repaired_before_attach_hands_it_out() {
             Some("kept"),
             "{mode:?}: the Attach handed out a dead mount: {answered:?}"
         );
+        // The failed repair left the volume unmounted for its holder: mounted again.
         assert_eq!(
             w.driver.mutating_calls(),
-            [
-                "NodeUnpublishVolume",
-                "NodeUnstageVolume",
-                "NodeStageVolume",
-                "NodePublishVolume"
-            ],
+            ["NodeStageVolume", "NodePublishVolume"],
             "{mode:?}"
         );
         assert_eq!(listed_condition(&w, "dead")["state"], "normal", "{mode:?}");
