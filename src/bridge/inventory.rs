@@ -235,13 +235,19 @@ impl NodeSide {
             let before = known.insert(volume.volume_id.clone(), condition.clone());
             if before.as_ref() != Some(&condition) {
                 if condition.is_abnormal() {
+                    let consequence = match condition {
+                        Condition::DeadMount { .. } => {
+                            "the sandboxes holding it see I/O errors; the next Attach of the \
+                             volume mounts it again before it hands it out"
+                        }
+                        _ => "as its driver reports it; Attach does not act on this",
+                    };
                     tracing::warn!(
                         volume_id = %volume.volume_id,
                         host_path = %volume.host_path.display(),
                         holders,
                         %condition,
-                        "volume condition abnormal: the sandboxes holding it see errors; the \
-                         next Attach of the volume repairs it"
+                        "volume condition abnormal: {consequence}"
                     );
                 } else if before.is_some_and(|b| b.is_abnormal()) {
                     tracing::info!(volume_id = %volume.volume_id, "volume condition normal again");

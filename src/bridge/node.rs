@@ -509,9 +509,9 @@ impl NodeSide {
             // refused Attach changes nothing.
             self.check_attach_paths(&paths, &deadline).await?;
             if let Some(dead) = dead {
+                check_caller(caller)?;
                 // Marked first: a repair cut short is finished by reconciliation.
                 self.node_journal().mark_pending(&req.volume_id)?;
-                check_caller(caller)?;
                 self.take_down_dead_mount(&mut record, dead, &deadline)
                     .await?;
                 visible = false;
