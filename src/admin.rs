@@ -8,7 +8,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use crate::bridge::Deadline;
-use crate::bridge::inventory::{NodeVolume, node_volumes};
+use crate::bridge::inventory::{NodeVolume, add_driver_conditions, node_volumes};
 use crate::bridge::ports::ControllerDriver;
 use crate::config::Config;
 use crate::csi::{CsiClient, GrpcDriver};
@@ -428,14 +428,24 @@ fn render_holders(volumes: &[NodeVolume], output: Output) -> anyhow::Result<Stri
 
 /// This node's volumes: the node journal joined with the mount table.
 pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
-    let volumes = judged_volumes(config).await?;
+    let mut volumes = judged_volumes(config).await?;
+    // The driver's VolumeCondition of the volumes whose mount answers, when it reports
+    // one; a driver that is down leaves the column to the mount check.
+    if volumes
+        .iter()
+        .any(|v| v.condition == Some(crate::bridge::inventory::Condition::Normal))
+    {
+        let driver = GrpcDriver::new(CsiClient::new(&config.csi.endpoint));
+        add_driver_conditions(&mut volumes, &driver).await;
+    }
     if output == Output::Json {
         return Ok(serde_json::to_string_pretty(&volumes)? + "\n");
     }
-    let mut out = String::from("VOLUME\tMOUNT\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\n");
+    let mut out =
+        String::from("VOLUME\tMOUNT\tCONDITION\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\n");
     for v in volumes {
         if let Some(error) = &v.error {
-            let _ = writeln!(out, "{}\t?\t?\t?\t?\t{error}\t", v.volume_id);
+            let _ = writeln!(out, "{}\t?\t?\t?\t?\t?\t{error}\t", v.volume_id);
             continue;
         }
         let mut holders = holders_column(&v);
@@ -443,11 +453,16 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             // Its record was lost: others may hold it too (see docs/reliability.md).
             holders.insert(0, "UNKNOWN".into());
         }
+        let condition = v
+            .condition
+            .as_ref()
+            .map_or_else(|| "-".to_string(), |c| c.as_column());
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             v.volume_id,
             v.mount,
+            condition,
             v.publish,
             v.stage,
             age(v.since),

@@ -85,6 +85,7 @@ pub struct Metrics {
     volume_used: Family<Labeled<VolumeLabels>, Gauge>,
     volume_available: Family<Labeled<VolumeLabels>, Gauge>,
     volume_abnormal: Family<Labeled<VolumeLabels>, Gauge>,
+    volume_condition_abnormal: Family<Labeled<VolumeLabels>, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -189,6 +190,14 @@ impl Metrics {
             "1 when the driver reports an attached volume's condition as abnormal",
             volume_abnormal.clone(),
         );
+        let volume_condition_abnormal = Family::<Labeled<VolumeLabels>, Gauge>::default();
+        registry.register(
+            "volume_condition_abnormal",
+            "1 when an attached volume's periodic check finds its mount dead (a stat of \
+             host_path answers ENOTCONN, ESTALE, EIO or EHOSTDOWN) or its driver reports \
+             its VolumeCondition abnormal",
+            volume_condition_abnormal.clone(),
+        );
         Self {
             registry,
             hook_calls,
@@ -205,6 +214,7 @@ impl Metrics {
             volume_used,
             volume_available,
             volume_abnormal,
+            volume_condition_abnormal,
         }
     }
 }
@@ -356,6 +366,25 @@ pub fn volume_stats(
     m.volume_abnormal
         .get_or_create(&labels)
         .set(i64::from(stats.abnormal.is_some()));
+}
+
+/// One volume's condition from the periodic check, or `None` to forget the volume.
+pub fn volume_condition(driver: &DriverLabel, volume_id: &str, abnormal: Option<bool>) {
+    let labels = (
+        VolumeLabels {
+            volume_id: volume_id.to_string(),
+        },
+        driver.clone(),
+    );
+    let family = &metrics().volume_condition_abnormal;
+    match abnormal {
+        Some(abnormal) => {
+            family.get_or_create(&labels).set(i64::from(abnormal));
+        }
+        None => {
+            family.remove(&labels);
+        }
+    }
 }
 
 /// The text exposition of every metric.
@@ -550,6 +579,12 @@ impl crate::bridge::ports::Recorder for PrometheusRecorder {
             .collect();
         forget_volumes_except(&self.driver, &labels);
     }
+
+    fn volume_condition(&self, volume_id: &str, abnormal: Option<bool>) {
+        if let Some(label) = self.volume_label(volume_id) {
+            volume_condition(&self.driver, &label, abnormal);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -613,6 +648,33 @@ mod tests {
         }
         volume_stats(&none, "v1", None);
         assert!(!encode().contains("volume_id=\"v1\""));
+    }
+
+    /// Issue 19, defect 8: the periodic check's condition gauge, by the volume label
+    /// `metrics.volume_ids` chooses (none at all with `none`), dropped once detached.
+    #[test]
+    fn the_volume_condition_gauge_follows_the_volume_id_setting() {
+        use crate::bridge::ports::Recorder;
+        use crate::config::VolumeIdLabels;
+        let plain = PrometheusRecorder::new(VolumeIdLabels::Plain, DriverLabel::default());
+        plain.volume_condition("cond-plain", Some(true));
+        let series = "cube_csi_bridge_volume_condition_abnormal{volume_id=\"cond-plain\"} 1";
+        assert!(encode().contains(series), "{series} missing:\n{}", encode());
+        plain.volume_condition("cond-plain", Some(false));
+        assert!(encode().contains(&series.replace("} 1", "} 0")));
+        plain.volume_condition("cond-plain", None);
+        assert!(!encode().contains("cond-plain"));
+        let hashed = PrometheusRecorder::default();
+        hashed.volume_condition("cond-tenant-secret", Some(true));
+        let none = PrometheusRecorder::new(VolumeIdLabels::None, DriverLabel::default());
+        none.volume_condition("cond-other-secret", Some(true));
+        let text = encode();
+        assert!(!text.contains("secret"), "{text}");
+        let label = hashed.volume_label("cond-tenant-secret").unwrap();
+        assert!(text.contains(&format!(
+            "cube_csi_bridge_volume_condition_abnormal{{volume_id=\"{label}\"}} 1"
+        )));
+        hashed.volume_condition("cond-tenant-secret", None);
     }
 
     #[test]

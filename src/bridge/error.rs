@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::ports::{DriverError, JournalError, PathError, SettingsError, StoreError};
+use super::ports::{DeadMount, DriverError, JournalError, PathError, SettingsError, StoreError};
 
 /// The four Cube hooks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,6 +77,19 @@ pub enum BridgeError {
     /// NodeUnpublish/NodeUnstage answered OK but the path is still mounted.
     #[error("{path} is still mounted after CSI {call} reported success")]
     StillMounted { path: PathBuf, call: &'static str },
+    /// The volume's mount was dead (its filesystem no longer answers) and repairing it
+    /// failed at `step`: by `error`, or because it still did not answer afterwards.
+    #[error(
+        "{path} is mounted but its filesystem does not answer ({dead}); repairing it \
+         (unpublish, unstage, stage, publish) failed {step}{}",
+        error.as_ref().map(|e| format!(": {e}")).unwrap_or_default()
+    )]
+    DeadMount {
+        path: PathBuf,
+        dead: DeadMount,
+        step: &'static str,
+        error: Option<Box<BridgeError>>,
+    },
     /// Another hook on the same volume did not finish in time.
     #[error("another operation on this volume still held its lock after {waited:.1?}")]
     Busy { waited: Duration },
@@ -134,6 +147,7 @@ impl BridgeError {
             BridgeError::Precondition(_) => "precondition",
             BridgeError::NotVisible { .. } => "not_visible",
             BridgeError::StillMounted { .. } => "still_mounted",
+            BridgeError::DeadMount { .. } => "dead_mount",
             BridgeError::Busy { .. } => "busy",
             BridgeError::Store(_) => "store_error",
             BridgeError::Journal(_) => "journal_error",

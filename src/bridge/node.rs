@@ -21,9 +21,9 @@ use super::faults::{self, When};
 use super::handoff::{AttachMetadata, VolumeHandle};
 use super::naming::VolumePaths;
 use super::ports::{
-    ControllerPublish, DriverError, HostPaths, JournalError, LockScope, MountCheck, NodeJournal,
-    PathError, Publish, Recorder, SecretUse, Secrets, Stage, Undone, Visibility, VolumeLocks,
-    VolumeSettings,
+    ControllerPublish, DeadMount, DriverError, HostPaths, JournalError, LockScope, MountCheck,
+    MountHealth, NodeJournal, PathError, Publish, Recorder, SecretUse, Secrets, Stage, Undone,
+    Visibility, VolumeLocks, VolumeSettings,
 };
 use super::records::{HOLDER_LOG_LIMIT, HolderChange, Holders, NodeRecord, Step};
 use super::{
@@ -88,6 +88,9 @@ pub struct NodeSide {
     pub(super) recorder: Arc<dyn Recorder>,
     pub(super) boot_id: String,
     pub(super) clock: Arc<dyn super::ports::Clock>,
+    /// Each published volume's condition at the last periodic check, to log changes only.
+    pub(super) conditions:
+        std::sync::Mutex<std::collections::BTreeMap<String, super::inventory::Condition>>,
 }
 
 impl std::fmt::Debug for NodeSide {
@@ -113,6 +116,7 @@ impl NodeSide {
             recorder: ports.recorder,
             boot_id: ports.boot_id,
             clock: ports.clock,
+            conditions: Default::default(),
         }
     }
 
@@ -198,6 +202,50 @@ impl NodeSide {
         self.mounts.visibility(path, deadline).await.map_err(|e| {
             BridgeError::io(format!("reading mounts of {}", self.mounts.describe()), e)
         })
+    }
+
+    /// The error the filesystem mounted at `path` answers when it is gone (a FUSE daemon
+    /// or network server that restarted); `None` when it answers. One stat, on the hot
+    /// path too: a dead mount is still a mount point, so the mount check alone would hand
+    /// it to a sandbox.
+    pub(crate) async fn dead_mount(
+        &self,
+        path: &Path,
+        deadline: &Deadline,
+    ) -> Result<Option<DeadMount>, BridgeError> {
+        match self.mounts.health(path, deadline).await {
+            Ok(MountHealth::Answers) => Ok(None),
+            Ok(MountHealth::Dead(dead)) => Ok(Some(dead)),
+            Err(e) => Err(BridgeError::io(
+                format!("checking that the filesystem at {} answers", path.display()),
+                e,
+            )),
+        }
+    }
+
+    /// Takes down a dead mount before it is mounted again: NodeUnpublish and, when
+    /// staged, NodeUnstage (the stage is the dead filesystem too, when the target is a
+    /// bind of it). Holders stay in the record; a ControllerPublish stays (the volume is
+    /// still this node's). A failure names the path, the error it answered and the step.
+    async fn take_down_dead_mount(
+        &self,
+        record: &mut NodeRecord,
+        dead: DeadMount,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let steps = UndoSteps {
+            publish: true,
+            controller_publish: false,
+            stage: true,
+        };
+        self.undo_steps(HookKind::Attach, record, steps, deadline)
+            .await
+            .map_err(|error| BridgeError::DeadMount {
+                path: record.target_path.clone(),
+                dead,
+                step: "taking it down (NodeUnpublishVolume, NodeUnstageVolume)",
+                error: Some(Box::new(error)),
+            })
     }
 
     /// Writes the record; `durable` (before a CSI call) waits for the disk, off the async
@@ -342,9 +390,11 @@ impl NodeSide {
                     return Ok(None);
                 };
                 let deadline = Deadline::after(self.config.timeouts.attach);
-                // The mount table is read only for a record that could be hot.
+                // The mount table is read only for a record that could be hot; a dead
+                // mount is never hot (`attach` repairs it).
                 let mounted = self.attach_is_hot(&record, req, &paths, true)
-                    && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
+                    && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted
+                    && self.dead_mount(&paths.target, &deadline).await?.is_none();
                 if !self.attach_is_hot(&record, req, &paths, mounted) {
                     return Ok(None);
                 }
@@ -415,10 +465,17 @@ impl NodeSide {
             // Only a published or held volume can be mounted for someone here: a fresh
             // record needs no check of its own (record_for_attach has already refused one
             // whose paths another instance mounted).
-            let visible = (record.publish == Step::Done || record.is_held())
+            let mut visible = (record.publish == Step::Done || record.is_held())
                 && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
+            // A mount whose filesystem is gone is still a mount point: it is never handed
+            // out, but repaired first (also when a restarted daemon meets it).
+            let dead = if visible {
+                self.dead_mount(&paths.target, &deadline).await?
+            } else {
+                None
+            };
 
-            if self.attach_is_hot(&record, &req, &paths, visible) {
+            if self.attach_is_hot(&record, &req, &paths, visible && dead.is_none()) {
                 // Already attached and healthy: no CSI call, and at most one appended
                 // line for the holder.
                 if caller.is_gone() {
@@ -435,7 +492,17 @@ impl NodeSide {
                 }
                 return Ok(answer);
             }
-            if req.ref_count > 0 || record.is_held() {
+            if let Some(dead) = dead {
+                tracing::warn!(
+                    host_path = %paths.target.display(),
+                    error = %dead,
+                    ref_count = req.ref_count,
+                    holders = record.holders.values().map(|s| s.len()).sum::<usize>(),
+                    "the filesystem mounted at host_path no longer answers (its FUSE daemon \
+                     or server restarted?); repairing it before answering: unpublish, \
+                     unstage, stage, publish"
+                );
+            } else if req.ref_count > 0 || record.is_held() {
                 tracing::warn!(
                     ref_count = req.ref_count,
                     "volume has holders but is not mounted (host reboot or lost mount?); re-establishing it"
@@ -445,6 +512,14 @@ impl NodeSide {
             // Paths that fail their check are refused before anything is recorded: a
             // refused Attach changes nothing.
             self.check_attach_paths(&paths, &deadline).await?;
+            if let Some(dead) = dead {
+                check_caller(caller)?;
+                // Marked first: a repair cut short is finished by reconciliation.
+                self.node_journal().mark_pending(&req.volume_id)?;
+                self.take_down_dead_mount(&mut record, dead, &deadline)
+                    .await?;
+                visible = false;
+            }
 
             // This sandbox's holder is recorded only once the Attach has succeeded: an
             // Attach that dies half way was never answered, so nobody holds the volume
@@ -463,6 +538,31 @@ impl NodeSide {
             {
                 Ok(()) if caller.is_gone() => Err(BridgeError::CallerGone),
                 other => other,
+            };
+            // A repaired dead mount is checked again before it is handed out, and a repair
+            // that fails says so.
+            let established = match (dead, established) {
+                (None, established) => established,
+                (Some(_), Err(BridgeError::CallerGone)) => Err(BridgeError::CallerGone),
+                (Some(dead), Err(error)) => Err(BridgeError::DeadMount {
+                    path: paths.target.clone(),
+                    dead,
+                    step: "mounting it again (NodeStageVolume, NodePublishVolume)",
+                    error: Some(Box::new(error)),
+                }),
+                (Some(_), Ok(())) => match self.dead_mount(&paths.target, &deadline).await {
+                    Ok(None) => {
+                        tracing::info!(host_path = %paths.target.display(), "dead mount repaired");
+                        Ok(())
+                    }
+                    Ok(Some(still)) => Err(BridgeError::DeadMount {
+                        path: paths.target.clone(),
+                        dead: still,
+                        step: "checking it after it was mounted again: it still does not answer",
+                        error: None,
+                    }),
+                    Err(error) => Err(error),
+                },
             };
             // The holder is recorded by the last save. If that save fails (a full disk),
             // the Attach fails, and Cube will never Detach it: it is undone like any other

@@ -83,6 +83,8 @@ pub struct ControllerCaps {
 pub struct NodeCaps {
     pub stage_unstage_volume: bool,
     pub get_volume_stats: bool,
+    /// VOLUME_CONDITION: NodeGetVolumeStats says whether a volume is abnormal.
+    pub volume_condition: bool,
 }
 
 /// CreateVolume, as the core asks for it.
@@ -296,6 +298,32 @@ pub enum Visibility {
     Unchecked,
 }
 
+/// Whether the filesystem mounted at a path still answers (`MountCheck::health`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MountHealth {
+    /// It answered (or nothing is mounted there: `visibility` says which).
+    Answers,
+    /// It is still a mount point, but its filesystem is gone: a FUSE daemon or a network
+    /// server that restarted or went away. Handing it to a sandbox hands it errors.
+    Dead(DeadMount),
+}
+
+/// The error a dead mount answers a stat with (ENOTCONN, ESTALE, EIO, EHOSTDOWN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeadMount {
+    pub errno: i32,
+    /// The errno's symbolic name, e.g. `ENOTCONN`.
+    pub name: &'static str,
+}
+
+impl fmt::Display for DeadMount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = std::io::Error::from_raw_os_error(self.errno).to_string();
+        let text = text.split(" (os error").next().unwrap_or(&text);
+        write!(f, "{}: {text}", self.name)
+    }
+}
+
 /// The mount table where Cubelet looks.
 #[async_trait]
 pub trait MountCheck: Send + Sync {
@@ -306,6 +334,12 @@ pub trait MountCheck: Send + Sync {
         path: &Path,
         deadline: &Deadline,
     ) -> Result<Visibility, std::io::Error>;
+    /// Whether the filesystem mounted at `path` still answers: one stat that its
+    /// filesystem must answer itself, not from a cache (a dead FUSE or NFS mount answers
+    /// a cached stat, and the mount table still lists it). Bounded by `deadline`: a
+    /// filesystem that does not answer in time is an error.
+    async fn health(&self, path: &Path, deadline: &Deadline)
+    -> Result<MountHealth, std::io::Error>;
     /// A short description for messages.
     fn describe(&self) -> String;
 }
@@ -559,6 +593,9 @@ pub trait Recorder: Send + Sync + fmt::Debug {
     fn volume_stats(&self, volume_id: &str, stats: Option<&VolumeStats>);
     /// Volumes not in `keep` are no longer attached: drop their series.
     fn forget_volumes_except(&self, keep: &BTreeSet<String>);
+    /// One attached volume's condition from the periodic check: abnormal (a dead mount,
+    /// or the driver's VolumeCondition) or not; None drops its series (detached).
+    fn volume_condition(&self, volume_id: &str, abnormal: Option<bool>);
 }
 
 /// A recorder that keeps nothing (tests, one-shot commands).
@@ -574,6 +611,7 @@ impl Recorder for NoRecorder {
     fn stale_holders(&self, _: usize) {}
     fn volume_stats(&self, _: &str, _: Option<&VolumeStats>) {}
     fn forget_volumes_except(&self, _: &BTreeSet<String>) {}
+    fn volume_condition(&self, _: &str, _: Option<bool>) {}
 }
 
 /// What was found at a path under a volume base dir: its owner and mode bits (from an

@@ -167,6 +167,7 @@ mod tests {
             error: None,
             holder_times: times,
             holder_ages: Vec::new(),
+            condition: None,
         }
     }
 

@@ -157,6 +157,14 @@ struct Fake {
     /// that is not mounted counts again, NodeUnpublish uncounts one, and NodeUnstage fails
     /// while any publish is counted.
     counts_publishes: bool,
+    /// Mounted paths whose filesystem is gone, with the errno a stat answers; unmounting
+    /// one ends it.
+    dead: Arc<Mutex<BTreeMap<PathBuf, i32>>>,
+    /// A filesystem that stays dead: every NodePublish makes a dead mount (a FUSE daemon
+    /// that does not come back).
+    stays_dead: Arc<std::sync::atomic::AtomicBool>,
+    /// The VolumeCondition NodeGetVolumeStats reports: `Some(message)` when abnormal.
+    condition: Arc<Mutex<Option<String>>>,
 }
 
 impl Fake {
@@ -169,7 +177,21 @@ impl Fake {
             controller_publish,
             unchecked: false,
             counts_publishes: false,
+            dead: Default::default(),
+            stays_dead: Default::default(),
+            condition: Default::default(),
         }
+    }
+
+    /// The filesystem mounted at `path` dies (its FUSE daemon or server is gone): a stat
+    /// there answers `errno`, while it stays a mount point.
+    fn kill_filesystem(&self, path: &Path, errno: i32) {
+        self.dead.lock().unwrap().insert(path.to_path_buf(), errno);
+    }
+
+    fn unmounted(&self, path: &Path) {
+        self.mounted.lock().unwrap().remove(path);
+        self.dead.lock().unwrap().remove(path);
     }
 
     /// [`Fake::new`] counting publishes (see `counts_publishes`).
@@ -372,6 +394,7 @@ impl NodeDriver for Fake {
         Ok(NodeCaps {
             stage_unstage_volume: self.stage,
             get_volume_stats: true,
+            volume_condition: true,
         })
     }
     async fn node_id(&self, _: &Deadline) -> Result<String, DriverError> {
@@ -413,7 +436,7 @@ impl NodeDriver for Fake {
                 Finality::Final,
             ));
         }
-        self.mounted.lock().unwrap().remove(path);
+        self.unmounted(path);
         Ok(Undone::Done)
     }
     async fn publish(&self, call: &Publish, _: &Deadline) -> Result<(), DriverError> {
@@ -442,6 +465,9 @@ impl NodeDriver for Fake {
                     .or_default() += 1;
             }
             std::fs::create_dir_all(&call.target_path).unwrap();
+            if self.stays_dead.load(std::sync::atomic::Ordering::SeqCst) {
+                self.kill_filesystem(&call.target_path, nix::libc::ENOTCONN);
+            }
         }
         entered.map(|_| ())
     }
@@ -451,7 +477,7 @@ impl NodeDriver for Fake {
             Ok(false) => return Ok(Undone::Done),
             other => other?,
         };
-        self.mounted.lock().unwrap().remove(path);
+        self.unmounted(path);
         let _ = std::fs::remove_dir(path);
         if let Some(count) = self.state.lock().unwrap().published.get_mut(path) {
             *count = count.saturating_sub(1);
@@ -465,7 +491,10 @@ impl NodeDriver for Fake {
         _: &Deadline,
     ) -> Result<VolumeStats, DriverError> {
         self.enter("NodeGetVolumeStats").await?;
-        Ok(VolumeStats::default())
+        Ok(VolumeStats {
+            abnormal: self.condition.lock().unwrap().clone(),
+            ..VolumeStats::default()
+        })
     }
 }
 
@@ -545,6 +574,15 @@ impl MountCheck for Fake {
             Visibility::Mounted
         } else {
             Visibility::NotMounted
+        })
+    }
+    async fn health(&self, path: &Path, _: &Deadline) -> Result<MountHealth, std::io::Error> {
+        let errno = self.dead.lock().unwrap().get(path).copied();
+        Ok(match errno.filter(|_| self.is_mounted(path)) {
+            Some(errno) => MountHealth::Dead(
+                crate::mount::mountinfo::dead_mount_errno(errno).expect("a dead mount's errno"),
+            ),
+            None => MountHealth::Answers,
         })
     }
     fn describe(&self) -> String {
@@ -2655,4 +2693,205 @@ async fn a_key_that_made_none_of_the_signed_records_is_refused_at_start() {
         .check(&Deadline::after(Duration::from_secs(10)))
         .await
         .unwrap();
+}
+
+// ---------------------------------------------------------------- dead mounts (issue 19, defect 8)
+
+/// Issue 19, defect 8: a mount whose filesystem is gone (a FUSE daemon or NFS server that
+/// restarted) is still a mount point; a hot Attach must not hand it out. It is repaired
+/// first (unpublish, unstage, stage, publish), for every errno a dead mount answers, and
+/// the holders it had stay.
+#[tokio::test]
+async fn a_hot_attach_repairs_a_dead_mount_before_it_answers() {
+    for errno in [nix::libc::ENOTCONN, nix::libc::ESTALE, nix::libc::EIO] {
+        let w = World::new(Fake::new(true, false));
+        w.attach("v", "ns1", "s1", 0).await.unwrap();
+        // The staged filesystem dies, and the target (a bind of it) with it.
+        w.fake.kill_filesystem(&w.staging("v"), errno);
+        w.fake.kill_filesystem(&w.target("v"), errno);
+        w.fake.clear_calls();
+        assert!(
+            w.bridge
+                .attach_if_hot(&w.attach_req("v", "ns1", "s2", 1))
+                .await
+                .is_none(),
+            "errno {errno}: a dead mount was answered on the hot path"
+        );
+        let attached = w.attach("v", "ns1", "s2", 1).await.unwrap();
+        assert_eq!(attached.host_path, w.target("v"));
+        assert_eq!(
+            w.fake.mutating_calls(),
+            [
+                "NodeUnpublishVolume",
+                "NodeUnstageVolume",
+                "NodeStageVolume",
+                "NodePublishVolume"
+            ],
+            "errno {errno}"
+        );
+        let deadline = Deadline::after(Duration::from_secs(5));
+        assert_eq!(
+            w.fake.health(&w.target("v"), &deadline).await.unwrap(),
+            MountHealth::Answers
+        );
+        let record = w.record("v").unwrap();
+        assert!(record.is_settled(), "{record:?}");
+        assert_eq!(
+            record.holders["ns1"],
+            BTreeSet::from(["s1".to_string(), "s2".to_string()])
+        );
+        assert!(w.pending().is_empty());
+        // Healthy again: the next Attach is hot.
+        w.fake.clear_calls();
+        assert!(
+            w.bridge
+                .attach_if_hot(&w.attach_req("v", "ns1", "s3", 2))
+                .await
+                .is_some()
+        );
+        assert!(w.fake.mutating_calls().is_empty());
+        for (sandbox, ref_count) in [("s3", 2), ("s2", 1), ("s1", 0)] {
+            w.detach("v", "ns1", sandbox, ref_count).await.unwrap();
+        }
+        w.assert_clean("v");
+    }
+}
+
+/// Issue 19, defect 8: the first Attach of a namespace (as after a daemon restart, when
+/// the volume is mounted from an earlier session) applies the same check.
+#[tokio::test]
+async fn a_first_attach_repairs_a_dead_mount_left_by_an_earlier_session() {
+    let w = World::new(Fake::counting(true));
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    w.fake.kill_filesystem(&w.target("v"), nix::libc::ESTALE);
+    w.fake.clear_calls();
+    w.attach("v", "nsB", "b", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "NodeStageVolume",
+            "NodePublishVolume"
+        ]
+    );
+    // csi-driver-host-path counts the target once: the last Detach unstages.
+    assert_eq!(w.fake.published(&w.target("v")), 1);
+    assert_eq!(
+        w.record("v").unwrap().holders.keys().collect::<Vec<_>>(),
+        ["nsA", "nsB"]
+    );
+    w.detach("v", "nsA", "a", 0).await.unwrap();
+    w.detach("v", "nsB", "b", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+/// Issue 19, defect 8: a repair that fails fails the Attach with the path, the errno and
+/// the step, and keeps the holders the volume had; so does a filesystem that is still
+/// dead once mounted again.
+#[tokio::test]
+async fn a_failed_dead_mount_repair_names_path_errno_and_step_and_keeps_the_holders() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    w.fake.kill_filesystem(&w.target("v"), nix::libc::ENOTCONN);
+    w.fake.script("NodeStageVolume", Fault::Final);
+    let err = w.attach("v", "nsB", "b", 0).await.unwrap_err().to_string();
+    for needed in [
+        &w.target("v").display().to_string(),
+        "ENOTCONN",
+        "mounting it again",
+        "NodeStageVolume",
+    ] {
+        assert!(err.contains(needed), "{needed:?} missing from: {err}");
+    }
+    let record = w.record("v").unwrap();
+    assert_eq!(record.holders.keys().collect::<Vec<_>>(), ["nsA"]);
+
+    // The unpublish fails: the step says so, the holders stay, the dead mount too.
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    w.fake.kill_filesystem(&w.target("v"), nix::libc::EIO);
+    w.fake.script("NodeUnpublishVolume", Fault::Final);
+    let err = w.attach("v", "nsA", "a2", 1).await.unwrap_err().to_string();
+    for needed in ["EIO", "taking it down", "NodeUnpublishVolume"] {
+        assert!(err.contains(needed), "{needed:?} missing from: {err}");
+    }
+    assert_eq!(
+        w.record("v").unwrap().holders["nsA"],
+        BTreeSet::from(["a".to_string()])
+    );
+
+    // The filesystem does not come back: the repaired mount is dead again.
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    w.fake.kill_filesystem(&w.target("v"), nix::libc::ENOTCONN);
+    w.fake
+        .stays_dead
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = w.attach("v", "nsA", "a2", 1).await.unwrap_err();
+    assert_eq!(err.error.kind(), "dead_mount", "{err}");
+    assert!(err.to_string().contains("still does not answer"), "{err}");
+    assert_eq!(
+        w.record("v").unwrap().holders["nsA"],
+        BTreeSet::from(["a".to_string()])
+    );
+}
+
+/// Issue 19, defect 8: the periodic check reports a dead mount and the driver's abnormal
+/// VolumeCondition of volumes with holders (in `list`'s inventory and the condition
+/// map it logs changes from), and repairs nothing behind the holders' back.
+#[tokio::test]
+async fn the_condition_check_reports_dead_mounts_and_abnormal_volumes_without_repairing() {
+    use super::inventory::Condition;
+    let w = World::new(Fake::new(true, false));
+    w.attach("dead", "ns1", "s1", 0).await.unwrap();
+    w.attach("sick", "ns1", "s1", 0).await.unwrap();
+    w.attach("well", "ns1", "s1", 0).await.unwrap();
+    w.fake
+        .kill_filesystem(&w.target("dead"), nix::libc::ENOTCONN);
+    let node = w.bridge.node().unwrap();
+    let check = |volume: &str| {
+        node.conditions
+            .lock()
+            .unwrap()
+            .get(volume)
+            .cloned()
+            .expect("checked")
+    };
+    node.check_volume_conditions().await.unwrap();
+    assert!(
+        matches!(check("dead"), Condition::DeadMount { error } if error.starts_with("ENOTCONN"))
+    );
+    assert_eq!(check("sick"), Condition::Normal);
+    *w.fake.condition.lock().unwrap() = Some("disk failing".into());
+    w.fake.clear_calls();
+    node.check_volume_conditions().await.unwrap();
+    assert_eq!(
+        check("sick"),
+        Condition::DriverAbnormal {
+            message: "disk failing".into()
+        }
+    );
+    assert!(
+        w.fake
+            .mutating_calls()
+            .iter()
+            .all(|c| c == "NodeGetVolumeStats"),
+        "the check repaired something: {:?}",
+        w.fake.mutating_calls()
+    );
+    let listed = super::inventory::node_volumes(node.node_journal().as_ref(), &w.fake)
+        .await
+        .unwrap();
+    let dead = listed.iter().find(|v| v.volume_id == "dead").unwrap();
+    assert_eq!(
+        dead.condition.as_ref().unwrap().as_column(),
+        "dead:ENOTCONN"
+    );
+    let well = listed.iter().find(|v| v.volume_id == "well").unwrap();
+    assert_eq!(well.condition, Some(Condition::Normal));
+    // Detached volumes are forgotten.
+    w.detach("well", "ns1", "s1", 0).await.unwrap();
+    node.check_volume_conditions().await.unwrap();
+    assert!(!node.conditions.lock().unwrap().contains_key("well"));
 }

@@ -311,6 +311,7 @@ impl NodeDriver for GrpcDriver {
         Ok(NodeCaps {
             stage_unstage_volume: has(NodeRpc::StageUnstageVolume),
             get_volume_stats: has(NodeRpc::GetVolumeStats) || has(NodeRpc::VolumeCondition),
+            volume_condition: has(NodeRpc::VolumeCondition),
         })
     }
 

@@ -27,6 +27,11 @@ fn code(error: &BridgeError) -> Code {
         | BridgeError::Path(PathError::Io { .. })
         | BridgeError::Io { .. } => Code::Internal,
         BridgeError::RollbackFailed { error, .. } => code(error),
+        BridgeError::DeadMount {
+            error: Some(error), ..
+        } => code(error),
+        // Its filesystem still does not answer: its driver or server is down.
+        BridgeError::DeadMount { error: None, .. } => Code::Unavailable,
         BridgeError::CallerGone => Code::Cancelled,
     }
 }

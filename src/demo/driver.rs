@@ -49,6 +49,9 @@ pub struct Profile {
     pub record_calls: bool,
     /// Node GET_VOLUME_STATS: NodeGetVolumeStats answers `statvfs` of the volume path.
     pub volume_stats: bool,
+    /// Node VOLUME_CONDITION: NodeGetVolumeStats also reports each volume's condition,
+    /// normal unless a test made it abnormal ([`LocalDirDriver::set_abnormal`]).
+    pub volume_condition: bool,
     /// CreateVolume and DeleteVolume bind-mount the data directory (the "share") at a
     /// working directory below this one, make or remove the volume's subdirectory
     /// through that mount and unmount it again, as csi-driver-nfs mounts its share.
@@ -84,6 +87,7 @@ impl Profile {
             controller_unreachable: false,
             record_calls: false,
             volume_stats: false,
+            volume_condition: false,
             share_mount_dir: None,
             verifies_existing_mount: false,
             counts_publishes: false,
@@ -176,6 +180,8 @@ struct State {
     share_mounts: usize,
     /// CSI volume id → targets published (`Profile::counts_publishes`).
     published: HashMap<String, Vec<PathBuf>>,
+    /// CSI volume id → the message of its abnormal VolumeCondition.
+    abnormal: HashMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -305,6 +311,16 @@ impl LocalDirDriver {
     }
 
     /// Where the data of CSI volume `id` lives (whether or not it exists).
+    /// Makes the VolumeCondition of CSI volume `id` abnormal with `message`, or normal
+    /// again with `None` (reported with `Profile::volume_condition`).
+    pub fn set_abnormal(&self, id: &str, message: Option<&str>) {
+        let mut state = self.state();
+        match message {
+            Some(message) => state.abnormal.insert(id.to_string(), message.to_string()),
+            None => state.abnormal.remove(id),
+        };
+    }
+
     pub fn data_path(&self, id: &str) -> PathBuf {
         self.inner.data_dir.join(id)
     }
@@ -829,6 +845,7 @@ impl Node for LocalDirDriver {
         let capabilities = [
             (profile.stage, R::StageUnstageVolume),
             (profile.volume_stats, R::GetVolumeStats),
+            (profile.volume_condition, R::VolumeCondition),
         ]
         .into_iter()
         .filter(|(offered, _)| *offered)
@@ -853,7 +870,8 @@ impl Node for LocalDirDriver {
             ..Default::default()
         })
         .await?;
-        if !self.inner.profile.volume_stats {
+        let profile = &self.inner.profile;
+        if !profile.volume_stats && !profile.volume_condition {
             return Err(Status::unimplemented("no GET_VOLUME_STATS"));
         }
         let path = PathBuf::from(required(&req.volume_path, "volume_path")?);
@@ -876,7 +894,13 @@ impl Node for LocalDirDriver {
                 used: total - free,
                 unit: csi::volume_usage::Unit::Bytes as i32,
             }],
-            volume_condition: None,
+            volume_condition: profile.volume_condition.then(|| {
+                let abnormal = self.state().abnormal.get(&req.volume_id).cloned();
+                csi::VolumeCondition {
+                    abnormal: abnormal.is_some(),
+                    message: abnormal.unwrap_or_default(),
+                }
+            }),
         }))
     }
 

@@ -111,7 +111,8 @@ fn not_a_dir(dir: &OwnedFd, name: &OsStr, path: &Path) -> PathError {
 /// Whether `name` in `dir` is a real directory (a symlink is not). The leaf may be the
 /// root of a volume's mount, perhaps of a network or FUSE filesystem whose server is gone:
 /// its type is taken from the cached attributes (`AT_STATX_DONT_SYNC`), so the check never
-/// waits on that server, and a forked hook can make it before it has any deadline to keep.
+/// waits on that server, and a forked hook can make it before it has any deadline to keep;
+/// a dead mount root stays a directory to the checks, so it can be unmounted and repaired.
 fn leaf_is_dir(dir: &OwnedFd, name: &OsStr) -> Result<bool, Errno> {
     use nix::libc;
     use std::os::fd::AsRawFd;
@@ -299,6 +300,24 @@ impl HostPaths for HostDirs {
 mod tests {
     use super::*;
     use std::os::unix::fs::{PermissionsExt, symlink};
+
+    /// Issue 19, defect 8: a dead mount at a checked leaf (its stat answers ENOTCONN) is a
+    /// directory to the checks, so it can be unpublished and repaired, and removed once
+    /// unmounted.
+    #[test]
+    fn a_dead_mount_root_is_a_directory_to_the_path_checks() {
+        let (_dir, base) = base();
+        let dirs = HostDirs::default();
+        let target = base.join("d-v");
+        std::fs::create_dir(&target).unwrap();
+        if crate::mount::mountinfo::mount_dead_fuse(&target).is_none() {
+            return;
+        }
+        let checked = dirs.verify(&base, &target);
+        ops::unmount(&target).unwrap();
+        assert_eq!(checked.unwrap(), Leaf::Dir);
+        assert!(dirs.remove_dir_if_empty(&base, &target).unwrap());
+    }
 
     fn base() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();

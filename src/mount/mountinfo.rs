@@ -101,6 +101,56 @@ pub fn is_mount_root(path: &Path) -> std::io::Result<Option<bool>> {
     Ok((stx.stx_attributes_mask & bit != 0).then_some(stx.stx_attributes & bit != 0))
 }
 
+/// The errors by which a mount whose filesystem is gone answers a stat that reaches it:
+/// a FUSE daemon that died (ENOTCONN), an NFS server that forgot the export's handles
+/// (ESTALE), a failed device or connection (EIO), an unreachable host (EHOSTDOWN). The
+/// same set Kubernetes' mount-utils calls a corrupted mount (less EACCES, which a FUSE
+/// mount without `allow_other` answers root while it is healthy).
+pub fn dead_mount_errno(errno: i32) -> Option<crate::bridge::ports::DeadMount> {
+    use crate::bridge::ports::DeadMount;
+    let name = match errno {
+        nix::libc::ENOTCONN => "ENOTCONN",
+        nix::libc::ESTALE => "ESTALE",
+        nix::libc::EIO => "EIO",
+        nix::libc::EHOSTDOWN => "EHOSTDOWN",
+        _ => return None,
+    };
+    Some(DeadMount { errno, name })
+}
+
+/// Whether the filesystem at `path` still answers: one `statx` that its filesystem must
+/// answer itself (AT_STATX_FORCE_SYNC: FUSE asks its daemon, NFS its server), without
+/// following a symlink at `path`. Blocking: a hung network filesystem blocks it, so the
+/// caller bounds it. Errors other than a dead mount's (a missing path) are no verdict:
+/// `Answers`, and the mount check says the rest.
+pub fn mount_health(path: &Path) -> std::io::Result<crate::bridge::ports::MountHealth> {
+    use crate::bridge::ports::MountHealth;
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
+    let flags = nix::libc::AT_STATX_FORCE_SYNC
+        | nix::libc::AT_NO_AUTOMOUNT
+        | nix::libc::AT_SYMLINK_NOFOLLOW;
+    // SAFETY: c_path is NUL-terminated and buf is a zeroed statx the kernel fills.
+    let rc = unsafe {
+        nix::libc::statx(
+            nix::libc::AT_FDCWD,
+            c_path.as_ptr(),
+            flags,
+            nix::libc::STATX_TYPE,
+            buf.as_mut_ptr(),
+        )
+    };
+    if rc == 0 {
+        return Ok(MountHealth::Answers);
+    }
+    let error = std::io::Error::last_os_error();
+    Ok(error
+        .raw_os_error()
+        .and_then(dead_mount_errno)
+        .map_or(MountHealth::Answers, MountHealth::Dead))
+}
+
 /// Whether `path` is a mount point in mountinfo `text`, without building a table (the
 /// hot Attach path asks exactly this).
 pub fn is_mount_point_in(text: &str, path: &Path) -> bool {
@@ -156,9 +206,71 @@ fn unescape(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Test support: mounts a FUSE filesystem at `at` and closes its daemon's end at once, so
+/// the mount stays and every request to it fails with ENOTCONN (a crashed FUSE daemon).
+/// `None` when not root or without /dev/fuse (a skip outside CI, a failure in it).
+#[cfg(test)]
+pub(crate) fn mount_dead_fuse(at: &Path) -> Option<()> {
+    use std::os::fd::AsRawFd;
+    if !nix::unistd::Uid::effective().is_root() || !Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI runs this as root with /dev/fuse"
+        );
+        eprintln!("skipped: needs root and /dev/fuse");
+        return None;
+    }
+    let fuse = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .unwrap();
+    let options = format!(
+        "fd={},rootmode=40000,user_id=0,group_id=0",
+        fuse.as_raw_fd()
+    );
+    nix::mount::mount(
+        Some("cube-csi-bridge-test"),
+        at,
+        Some("fuse.cube-csi-bridge-test"),
+        nix::mount::MsFlags::empty(),
+        Some(options.as_str()),
+    )
+    .unwrap();
+    drop(fuse);
+    Some(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 19, defect 8: the O(1) mount check still calls a dead FUSE mount a mount
+    /// root (it answers from the cache, by design), and only the health check, which the
+    /// filesystem must answer itself, tells that it is dead.
+    #[test]
+    fn a_dead_fuse_mount_is_a_mount_root_that_does_not_answer() {
+        use crate::bridge::ports::MountHealth;
+        let dir = tempfile::tempdir().unwrap();
+        let at = dir.path().join("dead");
+        std::fs::create_dir(&at).unwrap();
+        assert_eq!(mount_health(&at).unwrap(), MountHealth::Answers);
+        if mount_dead_fuse(&at).is_none() {
+            return;
+        }
+        let root = is_mount_root(&at);
+        let health = mount_health(&at);
+        super::super::ops::unmount(&at).unwrap();
+        assert_eq!(root.unwrap(), Some(true));
+        match health.unwrap() {
+            MountHealth::Dead(dead) => {
+                assert_eq!(dead.errno, nix::libc::ENOTCONN);
+                assert!(dead.to_string().starts_with("ENOTCONN: "), "{dead}");
+            }
+            other => panic!("a dead FUSE mount answered: {other:?}"),
+        }
+        assert_eq!(mount_health(&at).unwrap(), MountHealth::Answers);
+    }
 
     const SAMPLE: &str = "\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw

@@ -22,7 +22,7 @@ use async_trait::async_trait;
 use super::MountTable;
 use super::mountinfo;
 use crate::bridge::Deadline;
-use crate::bridge::ports::{MountCheck, Visibility};
+use crate::bridge::ports::{MountCheck, MountHealth, Visibility};
 use crate::config::{CUBELET_MOUNT_NS, MountViewSetting};
 
 /// The hidden subcommand the namespace reader runs as (see `read_in_namespace`).
@@ -255,6 +255,31 @@ impl MountCheck for MountView {
                 format!(
                     "reading the mount table of {} took longer than the hook's budget",
                     self.describe()
+                ),
+            )),
+        }
+    }
+
+    async fn health(&self, path: &Path, deadline: &Deadline) -> std::io::Result<MountHealth> {
+        // Asked in this process's namespace: a mount the driver made here is the same
+        // filesystem as the one Cubelet's namespace received, dead or alive. The forked
+        // hook asks on its own thread (it starts none before it forks its worker, and a
+        // hung filesystem hangs only that hook, which Cube kills at its timeout); the
+        // daemon asks on a blocking thread, bounded, so a hung filesystem never holds
+        // the threads every other hook needs.
+        if self.forked_by_cube {
+            return mountinfo::mount_health(path);
+        }
+        let owned = path.to_path_buf();
+        let asked = tokio::task::spawn_blocking(move || mountinfo::mount_health(&owned));
+        match tokio::time::timeout_at(deadline.instant().into(), asked).await {
+            Ok(Ok(health)) => health,
+            Ok(Err(join)) => Err(std::io::Error::other(join.to_string())),
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the filesystem at {} did not answer a stat within the hook's budget",
+                    path.display()
                 ),
             )),
         }

@@ -157,6 +157,13 @@ impl Daemon {
             background.push(spawn_housekeeping(bridge.clone(), &config));
             // The inventory gauges whenever metrics are served; the driver's volume stats
             // only when asked for.
+            // Each published volume's condition (a dead mount, the driver's
+            // VolumeCondition): a log line on each change, and a gauge.
+            if let Ok(node) = &bridge.node {
+                background.push(tokio::spawn(
+                    check_volume_conditions(node.clone()).in_current_span(),
+                ));
+            }
             if let (Ok(node), true) = (&bridge.node, config.metrics.listen.is_some()) {
                 let stats_every = config.metrics.volume_stats_interval;
                 background.push(tokio::spawn(
@@ -410,6 +417,18 @@ async fn poll_volume_metrics(node: Arc<NodeSide>, stats_every: Option<Duration>)
         timer.tick().await;
         if let Err(error) = node.refresh_volume_metrics(stats_every.is_some()).await {
             tracing::warn!(%error, "refreshing volume metrics failed");
+        }
+    }
+}
+
+/// Checks every published volume's condition at start and then at each abandoned-work
+/// scan interval, off the hook path (see `NodeSide::check_volume_conditions`).
+async fn check_volume_conditions(node: Arc<NodeSide>) {
+    let mut timer = tokio::time::interval(ABANDONED_SCAN_INTERVAL);
+    loop {
+        timer.tick().await;
+        if let Err(error) = node.check_volume_conditions().await {
+            tracing::warn!(%error, "checking volume conditions failed");
         }
     }
 }

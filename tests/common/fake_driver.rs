@@ -27,6 +27,8 @@ pub struct Caps {
     pub controller_unreachable: bool,
     /// Node GET_VOLUME_STATS (`statvfs` of the published path).
     pub volume_stats: bool,
+    /// Node VOLUME_CONDITION: normal unless [`FakeDriver::set_abnormal`] says otherwise.
+    pub volume_condition: bool,
     /// CreateVolume and DeleteVolume mount the backend's share to make or remove the
     /// volume's directory, as csi-driver-nfs does (counted by [`FakeDriver::share_mounts`]).
     pub share_mounts: bool,
@@ -124,6 +126,7 @@ impl FakeDriver {
             controller_unreachable: caps.controller_unreachable,
             record_calls: true,
             volume_stats: caps.volume_stats,
+            volume_condition: caps.volume_condition,
             share_mount_dir,
             verifies_existing_mount: caps.verifies_existing_mount,
             counts_publishes: caps.counts_publishes,
@@ -212,6 +215,11 @@ impl FakeDriver {
     /// How many times CreateVolume or DeleteVolume mounted the share.
     pub fn share_mounts(&self) -> usize {
         self.driver.share_mounts()
+    }
+
+    /// Makes CSI volume `id`'s VolumeCondition abnormal (`Some(message)`) or normal.
+    pub fn set_abnormal(&self, id: &str, message: Option<&str>) {
+        self.driver.set_abnormal(id, message);
     }
 
     /// Where a CSI volume's data lives.
