@@ -70,7 +70,10 @@ async fn instances_whose_legacy_paths_collided_attach_apart_and_detach_apart() {
     assert_eq!(Path::new(&attached_b.host_path), path_b);
     assert!(!path_b.join("owner").exists(), "B sees its own volume");
     std::fs::write(path_b.join("owner"), "B's data").unwrap();
-    assert_eq!(std::fs::read_to_string(path_a.join("owner")).unwrap(), "A's data");
+    assert_eq!(
+        std::fs::read_to_string(path_a.join("owner")).unwrap(),
+        "A's data"
+    );
 
     // B's Detach leaves A's mount and data; then A's leaves B's.
     b.detach("sb-b", "x", 0, &attached_b.metadata)
@@ -78,18 +81,27 @@ async fn instances_whose_legacy_paths_collided_attach_apart_and_detach_apart() {
         .unwrap_or_else(|e| panic!("detach on B: {e:?}\n{}", b.logs()));
     assert!(!is_mount_point(&path_b) && !path_b.exists());
     assert!(is_mount_point(&path_a), "B's Detach unmounted A's volume");
-    assert_eq!(std::fs::read_to_string(path_a.join("owner")).unwrap(), "A's data");
+    assert_eq!(
+        std::fs::read_to_string(path_a.join("owner")).unwrap(),
+        "A's data"
+    );
     let attached_b = b
         .attach_in(&base, "sb-b", "x", 0, &made_b.private_data)
         .await
         .unwrap_or_else(|e| panic!("attach on B again: {e:?}\n{}", b.logs()));
-    assert_eq!(std::fs::read_to_string(path_b.join("owner")).unwrap(), "B's data");
+    assert_eq!(
+        std::fs::read_to_string(path_b.join("owner")).unwrap(),
+        "B's data"
+    );
     a.detach("sb-a", "prod-x", 0, &attached_a.metadata)
         .await
         .unwrap_or_else(|e| panic!("detach on A: {e:?}\n{}", a.logs()));
     assert!(!is_mount_point(&path_a) && !path_a.exists());
     assert!(is_mount_point(&path_b), "A's Detach unmounted B's volume");
-    assert_eq!(std::fs::read_to_string(path_b.join("owner")).unwrap(), "B's data");
+    assert_eq!(
+        std::fs::read_to_string(path_b.join("owner")).unwrap(),
+        "B's data"
+    );
     b.detach("sb-b", "x", 0, &attached_b.metadata)
         .await
         .unwrap_or_else(|e| panic!("detach on B: {e:?}\n{}", b.logs()));
@@ -169,7 +181,9 @@ async fn volumes_attached_before_the_upgrade_keep_their_host_path() {
         let first = match mode {
             Mode::Rpc => {
                 w.daemon.take().unwrap().kill().await.unwrap();
-                w.start_daemon_with_env(&[(LEGACY_LEAF, "1")]).await.unwrap();
+                w.start_daemon_with_env(&[(LEGACY_LEAF, "1")])
+                    .await
+                    .unwrap();
                 let first = w.attach("sb-1", "old", 0, &made.private_data).await;
                 w.daemon.take().unwrap().kill().await.unwrap();
                 w.start_daemon().await.unwrap();

@@ -661,6 +661,38 @@ fn cases(ctx: &Ctx) -> Vec<Case> {
             1,
         ),
         case(
+            "metadata mount_dir of another driver's volume (its legacy leaf is this one's)",
+            hook(with_metadata(ctx, |m| {
+                m.insert(
+                    "mount_dir".into(),
+                    ctx.base.join("fake-hostile+vol").display().to_string(),
+                );
+            })),
+            "not this volume's host_path",
+            1,
+        ),
+        case(
+            "metadata mixing a legacy mount_dir with a current staging_dir",
+            hook(with_metadata(ctx, |m| {
+                m.insert(
+                    "mount_dir".into(),
+                    ctx.base
+                        .join(format!("{DRIVER}-{GOOD_ID}"))
+                        .display()
+                        .to_string(),
+                );
+                m.insert(
+                    "staging_dir".into(),
+                    ctx.base
+                        .join(format!(".staging/{DRIVER}+{GOOD_ID}"))
+                        .display()
+                        .to_string(),
+                );
+            })),
+            "staging",
+            1,
+        ),
+        case(
             "metadata staging_dir elsewhere",
             hook(with_metadata(ctx, |m| {
                 m.insert("staging_dir".into(), "/etc".into());
