@@ -116,8 +116,9 @@ pub fn validate_base_dir(dir: &str) -> Result<PathBuf, String> {
 /// `[A-Za-z0-9._-]`, volume ids `[A-Za-z0-9_-]`), so every leaf holds exactly one and
 /// splits one way only: no two (driver, volume) pairs share a host_path, whichever bridge
 /// instances use one base dir. No leaf of the legacy form or of Cube's own plugins
-/// (`<driver>-<volume_id>`) contains it either. Safe wherever the path travels: not
-/// escaped in mountinfo, not special to a shell, a mount option list or systemd.
+/// (`<driver>-<volume_id>`) contains it either. Safe wherever the path travels: mountinfo
+/// leaves it as it is, it means nothing to a shell or in a mount option list, and systemd
+/// unit names escape it (`\x2b`) as they escape `-`.
 pub const LEAF_SEPARATOR: char = '+';
 
 /// How a path leaf joins driver and volume_id.
@@ -168,6 +169,7 @@ impl VolumePaths {
         Self::with_form(base_dir, driver, volume_id, LeafForm::Current)
     }
 
+    /// The paths in a given form (the legacy one only for volumes attached that way).
     pub fn with_form(base_dir: &Path, driver: &str, volume_id: &str, form: LeafForm) -> Self {
         let leaf = path_leaf(driver, volume_id, form);
         Self {
@@ -191,14 +193,6 @@ impl VolumePaths {
         } else {
             Self::new(base_dir, driver, volume_id)
         }
-    }
-
-    /// Which form these paths take; None when they are not this volume's in either form.
-    pub fn form(&self, driver: &str, volume_id: &str) -> Option<LeafForm> {
-        let leaf = self.target.file_name()?;
-        [LeafForm::Current, LeafForm::Legacy]
-            .into_iter()
-            .find(|form| *leaf == *path_leaf(driver, volume_id, *form))
     }
 
     /// Recovers the paths from a host_path Cube hands back, checking that it has exactly
@@ -306,7 +300,6 @@ mod tests {
             VolumePaths::from_target(&legacy.target, "nfs", "-x").unwrap(),
             legacy
         );
-        assert_eq!(legacy.form("nfs", "-x"), Some(LeafForm::Legacy));
         assert!(VolumePaths::from_target(Path::new("/data/v/nfs--y"), "nfs", "-x").is_err());
         let base = Path::new("/data/v");
         assert_eq!(
@@ -314,7 +307,6 @@ mod tests {
             legacy
         );
         let current = VolumePaths::new(base, "nfs", "-x");
-        assert_eq!(current.form("nfs", "-x"), Some(LeafForm::Current));
         assert_eq!(
             VolumePaths::for_record(base, "nfs", "-x", &current.target),
             current
@@ -325,7 +317,6 @@ mod tests {
             VolumePaths::for_record(base, "nfs", "-x", elsewhere),
             current
         );
-        assert_eq!(current.form("nfs", "x"), None);
     }
 
     #[test]
