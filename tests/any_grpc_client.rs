@@ -164,7 +164,7 @@ async fn python_grpcio_with_default_options_calls_all_four_hooks() {
             .call("Attach", attach_request(&w, "py-1", private_data))
             .unwrap_or_else(|e| panic!("Attach from grpcio: {e:?}"));
         let host_path = PathBuf::from(attached["host_path"].as_str().expect("host_path"));
-        assert_eq!(host_path, w.base_dir.join("fake-py-1"));
+        assert_eq!(host_path, w.base_dir.join("fake+py-1"));
         assert!(w.mounts().contains(&host_path), "host_path is mounted");
         py.call("Detach", detach_request("py-1", &attached["metadata"]))
             .unwrap_or_else(|e| panic!("Detach from grpcio: {e:?}"));

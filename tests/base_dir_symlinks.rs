@@ -91,7 +91,7 @@ async fn a_host_path_planted_as_a_symlink_is_never_published_onto() {
     let made = w.create("v1").await.expect("create");
     let base = make_base(&w);
     let root_only = root_only_dir(&w, "root-only");
-    let host_path = base.join("fake-v1");
+    let host_path = base.join("fake+v1");
     plant(&root_only, &host_path);
     w.driver.clear_calls();
 
@@ -154,7 +154,7 @@ async fn a_staging_dir_planted_as_a_symlink_overmounts_nothing() {
     let attacker = w.dir.path().join("attacker");
     std::fs::create_dir(&attacker).unwrap();
     chown(&attacker, Some(NOBODY), Some(NOBODY)).unwrap();
-    plant(&root_owned, &attacker.join("fake-v2"));
+    plant(&root_owned, &attacker.join("fake+v2"));
     let dot_staging = base.join(".staging");
     plant(&attacker, &dot_staging);
     w.driver.clear_calls();
@@ -210,13 +210,13 @@ async fn a_staging_dir_swapped_after_attach_is_never_unstaged_through() {
         .await
         .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", w.logs()));
     let dot_staging = base.join(".staging");
-    let staging = dot_staging.join("fake-v3");
+    let staging = dot_staging.join("fake+v3");
     assert!(is_mount_point(&staging), "staged");
 
     // Someone else's mount, at a path whose leaf has the volume's name.
     let victim_source = root_only_dir(&w, "victim-source");
     let victim_parent = w.dir.path().join("victim");
-    let victim = victim_parent.join("fake-v3");
+    let victim = victim_parent.join("fake+v3");
     std::fs::create_dir_all(&victim).unwrap();
     ops::bind_mount(&victim_source, &victim, false).unwrap();
 
@@ -226,7 +226,7 @@ async fn a_staging_dir_swapped_after_attach_is_never_unstaged_through() {
     let moved = base.join(".staging-moved");
     std::fs::rename(&dot_staging, &moved).unwrap();
     plant(&victim_parent, &dot_staging);
-    assert!(is_mount_point(&moved.join("fake-v3")));
+    assert!(is_mount_point(&moved.join("fake+v3")));
 
     w.driver.clear_calls();
     let error = w
@@ -264,7 +264,7 @@ async fn a_staging_dir_swapped_after_attach_is_never_unstaged_through() {
     );
     assert!(is_mount_point(&victim), "the other mount is untouched");
     assert!(
-        is_mount_point(&moved.join("fake-v3")),
+        is_mount_point(&moved.join("fake+v3")),
         "the real staging mount is kept"
     );
     assert_eq!(
@@ -372,7 +372,7 @@ async fn an_operator_may_accept_a_base_dir_another_uid_owns_with_a_reason() {
 
     let target = w.dir.path().join("root-only");
     std::fs::create_dir(&target).unwrap();
-    std::os::unix::fs::symlink(&target, base.join(format!("{}-v5", common::DRIVER))).unwrap();
+    std::os::unix::fs::symlink(&target, base.join(format!("{}+v5", common::DRIVER))).unwrap();
     let made = w.create("v5").await.expect("create again");
     let error = w
         .attach("sb", "v5", 0, &made.private_data)

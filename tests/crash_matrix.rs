@@ -482,11 +482,11 @@ impl Lab {
         self.w
             .base_dir
             .join(".staging")
-            .join(format!("fake-{VOLUME}"))
+            .join(format!("fake+{VOLUME}"))
     }
 
     fn host_path(&self) -> PathBuf {
-        self.w.base_dir.join(format!("fake-{VOLUME}"))
+        self.w.base_dir.join(format!("fake+{VOLUME}"))
     }
 
     fn csi_volume(&self) -> String {
@@ -496,7 +496,7 @@ impl Lab {
     /// What is left on the node of an attachment of `VOLUME` nobody holds (or, with
     /// `everything`, of any volume); empty when nothing is.
     fn node_leftovers(&self, everything: bool) -> Vec<String> {
-        let ours = |name: &str| everything || !name.contains(&format!("fake-{BYSTANDER}"));
+        let ours = |name: &str| everything || !name.contains(&format!("fake+{BYSTANDER}"));
         let mut left = Vec::new();
         let mounts: Vec<PathBuf> = self
             .w

@@ -100,7 +100,7 @@ async fn whole_lifecycle(bin: &Path, mode: Mode) {
     let a = attach(&cube, &w.base_dir, "sb-a", "vol-1", 0, &private_data)
         .await
         .unwrap();
-    let host_path = w.base_dir.join("fake-vol-1");
+    let host_path = w.base_dir.join("fake+vol-1");
     assert_eq!(mounted_at(&a), host_path);
     assert!(w.mounts().contains(&host_path), "host_path is mounted");
     expect_calls(
@@ -142,7 +142,7 @@ async fn whole_lifecycle(bin: &Path, mode: Mode) {
     assert_eq!(w.mounts(), Vec::<PathBuf>::new(), "nothing mounted");
     assert!(!host_path.exists(), "host_path removed");
     assert!(
-        !w.base_dir.join(".staging/fake-vol-1").exists(),
+        !w.base_dir.join(".staging/fake+vol-1").exists(),
         "staging removed"
     );
     assert_eq!(w.journal_records(), 0);
@@ -242,7 +242,7 @@ async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() 
             assert_failure(mode, &err, Code::InvalidArgument, &["private_data"]);
             expect_calls(&w, &[], "a bad request reaches no driver");
             assert_nothing_left(&w, &[]);
-            assert!(!w.base_dir.join("fake-bad").exists(), "no host_path");
+            assert!(!w.base_dir.join("fake+bad").exists(), "no host_path");
         }
 
         // The driver fails to publish: the stage is undone before Attach answers.
@@ -272,7 +272,7 @@ async fn failed_attach_through_the_go_client_leaves_nothing_mounted_or_staged() 
             "rolled back",
         );
         assert_nothing_left(&w, &[]);
-        assert!(!w.base_dir.join("fake-bad").exists(), "no host_path");
+        assert!(!w.base_dir.join("fake+bad").exists(), "no host_path");
 
         // Cube retries the sandbox later: it works and cleans up.
         let ok = attach(&cube, &w.base_dir, "sb", "bad", 0, &private_data)
@@ -383,7 +383,7 @@ async fn attach_fails_and_rolls_back_when_the_mount_does_not_propagate() {
         let err = attach(&cube, &w.base_dir, "sb", "np", 0, &private_data)
             .await
             .unwrap_err();
-        let host_path = w.base_dir.join("fake-np");
+        let host_path = w.base_dir.join("fake+np");
         let host_path_text = host_path.display().to_string();
         assert_failure(
             mode,

@@ -34,7 +34,7 @@ async fn eventually(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 }
 
 fn staging_dir(w: &World, volume: &str) -> PathBuf {
-    w.base_dir.join(".staging").join(format!("fake-{volume}"))
+    w.base_dir.join(".staging").join(format!("fake+{volume}"))
 }
 
 fn is_mounted(path: &Path) -> bool {

@@ -296,7 +296,7 @@ fn good_metadata(ctx: &Ctx) -> BTreeMap<String, String> {
         (
             "mount_dir".to_string(),
             ctx.base
-                .join(format!("{DRIVER}-{GOOD_ID}"))
+                .join(format!("{DRIVER}+{GOOD_ID}"))
                 .display()
                 .to_string(),
         ),
@@ -653,7 +653,7 @@ fn cases(ctx: &Ctx) -> Vec<Case> {
         case(
             "metadata mount_dir outside the allow-list",
             hook(with_metadata(ctx, |m| {
-                m.insert("mount_dir".into(), format!("/etc/{DRIVER}-{GOOD_ID}"));
+                m.insert("mount_dir".into(), format!("/etc/{DRIVER}+{GOOD_ID}"));
             })),
             "allowed_base_dirs",
             1,
@@ -663,7 +663,7 @@ fn cases(ctx: &Ctx) -> Vec<Case> {
             hook(with_metadata(ctx, |m| {
                 m.insert(
                     "mount_dir".into(),
-                    format!("{}/../{DRIVER}-{GOOD_ID}", ctx.base.display()),
+                    format!("{}/../{DRIVER}+{GOOD_ID}", ctx.base.display()),
                 );
             })),
             "normal path",
@@ -674,10 +674,42 @@ fn cases(ctx: &Ctx) -> Vec<Case> {
             hook(with_metadata(ctx, |m| {
                 m.insert(
                     "mount_dir".into(),
-                    ctx.base.join("fake-other").display().to_string(),
+                    ctx.base.join("fake+other").display().to_string(),
                 );
             })),
             "not this volume's host_path",
+            1,
+        ),
+        case(
+            "metadata mount_dir of another driver's volume (its legacy leaf is this one's)",
+            hook(with_metadata(ctx, |m| {
+                m.insert(
+                    "mount_dir".into(),
+                    ctx.base.join("fake-hostile+vol").display().to_string(),
+                );
+            })),
+            "not this volume's host_path",
+            1,
+        ),
+        case(
+            "metadata mixing a legacy mount_dir with a current staging_dir",
+            hook(with_metadata(ctx, |m| {
+                m.insert(
+                    "mount_dir".into(),
+                    ctx.base
+                        .join(format!("{DRIVER}-{GOOD_ID}"))
+                        .display()
+                        .to_string(),
+                );
+                m.insert(
+                    "staging_dir".into(),
+                    ctx.base
+                        .join(format!(".staging/{DRIVER}+{GOOD_ID}"))
+                        .display()
+                        .to_string(),
+                );
+            })),
+            "staging",
             1,
         ),
         case(
@@ -973,7 +1005,7 @@ fn hook_error((code, stdout, stderr): &(i32, String, String)) -> Result<(i32, St
 
 /// The symlinked base dir case must not have reached the real root.
 fn root_path_untouched() -> Result<(), String> {
-    let leaf = format!("{DRIVER}-{GOOD_ID}");
+    let leaf = format!("{DRIVER}+{GOOD_ID}");
     for path in [
         Path::new("/").join(&leaf),
         Path::new("/.staging").join(&leaf),

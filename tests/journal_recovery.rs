@@ -36,7 +36,7 @@ fn nothing_left(w: &World, volume: &str) -> bool {
         && !w
             .base_dir
             .join(".staging")
-            .join(format!("fake-{volume}"))
+            .join(format!("fake+{volume}"))
             .exists()
         && !node_dir(w).join(format!("{volume}.json")).exists()
         && !node_dir(w).join(format!("{volume}.holders")).exists()

@@ -856,7 +856,7 @@ async fn nfs_like_driver_behind_a_storage_class_as_csi_driver_nfs_documents_it()
         .attach_in(&base, "sb-1", "vol-nfs-1", 0, &created.private_data)
         .await
         .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", node.logs()));
-    let host_path = base.join("nfs-vol-nfs-1");
+    let host_path = base.join("nfs+vol-nfs-1");
     assert_eq!(Path::new(&attached.host_path), host_path);
     assert!(MountTable::read(None).unwrap().is_mount_point(&host_path));
     cubelet.assert_mounted_inside(&host_path, "attached through the StorageClass");

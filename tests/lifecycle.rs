@@ -33,9 +33,9 @@ async fn assert_call_sequence(
         .attach("sb-a", "vol-1", 0, &created.private_data)
         .await
         .unwrap();
-    assert_eq!(Path::new(&a.host_path), w.base_dir.join("fake-vol-1"));
+    assert_eq!(Path::new(&a.host_path), w.base_dir.join("fake+vol-1"));
     assert!(
-        w.mounts().contains(&w.base_dir.join("fake-vol-1")),
+        w.mounts().contains(&w.base_dir.join("fake+vol-1")),
         "host_path is a mount point"
     );
     step(attach_calls);
@@ -50,7 +50,7 @@ async fn assert_call_sequence(
     w.detach("sb-b", "vol-1", 1, &b.metadata).await.unwrap();
     step(&[]);
     assert!(
-        w.mounts().contains(&w.base_dir.join("fake-vol-1")),
+        w.mounts().contains(&w.base_dir.join("fake+vol-1")),
         "still mounted for sb-a"
     );
 
@@ -61,9 +61,9 @@ async fn assert_call_sequence(
         Vec::<std::path::PathBuf>::new(),
         "nothing left mounted"
     );
-    assert!(!w.base_dir.join("fake-vol-1").exists(), "host_path removed");
+    assert!(!w.base_dir.join("fake+vol-1").exists(), "host_path removed");
     assert!(
-        !w.base_dir.join(".staging/fake-vol-1").exists(),
+        !w.base_dir.join(".staging/fake+vol-1").exists(),
         "staging removed"
     );
     assert_eq!(w.journal_records(), 0);
@@ -210,7 +210,7 @@ async fn destroy_and_detach_of_what_is_gone_succeed() {
         let meta = HashMap::from([
             (
                 "mount_dir".to_string(),
-                w.base_dir.join("fake-gone").display().to_string(),
+                w.base_dir.join("fake+gone").display().to_string(),
             ),
             ("volume_id".to_string(), "gone".to_string()),
             ("csi_volume_id".to_string(), "fake-cube-gone".to_string()),
@@ -279,10 +279,10 @@ async fn node_publish_error_leaves_nothing_staged_or_mounted() {
             "nothing mounted"
         );
         assert!(
-            !w.base_dir.join(".staging/fake-bad").exists(),
+            !w.base_dir.join(".staging/fake+bad").exists(),
             "staging dir removed"
         );
-        assert!(!w.base_dir.join("fake-bad").exists(), "target removed");
+        assert!(!w.base_dir.join("fake+bad").exists(), "target removed");
         assert_eq!(w.journal_records(), 0, "no journal record left");
         // And the volume still attaches once the driver recovers.
         let ok = w
@@ -400,7 +400,7 @@ async fn attach_with_holders_repairs_a_lost_mount() {
         // The mounts vanish (a reboot drops them) while Cube's counts survive.
         for m in [
             Path::new(&a.host_path).to_path_buf(),
-            w.base_dir.join(".staging/fake-lost"),
+            w.base_dir.join(".staging/fake+lost"),
         ] {
             cube_csi_bridge::mount::ops::unmount(&m).unwrap();
         }
@@ -475,7 +475,7 @@ async fn bad_requests_change_nothing() {
         let err = w.create("a/b").await.unwrap_err();
         assert!(err.message.contains("volume_id"), "{}", err.message);
         let evil = HashMap::from([
-            ("mount_dir".to_string(), "/etc/fake-ok".to_string()),
+            ("mount_dir".to_string(), "/etc/fake+ok".to_string()),
             ("volume_id".to_string(), "other".to_string()),
             ("csi_volume_id".to_string(), "x".to_string()),
         ]);
@@ -684,7 +684,7 @@ async fn volume_ids_starting_with_a_dash_work_in_both_modes() {
             .attach("-sb", "-dash", 0, &created.private_data)
             .await
             .unwrap();
-        assert_eq!(Path::new(&a.host_path), w.base_dir.join("fake--dash"));
+        assert_eq!(Path::new(&a.host_path), w.base_dir.join("fake+-dash"));
         w.detach("-sb", "-dash", 0, &a.metadata).await.unwrap();
         w.destroy("-dash").await.unwrap();
     }
@@ -753,7 +753,7 @@ async fn a_base_dir_reached_through_a_symlink_works() {
             .await
             .unwrap();
         // Cube checks host_path lexically against its own base dir: keep Cube's spelling.
-        assert_eq!(Path::new(&a.host_path), link.join("fake-sym"), "{mode:?}");
+        assert_eq!(Path::new(&a.host_path), link.join("fake+sym"), "{mode:?}");
         w.driver.clear_calls();
         let again = w
             .attach_in(&link, "sb2", "sym", 1, &created.private_data)

@@ -129,7 +129,7 @@ async fn csi_mock_whole_lifecycle_through_both_transports() {
                 .attach_as("ns-a", "sb-a", "vol-1", 0, &created.private_data)
                 .await
                 .unwrap_or_else(|e| panic!("{label}: attach A: {e:?}\n{}", w.logs()));
-            let host_path = w.base_dir.join(format!("{DRIVER}-vol-1"));
+            let host_path = w.base_dir.join(format!("{DRIVER}+vol-1"));
             assert_eq!(Path::new(&a.host_path), host_path, "{label}");
             assert!(host_path.is_dir(), "{label}: the mock made the target");
             let b = w
@@ -329,7 +329,7 @@ async fn csi_mock_injected_errors_on_each_step_leave_nothing_behind() {
                         );
                     }
                     assert!(
-                        !w.base_dir.join(format!("{DRIVER}-vol-e")).exists(),
+                        !w.base_dir.join(format!("{DRIVER}+vol-e")).exists(),
                         "{label}: no host_path left"
                     );
                     w.attach("sb", "vol-e", 0, &created.private_data)

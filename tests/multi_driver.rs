@@ -244,8 +244,8 @@ async fn one_daemon_serves_two_drivers_each_on_its_own() {
     // does not).
     let (path_a, path_b) =
         tokio::join!(host.lifecycle("alpha", "v1"), host.lifecycle("beta", "v1"));
-    assert_eq!(path_a, host.base_dir().join("alpha-v1"));
-    assert_eq!(path_b, host.base_dir().join("beta-v1"));
+    assert_eq!(path_a, host.base_dir().join("alpha+v1"));
+    assert_eq!(path_b, host.base_dir().join("beta+v1"));
     let steps = |fake: &FakeDriver| fake.mutating_calls();
     assert!(
         !steps(alpha).contains(&"ControllerPublishVolume"),
@@ -315,7 +315,7 @@ async fn one_daemon_serves_two_drivers_each_on_its_own() {
         .unwrap_or_else(|e| panic!("alpha's held Attach: {e:?}\n{}", host.log()));
     assert_eq!(
         Path::new(&attached.host_path),
-        host.base_dir().join("alpha-slow")
+        host.base_dir().join("alpha+slow")
     );
 
     // Metrics: one endpoint, every series labelled with its driver.

@@ -88,7 +88,7 @@ async fn a_forked_attach_whose_front_is_killed_after_its_worker_finished_leaves_
         holds(&w, "phantom", "sb-phantom")
     })
     .await;
-    let host_path = w.base_dir.join(format!("{}-phantom", common::DRIVER));
+    let host_path = w.base_dir.join(format!("{}+phantom", common::DRIVER));
     assert!(w.mounts().contains(&host_path), "{:?}", w.mounts());
 
     // Cube's deadline: the stopped front is killed. Cube saw no answer.

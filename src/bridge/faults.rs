@@ -115,3 +115,20 @@ fn crash(target: &str) {
     let _ = writeln!(std::io::stderr(), "fault injection: crashing at {target}");
     let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
 }
+
+/// The leaf form a fresh Attach gives its paths. With the `fault-injection` feature,
+/// `CUBE_CSI_BRIDGE_LEGACY_LEAF=1` makes it the legacy `<driver>-<volume_id>` of the releases
+/// before: a test attaches as they did, then checks an upgraded bridge still serves those
+/// volumes (tests/host_path_collision.rs).
+pub fn fresh_leaf_form() -> super::naming::LeafForm {
+    #[cfg(feature = "fault-injection")]
+    {
+        static LEGACY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *LEGACY.get_or_init(|| {
+            std::env::var_os("CUBE_CSI_BRIDGE_LEGACY_LEAF").is_some_and(|v| v == "1")
+        }) {
+            return super::naming::LeafForm::Legacy;
+        }
+    }
+    super::naming::LeafForm::Current
+}

@@ -273,8 +273,8 @@ mod tests {
             None
         );
         let mut evil = map.clone();
-        evil.insert(keys::MOUNT_DIR.into(), "/etc/nfs-v1".into());
-        evil.insert(keys::STAGING_DIR.into(), "/etc/.staging/nfs-v1".into());
+        evil.insert(keys::MOUNT_DIR.into(), "/etc/nfs+v1".into());
+        evil.insert(keys::STAGING_DIR.into(), "/etc/.staging/nfs+v1".into());
         assert!(
             AttachMetadata::from_map(&evil, "nfs", "v1").is_ok(),
             "same shape elsewhere is a base dir"
@@ -286,5 +286,31 @@ mod tests {
         evil.insert(keys::STAGING_DIR.into(), "/data/v/x".into());
         assert!(AttachMetadata::from_map(&evil, "nfs", "v1").is_err());
         assert!(AttachMetadata::from_map(&map, "nfs", "v2").is_err());
+    }
+
+    /// Metadata Cube kept from an Attach before the leaf changed (`<driver>-<volume_id>`)
+    /// still names that volume's paths, and only as a whole: a legacy mount_dir with a
+    /// current staging_dir is refused.
+    #[test]
+    fn legacy_metadata_is_read() {
+        let map = HashMap::from([
+            (keys::MOUNT_DIR.to_string(), "/data/v/nfs-v1".to_string()),
+            (
+                keys::STAGING_DIR.to_string(),
+                "/data/v/.staging/nfs-v1".to_string(),
+            ),
+            (keys::VOLUME_ID.to_string(), "v1".to_string()),
+            (keys::CSI_VOLUME_ID.to_string(), "h".to_string()),
+        ]);
+        let meta = AttachMetadata::from_map(&map, "nfs", "v1")
+            .unwrap()
+            .unwrap();
+        assert_eq!(meta.paths.target, Path::new("/data/v/nfs-v1"));
+        assert_eq!(meta.paths.staging, Path::new("/data/v/.staging/nfs-v1"));
+        assert!(meta.staged);
+        assert_eq!(meta.to_map("v1"), map, "round-trips as it came");
+        let mut mixed = map.clone();
+        mixed.insert(keys::STAGING_DIR.into(), "/data/v/.staging/nfs+v1".into());
+        assert!(AttachMetadata::from_map(&mixed, "nfs", "v1").is_err());
     }
 }

@@ -112,28 +112,93 @@ pub fn validate_base_dir(dir: &str) -> Result<PathBuf, String> {
     Ok(normal)
 }
 
+/// Joins driver and volume_id in a path leaf. It is in neither alphabet (driver names are
+/// `[A-Za-z0-9._-]`, volume ids `[A-Za-z0-9_-]`), so every leaf holds exactly one and
+/// splits one way only: no two (driver, volume) pairs share a host_path, whichever bridge
+/// instances use one base dir. No leaf of the legacy form or of Cube's own plugins
+/// (`<driver>-<volume_id>`) contains it either. Safe wherever the path travels: mountinfo
+/// leaves it as it is, it means nothing to a shell or in a mount option list, and systemd
+/// unit names escape it (`\x2b`) as they escape `-`.
+pub const LEAF_SEPARATOR: char = '+';
+
+/// How a path leaf joins driver and volume_id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeafForm {
+    /// `<driver>+<volume_id>`: what every fresh Attach gets.
+    Current,
+    /// `<driver>-<volume_id>`, from the releases before [`LEAF_SEPARATOR`]: ambiguous
+    /// across drivers (`nfs` + `prod-x` and `nfs-prod` + `x` meet). Still followed for
+    /// volumes their records or Cube's metadata show were attached that way, so an upgrade
+    /// leaves them working until their last Detach.
+    Legacy,
+}
+
+/// The leaf (`<base>/<leaf>`, `<base>/.staging/<leaf>`) of a driver's volume.
+pub fn path_leaf(driver: &str, volume_id: &str, form: LeafForm) -> String {
+    match form {
+        LeafForm::Current => format!("{driver}{LEAF_SEPARATOR}{volume_id}"),
+        LeafForm::Legacy => format!("{driver}-{volume_id}"),
+    }
+}
+
+/// The driver and volume_id of a current-form leaf; None for anything else (a legacy leaf
+/// cannot be split: its driver and volume_id are ambiguous).
+pub fn split_leaf(leaf: &str) -> Option<(&str, &str)> {
+    let (driver, volume_id) = leaf.split_once(LEAF_SEPARATOR)?;
+    let valid = !driver.is_empty()
+        && !volume_id.contains(LEAF_SEPARATOR)
+        && validate_volume_id(volume_id).is_ok();
+    valid.then_some((driver, volume_id))
+}
+
 /// Where a volume lives on a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumePaths {
-    /// CSI target_path = Cube host_path: `<base>/<driver>-<volume_id>`.
+    /// CSI target_path = Cube host_path: `<base>/<driver>+<volume_id>` (legacy records:
+    /// `<base>/<driver>-<volume_id>`).
     pub target: PathBuf,
-    /// CSI staging_target_path: `<base>/.staging/<driver>-<volume_id>`. Inside the base
-    /// dir, so it sits on the same propagating mount and never collides with a host_path.
+    /// CSI staging_target_path: `<base>/.staging/<leaf>`, the target's leaf. Inside the
+    /// base dir, so it sits on the same propagating mount and never collides with a
+    /// host_path.
     pub staging: PathBuf,
 }
 
 impl VolumePaths {
+    /// The paths a fresh Attach uses (the current form).
     pub fn new(base_dir: &Path, driver: &str, volume_id: &str) -> Self {
-        let leaf = format!("{driver}-{volume_id}");
+        Self::with_form(base_dir, driver, volume_id, LeafForm::Current)
+    }
+
+    /// The paths in a given form (the legacy one only for volumes attached that way).
+    pub fn with_form(base_dir: &Path, driver: &str, volume_id: &str, form: LeafForm) -> Self {
+        let leaf = path_leaf(driver, volume_id, form);
         Self {
             target: base_dir.join(&leaf),
             staging: base_dir.join(".staging").join(leaf),
         }
     }
 
+    /// The paths of a volume in `base_dir` whose journal record says it is published at
+    /// `recorded_target`: the legacy form when that is where the record put it (a volume
+    /// attached before the upgrade keeps its host_path), else the current form.
+    pub fn for_record(
+        base_dir: &Path,
+        driver: &str,
+        volume_id: &str,
+        recorded_target: &Path,
+    ) -> Self {
+        let legacy = Self::with_form(base_dir, driver, volume_id, LeafForm::Legacy);
+        if legacy.target == recorded_target {
+            legacy
+        } else {
+            Self::new(base_dir, driver, volume_id)
+        }
+    }
+
     /// Recovers the paths from a host_path Cube hands back, checking that it has exactly
-    /// the shape the bridge produces for this driver and volume (so Detach metadata can
-    /// never point the bridge at another directory).
+    /// the shape the bridge produces for this driver and volume, in either form (so Detach
+    /// metadata can never point the bridge at another directory, and metadata of a volume
+    /// attached before the upgrade still works).
     pub fn from_target(target: &Path, driver: &str, volume_id: &str) -> Result<Self, String> {
         let base = target
             .parent()
@@ -143,14 +208,18 @@ impl VolumePaths {
             .ok_or_else(|| format!("mount_dir {} is not UTF-8", target.display()))?;
         let base = validate_base_dir(base_str).map_err(|e| format!("mount_dir: {e}"))?;
         let paths = Self::new(&base, driver, volume_id);
-        if paths.target != target {
-            return Err(format!(
-                "mount_dir {} is not this volume's host_path {}",
-                target.display(),
-                paths.target.display()
-            ));
+        if paths.target == target {
+            return Ok(paths);
         }
-        Ok(paths)
+        let legacy = Self::with_form(&base, driver, volume_id, LeafForm::Legacy);
+        if legacy.target == target {
+            return Ok(legacy);
+        }
+        Err(format!(
+            "mount_dir {} is not this volume's host_path {}",
+            target.display(),
+            paths.target.display()
+        ))
     }
 }
 
@@ -207,11 +276,107 @@ mod tests {
     #[test]
     fn paths_round_trip_and_reject_foreign_dirs() {
         let p = VolumePaths::new(Path::new("/data/v"), "nfs", "-x");
-        assert_eq!(p.target, Path::new("/data/v/nfs--x"));
-        assert_eq!(p.staging, Path::new("/data/v/.staging/nfs--x"));
+        assert_eq!(p.target, Path::new("/data/v/nfs+-x"));
+        assert_eq!(p.staging, Path::new("/data/v/.staging/nfs+-x"));
         assert_eq!(VolumePaths::from_target(&p.target, "nfs", "-x").unwrap(), p);
-        assert!(VolumePaths::from_target(Path::new("/etc/nfs--x"), "nfs", "-y").is_err());
-        assert!(VolumePaths::from_target(Path::new("/data/../etc/nfs--x"), "nfs", "-x").is_err());
-        assert!(VolumePaths::from_target(Path::new("/nfs--x"), "nfs", "-x").is_err());
+        assert!(VolumePaths::from_target(Path::new("/etc/nfs+-x"), "nfs", "-y").is_err());
+        assert!(VolumePaths::from_target(Path::new("/data/../etc/nfs+-x"), "nfs", "-x").is_err());
+        assert!(VolumePaths::from_target(Path::new("/nfs+-x"), "nfs", "-x").is_err());
+        // Another driver's leaf, in either form, is not this volume's.
+        assert!(
+            VolumePaths::from_target(Path::new("/data/v/nfs-prod+x"), "nfs", "prod-x").is_err()
+        );
+        assert!(
+            VolumePaths::from_target(Path::new("/data/v/nfs+prod-x"), "nfs-prod", "x").is_err()
+        );
+    }
+
+    #[test]
+    fn legacy_paths_are_still_recognised() {
+        let legacy = VolumePaths::with_form(Path::new("/data/v"), "nfs", "-x", LeafForm::Legacy);
+        assert_eq!(legacy.target, Path::new("/data/v/nfs--x"));
+        assert_eq!(legacy.staging, Path::new("/data/v/.staging/nfs--x"));
+        assert_eq!(
+            VolumePaths::from_target(&legacy.target, "nfs", "-x").unwrap(),
+            legacy
+        );
+        assert!(VolumePaths::from_target(Path::new("/data/v/nfs--y"), "nfs", "-x").is_err());
+        let base = Path::new("/data/v");
+        assert_eq!(
+            VolumePaths::for_record(base, "nfs", "-x", &legacy.target),
+            legacy
+        );
+        let current = VolumePaths::new(base, "nfs", "-x");
+        assert_eq!(
+            VolumePaths::for_record(base, "nfs", "-x", &current.target),
+            current
+        );
+        // A record elsewhere (another base dir) gives no reason to keep the legacy form.
+        let elsewhere = Path::new("/data/w/nfs--x");
+        assert_eq!(
+            VolumePaths::for_record(base, "nfs", "-x", elsewhere),
+            current
+        );
+    }
+
+    #[test]
+    fn leaves_split_one_way_only() {
+        assert_eq!(split_leaf("nfs+prod-x"), Some(("nfs", "prod-x")));
+        assert_eq!(split_leaf("nfs-prod+x"), Some(("nfs-prod", "x")));
+        assert_eq!(split_leaf("a.b_c-d+-_-"), Some(("a.b_c-d", "-_-")));
+        for bad in [
+            "nfs-prod-x",
+            "+x",
+            "nfs+",
+            "a+b+c",
+            "nfs+x/y",
+            "nfs+x.y",
+            "",
+        ] {
+            assert_eq!(split_leaf(bad), None, "{bad:?}");
+        }
+        for (driver, id) in [("nfs", "prod-x"), ("a.b", "-"), ("x-", "-y"), ("d_1", "_")] {
+            let leaf = path_leaf(driver, id, LeafForm::Current);
+            assert_eq!(split_leaf(&leaf), Some((driver, id)));
+        }
+    }
+
+    /// (driver, volume_id) -> leaf is injective over the names that break the legacy
+    /// form: every driver's dashes, dots and underscores against every volume's; and no
+    /// current leaf is any legacy leaf (of this bridge or of Cube's own plugins).
+    #[test]
+    fn leaves_never_collide() {
+        let drivers = [
+            "nfs",
+            "nfs-prod",
+            "nfs-",
+            "nfs--prod",
+            "n",
+            "n-f",
+            "n.f",
+            "n_f",
+            "a-b-c",
+        ];
+        let ids = [
+            "x", "prod-x", "-x", "--x", "prod--x", "f-x", "b-c", "c", "_", "-", "x_y",
+        ];
+        let mut seen = std::collections::HashMap::new();
+        let mut legacy = std::collections::HashSet::new();
+        for driver in drivers {
+            for id in ids {
+                let leaf = path_leaf(driver, id, LeafForm::Current);
+                if let Some(other) = seen.insert(leaf.clone(), (driver, id)) {
+                    panic!("{leaf} is both {other:?} and {:?}", (driver, id));
+                }
+                legacy.insert(path_leaf(driver, id, LeafForm::Legacy));
+            }
+        }
+        // The legacy form did collide (the reason for the change).
+        assert!(legacy.len() < drivers.len() * ids.len());
+        assert!(seen.keys().all(|leaf| !legacy.contains(leaf)));
+        assert_eq!(
+            path_leaf("nfs", "prod-x", LeafForm::Legacy),
+            path_leaf("nfs-prod", "x", LeafForm::Legacy)
+        );
     }
 }

@@ -385,10 +385,16 @@ impl NodeSide {
                 let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
                     return Ok(None);
                 };
-                let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
                 let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
                     return Ok(None);
                 };
+                // A volume attached before the leaf changed keeps the host_path Cube holds.
+                let paths = VolumePaths::for_record(
+                    &req.base_dir,
+                    &self.config.driver,
+                    &req.volume_id,
+                    &record.target_path,
+                );
                 let deadline = Deadline::after(self.config.timeouts.attach);
                 // The mount table is read only for a record that could be hot; a dead
                 // mount is never hot (`attach` repairs it).
@@ -450,7 +456,6 @@ impl NodeSide {
         let volume_id = req.volume_id.clone();
         super::hook(self.recorder.as_ref(), HookKind::Attach, &volume_id, async {
             let deadline = Deadline::after(self.config.timeouts.attach);
-            let paths = VolumePaths::new(&req.base_dir, &self.config.driver, &req.volume_id);
             let _guard = self
                 .locks
                 .acquire(LockScope::Node, &req.volume_id, &deadline)
@@ -461,7 +466,7 @@ impl NodeSide {
                 first: req.ref_count == 0,
                 at: self.clock.now_secs(),
             };
-            let mut record = self.record_for_attach(&req, &paths, &deadline).await?;
+            let (mut record, paths) = self.record_for_attach(&req, &deadline).await?;
             // Only a published or held volume can be mounted for someone here: a fresh
             // record needs no check of its own (record_for_attach has already refused one
             // whose paths another instance mounted).
@@ -628,24 +633,40 @@ impl NodeSide {
         .await
     }
 
-    /// The record Attach starts from: the journal's, or a new one. A record of another
-    /// CSI volume or path that is no longer mounted is torn down first.
+    /// The record Attach starts from and its paths: the journal's, or a new one at the
+    /// current form's paths. A record of this volume at the legacy form's paths in this
+    /// base dir keeps them (Cube holds that host_path). A record of another CSI volume or
+    /// path that is no longer mounted is torn down first.
     async fn record_for_attach(
         &self,
         req: &AttachVolume,
-        paths: &VolumePaths,
         deadline: &Deadline,
-    ) -> Result<NodeRecord, BridgeError> {
+    ) -> Result<(NodeRecord, VolumePaths), BridgeError> {
+        let paths = VolumePaths::with_form(
+            &req.base_dir,
+            &self.config.driver,
+            &req.volume_id,
+            faults::fresh_leaf_form(),
+        );
         let fresh = || {
-            NodeRecord::new(
+            let record = NodeRecord::new(
                 &req.volume_id,
                 &req.handle.csi_volume_id,
                 paths.target.clone(),
-            )
+            );
+            (record, paths.clone())
         };
         let existing = self
-            .load_or_rebuild(&req.volume_id, &req.handle.csi_volume_id, paths, deadline)
+            .load_or_rebuild(&req.volume_id, &req.handle.csi_volume_id, &paths, deadline)
             .await?;
+        let recorded_paths = existing.as_ref().map(|record| {
+            VolumePaths::for_record(
+                &req.base_dir,
+                &self.config.driver,
+                &req.volume_id,
+                &record.target_path,
+            )
+        });
         match existing {
             Some(mut old) if self.is_from_earlier_boot(&old) => {
                 // What the record says was done before the reboot is undone first (a
@@ -659,10 +680,12 @@ impl NodeSide {
                 Ok(fresh())
             }
             Some(record)
-                if record.target_path == paths.target
+                if recorded_paths
+                    .as_ref()
+                    .is_some_and(|recorded| record.target_path == recorded.target)
                     && record.csi_volume_id == req.handle.csi_volume_id =>
             {
-                Ok(record)
+                Ok((record, recorded_paths.unwrap_or(paths)))
             }
             Some(mut stale) => {
                 // Unknown (no mount check) counts as mounted: never tear down what may be
@@ -691,8 +714,8 @@ impl NodeSide {
             None => {
                 // A symlink below the base dir is named as such, not taken for a mount of
                 // another instance's that the mount check would find through it.
-                self.check_attach_paths(paths, deadline).await?;
-                self.refuse_foreign_mounts(paths, deadline).await?;
+                self.check_attach_paths(&paths, deadline).await?;
+                self.refuse_foreign_mounts(&paths, deadline).await?;
                 Ok(fresh())
             }
         }
@@ -712,10 +735,8 @@ impl NodeSide {
             if self.visibility(path, deadline).await? == Visibility::Mounted {
                 return Err(BridgeError::Precondition(format!(
                     "{} is already a mount point, but this bridge (driver {:?}) has no record \
-                     of mounting it: another bridge instance or CSI driver owns it. Refusing \
-                     to publish onto it. Two driver names whose paths collide (driver \"nfs\" \
-                     with volume \"prod-x\" and driver \"nfs-prod\" with volume \"x\" both \
-                     use <base>/nfs-prod-x) need different volume base dirs",
+                     of mounting it: another bridge instance or program owns it. Refusing to \
+                     publish onto it; unmount it if nothing uses it",
                     path.display(),
                     self.config.driver
                 )));
@@ -1456,7 +1477,7 @@ async fn path_exists(path: &Path) -> bool {
         .map_or(true, |found| found.is_ok())
 }
 
-/// The base dir of a host_path (`<base>/<driver>-<volume>`).
+/// The base dir of a host_path (`<base>/<leaf>`).
 pub(crate) fn base_of(target: &Path) -> PathBuf {
     target.parent().map(Path::to_path_buf).unwrap_or_default()
 }

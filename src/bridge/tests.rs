@@ -677,11 +677,11 @@ impl World {
     }
 
     fn target(&self, volume: &str) -> PathBuf {
-        self.base().join(format!("fk-{volume}"))
+        self.base().join(format!("fk+{volume}"))
     }
 
     fn staging(&self, volume: &str) -> PathBuf {
-        self.base().join(".staging").join(format!("fk-{volume}"))
+        self.base().join(".staging").join(format!("fk+{volume}"))
     }
 
     fn handle(&self) -> VolumeHandle {
@@ -725,8 +725,21 @@ impl World {
         sandbox: &str,
         ref_count: i64,
     ) -> Result<(), HookError> {
+        let paths = super::naming::VolumePaths::new(&self.base(), "fk", volume);
+        self.detach_at(paths, volume, ns, sandbox, ref_count).await
+    }
+
+    /// Detach with metadata naming `paths` (as Cube echoes what Attach answered).
+    async fn detach_at(
+        &self,
+        paths: super::naming::VolumePaths,
+        volume: &str,
+        ns: &str,
+        sandbox: &str,
+        ref_count: i64,
+    ) -> Result<(), HookError> {
         let meta = AttachMetadata {
-            paths: super::naming::VolumePaths::new(&self.base(), "fk", volume),
+            paths,
             csi_volume_id: "h1".into(),
             staged: self.fake.stage,
         };
@@ -1223,6 +1236,121 @@ async fn with_mount_checks_off_the_last_detach_still_succeeds() {
     w.attach("v", "ns1", "s1", 0).await.unwrap();
     w.detach("v", "ns1", "s1", 0).await.unwrap();
     assert!(w.record("v").is_none());
+}
+
+// ---------------------------------------------------------------- legacy path leaves
+
+impl World {
+    /// Turns `volume`'s attachment into one a release before the `+` leaf made: its mounts,
+    /// directories and journal record at `<base>/fk-<volume>` and `<base>/.staging/fk-<volume>`
+    /// (the record then reads exactly as those releases wrote it; only paths differ).
+    fn as_legacy_attachment(&self, volume: &str) -> super::naming::VolumePaths {
+        use super::naming::{LeafForm, VolumePaths};
+        let legacy = VolumePaths::with_form(&self.base(), "fk", volume, LeafForm::Legacy);
+        for (current, old) in [
+            (self.target(volume), &legacy.target),
+            (self.staging(volume), &legacy.staging),
+        ] {
+            if current.exists() {
+                std::fs::rename(&current, old).unwrap();
+            }
+            let mut mounted = self.fake.mounted.lock().unwrap();
+            if mounted.remove(&current) {
+                mounted.insert(old.clone());
+            }
+        }
+        let journal = self.bridge.node().unwrap().node_journal();
+        let mut record = journal.load(volume).unwrap().unwrap();
+        record.target_path = legacy.target.clone();
+        if record.staging_path.is_some() {
+            record.staging_path = Some(legacy.staging.clone());
+        }
+        journal.save(&record, true).unwrap();
+        legacy
+    }
+}
+
+/// Issue 18, finding 5, the upgrade: a volume attached before host_path leaves became
+/// `<driver>+<volume_id>` keeps its `<driver>-<volume_id>` paths (Cube holds that host_path)
+/// for hot Attaches, reconciliation and its last Detach; the next first Attach takes the
+/// current form.
+#[tokio::test]
+async fn a_volume_attached_with_legacy_paths_keeps_them_until_its_last_detach() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let legacy = w.as_legacy_attachment("v");
+    w.fake.clear_calls();
+
+    let hot = w
+        .bridge
+        .attach_if_hot(&w.attach_req("v", "ns1", "s2", 1))
+        .await
+        .expect("hot")
+        .unwrap();
+    assert_eq!(hot.host_path, legacy.target);
+    let second = w.attach("v", "ns2", "s3", 0).await.unwrap();
+    assert_eq!(second.host_path, legacy.target);
+    assert_eq!(
+        second.metadata["staging_dir"],
+        legacy.staging.display().to_string()
+    );
+    assert!(
+        w.fake.mutating_calls().is_empty(),
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+
+    // A restart's reconciliation repairs a lost mount where the record has it.
+    w.fake.unmount_behind_our_back(&legacy.target);
+    let report = w.reconcile_all().await;
+    assert_eq!((report.repaired, report.failed), (1, 0), "{report:?}");
+    assert!(w.fake.is_mounted(&legacy.target));
+    assert!(!w.fake.is_mounted(&w.target("v")));
+
+    // Detach with the legacy metadata Cube kept; the last one tears the legacy paths down.
+    w.detach_at(legacy.clone(), "v", "ns1", "s2", 1)
+        .await
+        .unwrap();
+    w.detach_at(legacy.clone(), "v", "ns1", "s1", 0)
+        .await
+        .unwrap();
+    assert!(w.fake.is_mounted(&legacy.target), "ns2 still holds it");
+    w.detach_at(legacy.clone(), "v", "ns2", "s3", 0)
+        .await
+        .unwrap();
+    for path in [&legacy.target, &legacy.staging] {
+        assert!(!w.fake.is_mounted(path), "{} still mounted", path.display());
+        assert!(!path.exists(), "{} left", path.display());
+    }
+    w.assert_clean("v");
+
+    let fresh = w.attach("v", "ns1", "s4", 0).await.unwrap();
+    assert_eq!(fresh.host_path, w.target("v"));
+    assert!(w.fake.is_mounted(&w.staging("v")));
+}
+
+/// A legacy record whose mount is gone by a Detach without metadata (Cube lost it) is
+/// found by the journal and torn down at its own paths.
+#[tokio::test]
+async fn a_legacy_record_is_torn_down_at_its_own_paths_without_metadata() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let legacy = w.as_legacy_attachment("v");
+    w.bridge
+        .detach(DetachVolume {
+            sandbox_id: "s1".into(),
+            namespace: "ns1".into(),
+            volume_id: "v".into(),
+            ref_count: 0,
+            recorded: None,
+        })
+        .await
+        .unwrap();
+    for path in [&legacy.target, &legacy.staging] {
+        assert!(!w.fake.is_mounted(path), "{} still mounted", path.display());
+        assert!(!path.exists(), "{} left", path.display());
+    }
+    w.assert_clean("v");
 }
 
 // ---------------------------------------------------------------- reconcile

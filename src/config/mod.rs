@@ -67,7 +67,7 @@ pub enum ConfigError {
 #[derive(Debug, Clone)]
 pub struct Config {
     /// The Cube driver name this instance serves (the `name` registered in CubeMaster and
-    /// Cubelet). It prefixes every host_path: `<volume_base_dir>/<driver>-<volume_id>`.
+    /// Cubelet). It prefixes every host_path: `<volume_base_dir>/<driver>+<volume_id>`.
     pub driver: String,
     pub csi: CsiSettings,
     pub serve: ServeSettings,
@@ -536,7 +536,8 @@ fn choose(
 }
 
 /// Refuses drivers of one file that would share what each must own alone: a name, a
-/// socket, a TCP port, state and lock dirs, a record-key Secret, or host_paths.
+/// socket, a TCP port, state and lock dirs, or a record-key Secret. (Their host_paths never
+/// meet: the leaf `<driver>+<volume_id>` splits one way only.)
 fn check_apart(configs: &[Config]) -> Result<(), String> {
     if configs.is_empty() {
         return Err("[[drivers]] lists no driver".to_string());
@@ -563,27 +564,6 @@ fn check_apart(configs: &[Config]) -> Result<(), String> {
             if let Some((_, what)) = shared.iter().find(|(same, _)| *same) {
                 return Err(format!(
                     "drivers {x:?} and {y:?} share {what}; each driver needs its own"
-                ));
-            }
-            // host_path is <base>/<driver>-<volume_id>: driver "nfs" with volume "prod-x"
-            // and driver "nfs-prod" with volume "x" would meet on one directory.
-            let (short, long) = if x.len() <= y.len() { (x, y) } else { (y, x) };
-            let prefixed = long
-                .strip_prefix(short.as_str())
-                .is_some_and(|rest| rest.starts_with('-'));
-            let shared_base = a
-                .node
-                .allowed_base_dirs
-                .iter()
-                .find(|dir| b.node.allowed_base_dirs.contains(dir));
-            if let (true, Some(dir)) = (prefixed, shared_base) {
-                return Err(format!(
-                    "drivers {short:?} and {long:?} share the base dir {}, where their \
-                     host_paths can meet (<driver>-<volume_id>: {short:?} with volume \
-                     \"{}-x\" is {long:?} with volume \"x\"); rename one or give them \
-                     different node.allowed_base_dirs",
-                    dir.display(),
-                    &long[short.len() + 1..],
                 ));
             }
         }
@@ -1296,17 +1276,10 @@ access_mode = "single_node_writer"
             )
         };
         let err = |text: String| parse_all(&text).unwrap_err().to_string();
-        let e = err(with("", ""));
-        assert!(
-            e.contains("\"nfs\" and \"nfs-prod\" share the base dir /data/cube-shared/volume")
-                && e.contains("\"prod-x\""),
-            "prefix names on one base dir can meet: {e}"
-        );
+        // Names that prefix each other share a base dir: their host_paths never meet
+        // (`nfs+prod-x`, `nfs-prod+x`).
+        assert!(parse_all(&with("", "")).is_ok(), "one base dir");
         let apart = "[drivers.node]\ndefault_volume_base_dir = \"/data/prod\"";
-        assert!(
-            parse_all(&with("", apart)).is_ok(),
-            "apart on their base dirs"
-        );
         let sock = "[drivers.serve]\nsocket = \"/run/x.sock\"";
         let e = err(with(sock, &format!("{sock}\n{apart}")));
         assert!(e.contains("share serve.socket"), "{e}");

@@ -276,6 +276,7 @@ mod tests {
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
 35 22 0:31 / /data/cube-shared/volume/nfs-v1 rw shared:20 - nfs 10.0.0.5:/exports rw
 36 22 0:32 / /data/with\\040space rw - tmpfs tmpfs rw
+37 22 0:33 / /data/cube-shared/volume/nfs+prod-x rw shared:21 - nfs 10.0.0.5:/x rw
 ";
 
     #[test]
@@ -291,6 +292,9 @@ mod tests {
             ("/data/with space", true),
             ("/data/cube-shared/volume", false),
             ("/data/cube-shared/volume/nfs-v", false),
+            // The kernel leaves `+` (the leaf separator) as it is.
+            ("/data/cube-shared/volume/nfs+prod-x", true),
+            ("/data/cube-shared/volume/nfs-prod-x", false),
         ] {
             assert_eq!(
                 is_mount_point_in(SAMPLE, Path::new(path)),
@@ -298,7 +302,7 @@ mod tests {
                 "{path}"
             );
         }
-        assert_eq!(t.under(Path::new("/data")).count(), 2);
+        assert_eq!(t.under(Path::new("/data")).count(), 3);
         let (mount, shared) = t.mount_of(Path::new("/data/cube-shared/volume")).unwrap();
         assert_eq!((mount, shared), (Path::new("/"), true));
         let (mount, shared) = t.mount_of(Path::new("/data/with space/x")).unwrap();

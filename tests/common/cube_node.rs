@@ -269,7 +269,7 @@ rollback_secs = 10
     /// The host_path Cube gets for `volume_id`.
     pub fn host_path(&self, volume_id: &str) -> PathBuf {
         self.base_dir
-            .join(format!("{}-{volume_id}", self.kind.cube_name()))
+            .join(format!("{}+{volume_id}", self.kind.cube_name()))
     }
 
     /// The daemon's log and the driver's calls, for failure messages.
