@@ -64,9 +64,7 @@ fn kill_filesystem(host_path: &Path, staging: &Path) {
 }
 
 fn staging_of(w: &World, volume: &str) -> PathBuf {
-    w.base_dir
-        .join(".staging")
-        .join(format!("{}-{volume}", common::DRIVER))
+    cube_csi_bridge::bridge::naming::VolumePaths::new(&w.base_dir, common::DRIVER, volume).staging
 }
 
 /// `cube-csi-bridge list` of this world's node, as text or JSON.
