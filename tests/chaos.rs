@@ -89,8 +89,9 @@ fn volume_id(i: usize) -> String {
 /// What ended a hook Cube saw fail.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Cause {
-    /// rpc: the caller's deadline passed first.
-    DeadlineExpired,
+    /// rpc: the caller's deadline (`ms`) passed first; `answered_by_server`: the daemon
+    /// answered DEADLINE_EXCEEDED or CANCELLED before the caller gave up by itself.
+    DeadlineExpired { ms: u128, answered_by_server: bool },
     /// rpc: the daemon was SIGKILLed while the call was open.
     DaemonKilled,
     /// rpc: any other failure (mostly: the daemon was down, restarting).
@@ -117,7 +118,7 @@ impl Cause {
                 printed: false,
                 worker: false,
             } => Some("front killed on its hot path, between the holder line and the print"),
-            Cause::DeadlineExpired => Some("rpc reply lost to the caller's deadline"),
+            Cause::DeadlineExpired { .. } => Some("rpc reply lost to the caller's deadline"),
             Cause::DaemonKilled => Some("rpc reply lost with the daemon"),
             _ => None,
         }
@@ -125,7 +126,16 @@ impl Cause {
 
     fn label(&self) -> String {
         match self {
-            Cause::DeadlineExpired => "rpc deadline expired".into(),
+            Cause::DeadlineExpired {
+                answered_by_server, ..
+            } => format!(
+                "rpc deadline expired ({})",
+                if *answered_by_server {
+                    "the daemon answered DEADLINE_EXCEEDED"
+                } else {
+                    "the caller gave up"
+                }
+            ),
             Cause::DaemonKilled => "rpc: daemon killed during the call".into(),
             Cause::Rpc(code) => format!("rpc error {code}"),
             Cause::FrontKilled { printed, worker } => format!(
@@ -209,6 +219,8 @@ struct Figures {
     attaches: usize,
     attached: usize,
     retried: usize,
+    /// How long answered Attaches took, by transport.
+    attach_took: BTreeMap<&'static str, Vec<Duration>>,
     /// Retries that succeeded: what the failed attempt left is Cube's now.
     retry_answered: usize,
     detaches: usize,
@@ -335,7 +347,7 @@ impl Shared {
     fn count_failure(&self, cause: &Cause) {
         let mut f = self.figures.lock().unwrap();
         *f.failed_by.entry(cause.label()).or_default() += 1;
-        if *cause == Cause::DeadlineExpired {
+        if matches!(cause, Cause::DeadlineExpired { .. }) {
             f.deadlines_expired += 1;
         }
         if matches!(cause, Cause::FrontKilled { printed: true, .. }) {
@@ -357,14 +369,20 @@ impl Shared {
                 _ => HookAnswer::Done,
             }),
             _ if killed => Err(Cause::DaemonKilled),
-            Err(_) => Err(Cause::DeadlineExpired),
+            Err(_) => Err(Cause::DeadlineExpired {
+                ms: deadline.as_millis(),
+                answered_by_server: false,
+            }),
             Ok(Err(e))
                 if matches!(
                     e.code,
                     Some(tonic::Code::DeadlineExceeded | tonic::Code::Cancelled)
                 ) =>
             {
-                Err(Cause::DeadlineExpired)
+                Err(Cause::DeadlineExpired {
+                    ms: deadline.as_millis(),
+                    answered_by_server: true,
+                })
             }
             Ok(Err(e)) => Err(Cause::Rpc(format!(
                 "{:?}: {}",
@@ -515,6 +533,22 @@ enum Transport {
     Binary,
 }
 
+impl Transport {
+    fn name(self) -> &'static str {
+        match self {
+            Transport::Rpc => "rpc",
+            Transport::Binary => "forked",
+        }
+    }
+}
+
+fn percentile_ms(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
+}
+
 fn attach_answer(object: &serde_json::Map<String, serde_json::Value>) -> pb::AttachResponse {
     pb::AttachResponse {
         host_path: object["host_path"].as_str().expect("host_path").into(),
@@ -594,11 +628,13 @@ async fn caller_loop(shared: Arc<Shared>, index: usize, transport: Transport, mu
                     f.attaches += 1;
                     f.retried += usize::from(attempt > 0);
                 }
+                let called = Instant::now();
                 match shared
                     .call(transport, Hook::Attach(request), &mut rng)
                     .await
                 {
                     Ok(HookAnswer::Attached(answer)) => {
+                        let took = called.elapsed();
                         let host_path = PathBuf::from(&answer.host_path);
                         if let Err(e) = write_and_read(&host_path, &format!("{sandbox}.txt")) {
                             shared.violation(format!("{id} held by {namespace}/{sandbox}: {e}"));
@@ -613,6 +649,10 @@ async fn caller_loop(shared: Arc<Shared>, index: usize, transport: Transport, mu
                         let mut f = shared.figures.lock().unwrap();
                         f.attached += 1;
                         f.retry_answered += usize::from(attempt > 0);
+                        f.attach_took
+                            .entry(transport.name())
+                            .or_default()
+                            .push(took);
                         f.most_holders = f.most_holders.max(books.total());
                         causes.clear();
                         break;
@@ -661,7 +701,7 @@ async fn detach_until_done(
                 if attempt > 0 {
                     shared.figures.lock().unwrap().detach_retries += 1;
                 }
-                if cause == Cause::DeadlineExpired {
+                if matches!(cause, Cause::DeadlineExpired { .. }) {
                     shared.figures.lock().unwrap().deadlines_expired += 1;
                 }
                 last = Some(cause);
@@ -1129,6 +1169,15 @@ async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phan
         figures.missed,
         figures.deadlines_expired
     );
+    for (transport, took) in &figures.attach_took {
+        let mut took = took.clone();
+        took.sort();
+        println!(
+            "chaos: answered {transport} Attaches took p50 {:.1} ms, p95 {:.1} ms",
+            percentile_ms(&took, 0.5),
+            percentile_ms(&took, 0.95)
+        );
+    }
     let mut by_cause: BTreeMap<String, (usize, usize)> = figures
         .failed_by
         .iter()
@@ -1162,7 +1211,13 @@ async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phan
             p.namespace,
             p.sandbox,
             p.window().unwrap_or("OUTSIDE the documented window"),
-            p.causes.iter().map(Cause::label).collect::<Vec<_>>(),
+            p.causes
+                .iter()
+                .map(|c| match c {
+                    Cause::DeadlineExpired { ms, .. } => format!("{} at {ms} ms", c.label()),
+                    _ => c.label(),
+                })
+                .collect::<Vec<_>>(),
             p.found_by
         );
     }
@@ -1207,4 +1262,94 @@ async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phan
         outside.is_empty(),
         "seed {seed}: phantom holders outside the window docs/reliability.md states: {outside:#?}"
     );
+}
+
+/// Found by the chaos run: an rpc Attach whose deadline passed after the core had counted
+/// its answer delivered (the caller was still waiting) but before the handler returned it
+/// got DEADLINE_EXCEEDED (tonic: CANCELLED, "Timeout expired") from the daemon, and its
+/// holder stayed: a phantom outside the window, since the daemon itself answered the
+/// error; a Create so kept a volume CubeMaster never learned of. The core now hands the
+/// answer to the handler, and it counts as delivered only once the handler took it (and so
+/// tonic writes it). `CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS` holds the hook past the
+/// deadline after the delivery: on the first holder's path, the hot path and a Create.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_rpc_answer_ready_before_the_deadline_is_received_or_undone() {
+    require_root!();
+    let mut w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let made = w.create("late").await.expect("create");
+    w.mode = Mode::Rpc;
+    w.start_daemon_with_env(&[("CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS", "4000")])
+        .await
+        .expect("daemon starts");
+    let journal = FileJournal::open(&w.dir.path().join("state/node")).unwrap();
+    let locks = FileLocks::new(&w.dir.path().join("locks")).unwrap();
+    for (sandbox, ref_count) in [("sb-first", 0), ("sb-hot", 1)] {
+        let request = attach_request(
+            "default",
+            &w.base_dir,
+            sandbox,
+            "late",
+            ref_count,
+            &made.private_data,
+        );
+        let answer = RpcCaller::new(&w.socket())
+            .with_timeout(Duration::from_secs(2))
+            .attach(request)
+            .await;
+        // The hook holds the volume until its pause is over: then it is settled.
+        let guard = locks
+            .lock(LockScope::Node, "late", &Deadline::after(SETTLE))
+            .await
+            .unwrap();
+        let holders = journal.load("late").unwrap().map(|r| r.holders);
+        drop(guard);
+        let held = holders
+            .as_ref()
+            .and_then(|h| h.get("default"))
+            .is_some_and(|s| s.contains(sandbox));
+        println!("{sandbox}: answered: {}, held: {held}", answer.is_ok());
+        match answer {
+            Ok(_) => assert!(held, "{sandbox}: Cube got the answer; holders {holders:?}"),
+            Err(e) => assert!(
+                !held,
+                "{sandbox}: Cube got {:?} ({}), yet its holder stays",
+                e.code, e.message
+            ),
+        }
+    }
+
+    // The same for a Create: answered, or no volume left that CubeMaster never learned of.
+    let created = RpcCaller::new(&w.socket())
+        .with_timeout(Duration::from_secs(2))
+        .create(common::callers::create_request("late-create"))
+        .await;
+    let guard = locks
+        .lock(
+            LockScope::Controller,
+            "late-create",
+            &Deadline::after(SETTLE),
+        )
+        .await
+        .unwrap();
+    drop(guard);
+    let (ok, listed) = run_cli(
+        &w.config_path,
+        &["list", "--controller", "--output", "json"],
+    );
+    assert!(ok, "{listed}");
+    let records: serde_json::Value = serde_json::from_str(&listed).expect(&listed);
+    let kept = records
+        .as_array()
+        .expect(&listed)
+        .iter()
+        .any(|r| r["volume_id"] == "late-create" && r["state"] == "created");
+    println!("late-create: answered: {}, kept: {kept}", created.is_ok());
+    match created {
+        Ok(_) => assert!(kept, "Cube got the Create's answer: {listed}"),
+        Err(e) => assert!(
+            !kept,
+            "Cube got {:?} ({}), yet the volume stays: {listed}",
+            e.code, e.message
+        ),
+    }
 }

@@ -81,6 +81,19 @@ pub fn point(hook: HookKind, when: When, step: &str) {
     }
 }
 
+/// With the feature, `CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS=<ms>` holds a hook that long
+/// once its answer was delivered, before it lets go of its volume: the window between the
+/// delivery and the reply reaching Cube, made wide enough for a test to land in.
+pub async fn pause_after_delivery() {
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var("CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum When {
     Before,
