@@ -89,9 +89,9 @@ fn volume_id(i: usize) -> String {
 /// What ended a hook Cube saw fail.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Cause {
-    /// rpc: the caller's deadline (`ms`) passed first; `answered_by_server`: the daemon
-    /// answered DEADLINE_EXCEEDED or CANCELLED before the caller gave up by itself.
-    DeadlineExpired { ms: u128, answered_by_server: bool },
+    /// rpc: the caller's deadline (`ms`) passed first (tonic's channel enforces the
+    /// grpc-timeout it sends, as grpc-go does: CANCELLED "Timeout expired").
+    DeadlineExpired { ms: u128 },
     /// rpc: the daemon was SIGKILLed while the call was open.
     DaemonKilled,
     /// rpc: any other failure (mostly: the daemon was down, restarting).
@@ -118,7 +118,9 @@ impl Cause {
                 printed: false,
                 worker: false,
             } => Some("front killed on its hot path, between the holder line and the print"),
-            Cause::DeadlineExpired { .. } => Some("rpc reply lost to the caller's deadline"),
+            Cause::DeadlineExpired { .. } => {
+                Some("rpc reply still on its way when the caller's deadline passed")
+            }
             Cause::DaemonKilled => Some("rpc reply lost with the daemon"),
             _ => None,
         }
@@ -126,16 +128,7 @@ impl Cause {
 
     fn label(&self) -> String {
         match self {
-            Cause::DeadlineExpired {
-                answered_by_server, ..
-            } => format!(
-                "rpc deadline expired ({})",
-                if *answered_by_server {
-                    "the daemon answered DEADLINE_EXCEEDED"
-                } else {
-                    "the caller gave up"
-                }
-            ),
+            Cause::DeadlineExpired { .. } => "rpc deadline expired".into(),
             Cause::DaemonKilled => "rpc: daemon killed during the call".into(),
             Cause::Rpc(code) => format!("rpc error {code}"),
             Cause::FrontKilled { printed, worker } => format!(
@@ -371,7 +364,6 @@ impl Shared {
             _ if killed => Err(Cause::DaemonKilled),
             Err(_) => Err(Cause::DeadlineExpired {
                 ms: deadline.as_millis(),
-                answered_by_server: false,
             }),
             Ok(Err(e))
                 if matches!(
@@ -381,7 +373,6 @@ impl Shared {
             {
                 Err(Cause::DeadlineExpired {
                     ms: deadline.as_millis(),
-                    answered_by_server: true,
                 })
             }
             Ok(Err(e)) => Err(Cause::Rpc(format!(
@@ -1264,14 +1255,14 @@ async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phan
     );
 }
 
-/// Found by the chaos run: an rpc Attach whose deadline passed after the core had counted
-/// its answer delivered (the caller was still waiting) but before the handler returned it
-/// got DEADLINE_EXCEEDED (tonic: CANCELLED, "Timeout expired") from the daemon, and its
-/// holder stayed: a phantom outside the window, since the daemon itself answered the
-/// error; a Create so kept a volume CubeMaster never learned of. The core now hands the
-/// answer to the handler, and it counts as delivered only once the handler took it (and so
-/// tonic writes it). `CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS` holds the hook past the
-/// deadline after the delivery: on the first holder's path, the hot path and a Create.
+/// Found by the chaos run: over rpc the core counted an answer delivered as soon as it saw
+/// the caller still waiting, then went on (its holder saved, its lock released, its log
+/// written) before the handler returned the reply. A deadline that passed in between left
+/// Cube with CANCELLED ("Timeout expired") and no reply ever sent, yet the holder stayed,
+/// or a Create's volume. Now the handler takes the answer from the core and returns it at
+/// once, and the answer counts only if it was taken. `CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS`
+/// holds the hook past the 2 s deadline after the delivery: on the first holder's path, the
+/// hot path and a Create, each must be answered, or leave nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_rpc_answer_ready_before_the_deadline_is_received_or_undone() {
     require_root!();
