@@ -1344,3 +1344,62 @@ async fn an_rpc_answer_ready_before_the_deadline_is_received_or_undone() {
         ),
     }
 }
+
+/// Found by the chaos run: a forked Attach's worker that dies (OOM killer, a crash; Cube
+/// only kills the front) after saving its holder but before handing the answer over left a
+/// holder Cube never learned of: the front answered "the worker ended without answering",
+/// and the abandoned-work scan found the volume held and healthy. The front now takes back
+/// its sandbox's holder before it answers. `CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS` holds
+/// the worker between its last save and the delivery, where the test kills it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forked_attach_whose_worker_dies_after_saving_its_holder_leaves_no_holder() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let made = w.create("orphaned").await.expect("create");
+    let journal = FileJournal::open(&w.dir.path().join("state/node")).unwrap();
+    let holds = |sandbox: &str| {
+        journal.load("orphaned").ok().flatten().is_some_and(|r| {
+            r.holders
+                .get("default")
+                .is_some_and(|s| s.contains(sandbox))
+        })
+    };
+    let request = attach_request(
+        "default",
+        &w.base_dir,
+        "sb-orphaned",
+        "orphaned",
+        0,
+        &made.private_data,
+    );
+    let front = w
+        .binary_caller()
+        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "30000")
+        .spawn(&Hook::Attach(request));
+    let front_pid = front.id().expect("the front runs");
+    common::wait_until("the worker saved the holder", SETTLE, || {
+        holds("sb-orphaned")
+    })
+    .await;
+    let worker = *children(front_pid)
+        .first()
+        .expect("the hook runs in a worker");
+    kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();
+    let out = front.wait_with_output().await.unwrap();
+    assert!(!out.status.success(), "Cube sees the Attach fail");
+    assert!(
+        !holds("sb-orphaned"),
+        "Cube saw {:?}, yet the holder stays",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(w.mounts().is_empty(), "{:?}", w.mounts());
+    assert_eq!(w.journal_records(), 0);
+    // The volume is still Cube's to attach.
+    let again = w
+        .attach("sb-next", "orphaned", 0, &made.private_data)
+        .await
+        .expect("a later Attach");
+    w.detach("sb-next", "orphaned", 0, &again.metadata)
+        .await
+        .expect("detach");
+}

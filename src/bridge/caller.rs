@@ -67,6 +67,7 @@ impl Caller {
     /// caller (a caller that does not confirm delivery is taken at its word while it
     /// waits).
     pub async fn deliver(&self, answer: Answer) -> bool {
+        super::faults::pause_before_delivery().await;
         let delivered = match &self.delivery {
             Some(delivery) if !self.is_gone() => delivery.deliver(answer).await,
             _ => !self.is_gone(),
