@@ -67,10 +67,15 @@ impl Caller {
     /// caller (a caller that does not confirm delivery is taken at its word while it
     /// waits).
     pub async fn deliver(&self, answer: Answer) -> bool {
-        match &self.delivery {
+        super::faults::pause_before_delivery().await;
+        let delivered = match &self.delivery {
             Some(delivery) if !self.is_gone() => delivery.deliver(answer).await,
             _ => !self.is_gone(),
+        };
+        if delivered {
+            super::faults::pause_after_delivery().await;
         }
+        delivered
     }
 
     /// The caller stopped waiting (its deadline passed, it disconnected, it was killed).

@@ -81,6 +81,29 @@ pub fn point(hook: HookKind, when: When, step: &str) {
     }
 }
 
+/// With the feature, `CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS=<ms>` holds a hook that long
+/// once its answer was delivered, before it lets go of its volume: the window between the
+/// delivery and the reply reaching Cube, made wide enough for a test to land in.
+pub async fn pause_after_delivery() {
+    pause("CUBE_CSI_BRIDGE_PAUSE_AFTER_DELIVERY_MS").await;
+}
+
+/// With the feature, `CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS=<ms>` holds a hook that long
+/// before it hands its answer over (its holder or volume already saved): the window in
+/// which a dying worker leaves work Cube never learns of.
+pub async fn pause_before_delivery() {
+    pause("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS").await;
+}
+
+async fn pause(variable: &str) {
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var(variable).ok().and_then(|ms| ms.parse().ok()) {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    let _ = variable;
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum When {
     Before,

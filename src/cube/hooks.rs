@@ -231,6 +231,19 @@ pub fn answer_json(answer: &crate::bridge::Answer) -> serde_json::Value {
     }
 }
 
+/// The reply an rpc handler returns for a delivered answer.
+pub fn answer_reply(answer: &crate::bridge::Answer) -> HookReply {
+    match answer {
+        crate::bridge::Answer::Attached(attached) => {
+            HookReply::Attach(attach_reply(attached.clone()))
+        }
+        crate::bridge::Answer::Created(created) => HookReply::Create(pb::CreateResponse {
+            token: created.token.clone(),
+            private_data: created.private_data.clone(),
+        }),
+    }
+}
+
 fn attach_reply(attached: crate::bridge::Attached) -> pb::AttachResponse {
     pb::AttachResponse {
         host_path: attached.host_path.to_string_lossy().into_owned(),

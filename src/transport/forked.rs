@@ -89,6 +89,35 @@ fn check_paths_first(config: &Config, checked: &hooks::Checked) -> Result<(), Ho
     }
 }
 
+/// The front's undo when its worker died without answering an Attach: Cube counts the
+/// hook failed and will never Detach this sandbox, so the holder the worker may already
+/// have saved is withdrawn (the volume torn down if no holder is left). A worker that died
+/// before saving it left none, and the rest of its work is the abandoned-work scan's.
+pub async fn withdraw_unanswered(config: &Config, request: &HookRequest) {
+    let HookRequest::Attach(attach) = request else {
+        return;
+    };
+    let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
+    let Ok(bridge) = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts) else {
+        return;
+    };
+    let Ok(node) = bridge.node() else {
+        return;
+    };
+    let which = crate::bridge::Release::Sandbox {
+        namespace: attach.namespace.clone(),
+        sandbox: attach.sandbox_id.clone(),
+    };
+    // An error here is a holder the worker never saved: nothing to take back.
+    if let Ok(released) = node.release_holders(&attach.volume_id, &which).await {
+        tracing::warn!(
+            volume_id = %attach.volume_id,
+            torn_down = released.torn_down,
+            "the worker died without answering after saving its holder; holder withdrawn"
+        );
+    }
+}
+
 /// How long a marker of another volume sends every node hook to a worker (which finishes
 /// the marked work after answering). Past that the marked work is one that could not be
 /// finished (a failed repair, an unreadable record): it is retried by every hook that

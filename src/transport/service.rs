@@ -3,20 +3,63 @@
 //!
 //! Each hook runs as its own task, tracked for the drain on shutdown, so that it finishes
 //! (or undoes its work) even when the caller's deadline fires and tonic drops the
-//! handler: dropping the handler only tells the hook that its caller is gone.
+//! handler: dropping the handler only tells the hook that its caller is gone. An
+//! Attach's or a Create's answer is handed to the handler while the hook still holds the
+//! volume, and counts only if the handler took it (see `ToHandler`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
+use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
 
-use crate::bridge::{Bridge, Caller};
+use crate::bridge::{Answer, Bridge, Caller, Delivery};
 use crate::config::Config;
 use crate::cube::errors::to_status;
 use crate::cube::hooks::{self, Attach, Create, Destroy, Detach, HookReply, HookRequest, Listed};
 use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;
+
+/// An answer handed to the rpc handler, with the handler's word that it took it.
+type Handed = (HookReply, oneshot::Sender<()>);
+
+/// The rpc side of `Delivery`: the core hands an Attach's or a Create's answer to the
+/// handler, and it reached Cube as far as the daemon can tell once the handler took it.
+/// A handler already dropped (the caller's deadline passed, the stream was reset) never
+/// takes it, and the hook undoes what it reported instead of keeping a holder or a volume
+/// for a caller that was answered an error.
+struct ToHandler(tokio::sync::Mutex<Handoff>);
+
+enum Handoff {
+    Waiting(oneshot::Sender<Handed>),
+    /// Delivered once (taken or not); a second delivery gets the same verdict.
+    Done(bool),
+}
+
+impl Delivery for ToHandler {
+    fn deliver(&self, answer: Answer) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
+        Box::pin(async move {
+            let mut handoff = self.0.lock().await;
+            let to_handler = match std::mem::replace(&mut *handoff, Handoff::Done(false)) {
+                Handoff::Done(taken) => {
+                    *handoff = Handoff::Done(taken);
+                    return taken;
+                }
+                Handoff::Waiting(to_handler) => to_handler,
+            };
+            let (taken_tx, taken_rx) = oneshot::channel();
+            let taken = to_handler
+                .send((hooks::answer_reply(&answer), taken_tx))
+                .is_ok()
+                && taken_rx.await.is_ok();
+            *handoff = Handoff::Done(taken);
+            taken
+        })
+    }
+}
 
 /// Both Cube services over one bridge.
 #[derive(Debug, Clone)]
@@ -37,16 +80,30 @@ impl CubeService {
     }
 
     async fn run(&self, request: HookRequest) -> Result<HookReply, Status> {
-        let caller = Caller::waiting();
+        let (to_handler, mut handed) = oneshot::channel();
+        let caller = Caller::confirming(Arc::new(ToHandler(tokio::sync::Mutex::new(
+            Handoff::Waiting(to_handler),
+        ))));
         let left = caller.leave_on_drop();
         let (bridge, config) = (self.bridge.clone(), self.config.clone());
         let hook_caller = caller.clone();
-        let task = self
+        let mut task = self
             .tasks
             .spawn(async move { hooks::handle(&bridge, &config, request, &hook_caller).await });
-        let result = match task.await {
-            Ok(result) => result,
-            Err(join) => std::panic::resume_unwind(join.into_panic()),
+        let result = tokio::select! {
+            biased;
+            Ok((reply, taken)) = &mut handed => {
+                // Taken and returned to tonic in this one poll: once the hook hears that it
+                // was taken, the reply is tonic's to write, and no deadline can turn it into
+                // an error any more. The hook finishes on its own (tracked for the drain).
+                let _ = taken.send(());
+                left.disarm();
+                return Ok(reply);
+            }
+            joined = &mut task => match joined {
+                Ok(result) => result,
+                Err(join) => std::panic::resume_unwind(join.into_panic()),
+            },
         };
         left.disarm();
         result.map_err(|e| to_status(&e))

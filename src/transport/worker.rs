@@ -82,7 +82,12 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
         }
         Ok(ForkResult::Parent { .. }) => {
             drop((answer_w, log_w, alive_r));
-            let output = front(answer_r, log_r, hook, &volume_id);
+            let output = front(answer_r, log_r).unwrap_or_else(|| {
+                // Cube will count this hook failed, so a holder the worker saved before it
+                // died is one Cube never learns of: take it back before answering.
+                runtime().block_on(binary::withdraw_unanswered(&config, &request));
+                no_answer(hook, &volume_id)
+            });
             // `alive_w` stays open until the answer is printed (then acknowledged) or this
             // process dies: either tells the worker.
             (output, Some(alive_w))
@@ -111,7 +116,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// The front: relay the worker's log lines to our stderr, collect its answer.
-fn front(answer: OwnedFd, log: OwnedFd, hook: HookKind, volume_id: &str) -> HookOutput {
+fn front(answer: OwnedFd, log: OwnedFd) -> Option<HookOutput> {
     let mut answer_file = std::fs::File::from(answer);
     let mut log_file = std::fs::File::from(log);
     let mut answer_bytes = Vec::new();
@@ -154,14 +159,16 @@ fn front(answer: OwnedFd, log: OwnedFd, hook: HookKind, volume_id: &str) -> Hook
             }
         }
     }
-    decode_answer(&answer_bytes).unwrap_or_else(|| {
-        HookOutput::failure(&format!(
-            "{hook} of volume {}: the hook's worker process ended without answering \
-             (killed?); whatever it started is undone by the next hook or the daemon's \
-             reconciliation",
-            crate::bridge::naming::quote_volume_id(volume_id)
-        ))
-    })
+    decode_answer(&answer_bytes)
+}
+
+/// What the front answers when its worker ended without answering.
+fn no_answer(hook: HookKind, volume_id: &str) -> HookOutput {
+    HookOutput::failure(&format!(
+        "{hook} of volume {}: the hook's worker process ended without answering (killed?); \
+         whatever it started is undone by the next hook or the daemon's reconciliation",
+        crate::bridge::naming::quote_volume_id(volume_id)
+    ))
 }
 
 /// `1` or `0` (success), then the JSON line.
@@ -375,7 +382,8 @@ mod tests {
         let (answer_r, answer_w) = pipe().unwrap();
         let (log_r, log_w) = pipe().unwrap();
         drop((answer_w, log_w));
-        let output = front(answer_r, log_r, HookKind::Attach, "vol-7");
+        assert_eq!(front(answer_r, log_r), None);
+        let output = no_answer(HookKind::Attach, "vol-7");
         assert!(!output.success);
         assert!(
             output
