@@ -685,6 +685,9 @@ impl ControllerSide {
                 }
             };
 
+            // Made by this call (or by an earlier one whose answer never reached Cube), not
+            // a volume an earlier Create already handed to CubeMaster.
+            let made_here = record.state == VolumeState::Creating;
             self.finish_create(record, &volume, spec.deletion.as_ref())
                 .await?;
             tracing::info!(csi_volume_id = %volume.csi_volume_id, "CSI volume created");
@@ -694,8 +697,13 @@ impl ControllerSide {
             };
             // Handed over while the lock is still held (a retried Create waits): a volume
             // whose answer never reached CubeMaster (a forked hook's front killed before
-            // printing it, an rpc caller gone) is one Cube will never Destroy.
+            // printing it, an rpc caller gone) is one Cube will never Destroy. A volume an
+            // earlier Create handed out stays: CubeMaster has that answer, and may be using
+            // the volume.
             if !caller.deliver(Answer::Created(created.clone())).await {
+                if !made_here {
+                    return Err(BridgeError::CallerGone);
+                }
                 return Err(self
                     .undo_create(
                         &req.volume_id,

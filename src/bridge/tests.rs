@@ -1586,6 +1586,39 @@ async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
+/// A repeated Create of a volume an earlier Create handed to CubeMaster: if this answer
+/// is lost, CubeMaster still has the first one, and may be using the volume. Only what
+/// this call made is undone: here, nothing.
+#[tokio::test]
+async fn a_repeated_create_whose_answer_is_lost_keeps_the_volume_an_earlier_one_handed_out() {
+    let w = World::new(Fake::new(false, false));
+    let first = w.create("v").await.unwrap();
+    let (delivery, caller) = undelivered();
+    let result = w
+        .bridge
+        .create(
+            CreateVolume {
+                volume_id: "v".into(),
+                name: "v".into(),
+            },
+            &caller,
+        )
+        .await;
+    assert_eq!(delivery.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(result.is_err(), "this answer did not reach CubeMaster");
+    assert_eq!(
+        w.stored("v").map(|r| r.state),
+        Some(VolumeState::Created),
+        "the record of the volume CubeMaster has was deleted"
+    );
+    assert_eq!(w.backend_volumes().len(), 1, "the CSI volume was deleted");
+    // CubeMaster's next Create (or its Destroy) finds the same volume.
+    assert_eq!(
+        w.create("v").await.unwrap().private_data,
+        first.private_data
+    );
+}
+
 #[tokio::test]
 async fn an_attach_whose_answer_is_not_delivered_withdraws_its_holder() {
     // First Attach: everything it made is undone.
