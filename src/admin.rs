@@ -298,6 +298,12 @@ pub async fn release_holders(
     let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
     let bridge = crate::app::open_bridge(Arc::new(config), crate::config::Roles::NODE, mounts)?;
     let released = bridge.node()?.release_holders(volume_id, which).await?;
+    tracing::warn!(
+        volume_id,
+        released = ?released.holders,
+        torn_down = released.torn_down,
+        "holders released by the operator"
+    );
     Ok(format!(
         "released {} of volume {volume_id}; {}\n",
         released.holders.join(", "),

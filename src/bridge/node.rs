@@ -1035,13 +1035,12 @@ impl NodeSide {
         }
     }
 
-    /// Cube Detach. Runs to the end even if the caller leaves: Cube retries a failed
-    /// Detach with the same metadata, and finishing is what that retry would do.
-    /// The operator's release of holders Cube no longer counts (a phantom holder that
-    /// slipped through, or a record whose holders were lost): `which` names them. The
+    /// Releases holders Cube no longer counts: a phantom holder that slipped through, a
+    /// record whose holders were lost (the operator's `holders release`), or the holder a
+    /// forked worker saved before it died unanswered (its front). `which` names them. The
     /// volume is torn down when no holder is left and none is unknown; otherwise the
     /// record keeps the rest. Unknown volumes and holders are an error that changes
-    /// nothing.
+    /// nothing. The caller logs who released them.
     pub async fn release_holders(
         &self,
         volume_id: &str,
@@ -1099,7 +1098,7 @@ impl NodeSide {
                 record.holders_unknown = false;
             }
         }
-        tracing::warn!(volume_id, released = ?released, "holders released by the operator");
+        tracing::info!(volume_id, released = ?released, "holders released");
         let torn_down = !record.is_held() && !record.holders_unknown;
         if torn_down {
             self.teardown(HookKind::Detach, &mut record, &deadline)
@@ -1113,6 +1112,8 @@ impl NodeSide {
         })
     }
 
+    /// Cube Detach. Runs to the end even if the caller leaves: Cube retries a failed
+    /// Detach with the same metadata, and finishing is what that retry would do.
     pub async fn detach(&self, req: DetachVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(
