@@ -1,5 +1,5 @@
 //! Holder ages and stale holders: a holder whose namespace has made no Attach or Detach
-//! on this node for `stale_holder_after` may be a phantom (an Attach Cube counted as
+//! on this node for `node.stale_holder_secs` may be a phantom (an Attach Cube counted as
 //! failed, docs/reliability.md). It is reported — `list`, a metric, a log line — for an
 //! operator to release; never released here: a long-lived sandbox in a quiet namespace
 //! looks the same.
