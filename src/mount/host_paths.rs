@@ -118,25 +118,9 @@ fn leaf_is_dir(dir: &OwnedFd, name: &OsStr) -> Result<bool, Errno> {
     use std::os::fd::AsRawFd;
     use std::os::unix::ffi::OsStrExt;
     let name = std::ffi::CString::new(name.as_bytes()).map_err(|_| Errno::EINVAL)?;
-    let mut buf = std::mem::MaybeUninit::<libc::statx>::zeroed();
     let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_DONT_SYNC | libc::AT_NO_AUTOMOUNT;
-    // SAFETY: name is NUL-terminated, dir an open descriptor, buf a zeroed statx the kernel
-    // fills.
-    let rc = unsafe {
-        libc::statx(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            flags,
-            libc::STATX_TYPE,
-            buf.as_mut_ptr(),
-        )
-    };
-    if rc != 0 {
-        return Err(Errno::last());
-    }
-    // SAFETY: statx returned 0, so the kernel filled the buffer.
-    let mode = u32::from(unsafe { buf.assume_init() }.stx_mode);
-    Ok(mode & libc::S_IFMT == libc::S_IFDIR)
+    let stx = super::mountinfo::statx(dir.as_raw_fd(), &name, flags, libc::STATX_TYPE)?;
+    Ok(u32::from(stx.stx_mode) & libc::S_IFMT == libc::S_IFDIR)
 }
 
 /// The names of `path` below `base`: one or two plain names (`<leaf>`, `.staging/<leaf>`).

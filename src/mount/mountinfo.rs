@@ -67,36 +67,42 @@ impl MountTable {
     }
 }
 
+/// One `statx(2)` of `name`, relative to the directory `dir` (`AT_FDCWD`: `name` is a
+/// path), asking for `mask` with `flags`: what the kernel filled in, or its errno. The one
+/// place the bridge calls statx, which nix does not wrap.
+pub(crate) fn statx(
+    dir: std::os::fd::RawFd,
+    name: &std::ffi::CStr,
+    flags: nix::libc::c_int,
+    mask: nix::libc::c_uint,
+) -> Result<nix::libc::statx, nix::errno::Errno> {
+    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
+    // SAFETY: name is NUL-terminated, dir is AT_FDCWD or an open descriptor, and buf is a
+    // zeroed statx the kernel fills.
+    let rc = unsafe { nix::libc::statx(dir, name.as_ptr(), flags, mask, buf.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    // SAFETY: statx returned 0, so the kernel filled the buffer.
+    Ok(unsafe { buf.assume_init() })
+}
+
 /// Whether `path` is the root of a mount, asked of the kernel in O(1) (`statx`'s
 /// STATX_ATTR_MOUNT_ROOT, Linux 5.8+), without following a symlink at `path` itself and
 /// without revalidating cached attributes (a dead network mount does not hang it).
 /// `Ok(None)` when the kernel cannot say; the caller then reads the mount table.
 pub fn is_mount_root(path: &Path) -> std::io::Result<Option<bool>> {
+    use nix::errno::Errno;
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
-    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
     let flags =
         nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
-    // SAFETY: c_path is NUL-terminated and buf is a zeroed statx the kernel fills.
-    let rc = unsafe {
-        nix::libc::statx(
-            nix::libc::AT_FDCWD,
-            c_path.as_ptr(),
-            flags,
-            nix::libc::STATX_TYPE,
-            buf.as_mut_ptr(),
-        )
+    let stx = match statx(nix::libc::AT_FDCWD, &c_path, flags, nix::libc::STATX_TYPE) {
+        Ok(stx) => stx,
+        Err(Errno::ENOENT | Errno::ENOTDIR) => return Ok(Some(false)),
+        Err(Errno::ENOSYS | Errno::EINVAL) => return Ok(None),
+        Err(errno) => return Err(errno.into()),
     };
-    if rc != 0 {
-        let error = std::io::Error::last_os_error();
-        return match error.raw_os_error() {
-            Some(nix::libc::ENOENT) | Some(nix::libc::ENOTDIR) => Ok(Some(false)),
-            Some(nix::libc::ENOSYS) | Some(nix::libc::EINVAL) => Ok(None),
-            _ => Err(error),
-        };
-    }
-    // SAFETY: statx returned 0, so the kernel filled the buffer.
-    let stx = unsafe { buf.assume_init() };
     let bit = nix::libc::STATX_ATTR_MOUNT_ROOT as u64;
     Ok((stx.stx_attributes_mask & bit != 0).then_some(stx.stx_attributes & bit != 0))
 }
@@ -127,28 +133,17 @@ pub fn mount_health(path: &Path) -> std::io::Result<crate::bridge::ports::MountH
     use crate::bridge::ports::MountHealth;
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
-    let mut buf = std::mem::MaybeUninit::<nix::libc::statx>::zeroed();
     let flags = nix::libc::AT_STATX_FORCE_SYNC
         | nix::libc::AT_NO_AUTOMOUNT
         | nix::libc::AT_SYMLINK_NOFOLLOW;
-    // SAFETY: c_path is NUL-terminated and buf is a zeroed statx the kernel fills.
-    let rc = unsafe {
-        nix::libc::statx(
-            nix::libc::AT_FDCWD,
-            c_path.as_ptr(),
-            flags,
-            nix::libc::STATX_TYPE,
-            buf.as_mut_ptr(),
-        )
-    };
-    if rc == 0 {
-        return Ok(MountHealth::Answers);
-    }
-    let error = std::io::Error::last_os_error();
-    Ok(error
-        .raw_os_error()
-        .and_then(dead_mount_errno)
-        .map_or(MountHealth::Answers, MountHealth::Dead))
+    Ok(
+        match statx(nix::libc::AT_FDCWD, &c_path, flags, nix::libc::STATX_TYPE) {
+            Ok(_) => MountHealth::Answers,
+            Err(errno) => {
+                dead_mount_errno(errno as i32).map_or(MountHealth::Answers, MountHealth::Dead)
+            }
+        },
+    )
 }
 
 /// Whether `path` is a mount point in mountinfo `text`, without building a table (the
