@@ -706,15 +706,6 @@ async fn detach_until_done(
     false
 }
 
-/// The children of process `pid` (a front's worker, once forked).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 /// The chaos: every 0.2–1.2 s, SIGKILL the daemon (restarted after a pause, as systemd's
 /// Restart= would), a forked hook's front, or a forked hook's worker.
 async fn chaos_loop(shared: Arc<Shared>, mut rng: Rng) {
@@ -748,7 +739,7 @@ async fn chaos_loop(shared: Arc<Shared>, mut rng: Rng) {
                     shared.figures.lock().unwrap().missed += 1;
                     continue;
                 };
-                let workers = children(front);
+                let workers = common::children(front);
                 if front_kill {
                     seen.front_killed = true;
                     seen.had_worker = !workers.is_empty();
@@ -779,7 +770,7 @@ async fn next_target(shared: &Shared, any: bool, rng: &mut Rng) -> Option<u32> {
             .lock()
             .unwrap()
             .iter()
-            .filter(|(pid, f)| !f.front_killed && (any || !children(**pid).is_empty()))
+            .filter(|(pid, f)| !f.front_killed && (any || !common::children(**pid).is_empty()))
             .map(|(pid, _)| *pid)
             .collect();
         if !targets.is_empty() {
@@ -946,22 +937,8 @@ fn run_cli(config: &Path, args: &[&str]) -> (bool, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phantom() {
     require_root!();
-    let w = World::start_with_config(Mode::Binary, Caps::staging(), "", |text| {
-        let state = text
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("dir = \"")?
-                    .strip_suffix('"')
-                    .map(str::to_string)
-            })
-            .expect("the World's config names its state dir");
-        text.replacen(
-            "[state]\n",
-            &format!("[state]\nworker_log = \"{state}/worker.log\"\n"),
-            1,
-        )
-    })
-    .await;
+    let w =
+        World::start_with_config(Mode::Binary, Caps::staging(), "", common::with_worker_log).await;
     let seed: u64 = std::env::var(SEED_ENV)
         .ok()
         .and_then(|s| s.parse().ok())
@@ -1381,7 +1358,7 @@ async fn a_forked_attach_whose_worker_dies_after_saving_its_holder_leaves_no_hol
         holds("sb-orphaned")
     })
     .await;
-    let worker = *children(front_pid)
+    let worker = *common::children(front_pid)
         .first()
         .expect("the hook runs in a worker");
     kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();

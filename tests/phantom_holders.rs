@@ -23,32 +23,6 @@ use nix::unistd::Pid;
 
 const WAIT: Duration = Duration::from_secs(20);
 
-/// The World's config with the forked workers' log in a file of its state dir.
-fn with_worker_log(text: String) -> String {
-    let dir = text
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("dir = \"")?
-                .strip_suffix('"')
-                .map(str::to_string)
-        })
-        .expect("the World's config names its state dir");
-    text.replacen(
-        "[state]\n",
-        &format!("[state]\nworker_log = \"{dir}/worker.log\"\n"),
-        1,
-    )
-}
-
-/// The children of process `pid` (its worker, once forked).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 /// Whether the node journal of `w` records `sandbox` as a holder of `volume` (in the
 /// record or its holder log).
 fn holds(w: &World, volume: &str, sandbox: &str) -> bool {
@@ -62,7 +36,8 @@ fn holds(w: &World, volume: &str, sandbox: &str) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_forked_attach_whose_front_is_killed_after_its_worker_finished_leaves_no_holder() {
     require_root!();
-    let w = World::start_with_config(Mode::Binary, Caps::staging(), "", with_worker_log).await;
+    let w =
+        World::start_with_config(Mode::Binary, Caps::staging(), "", common::with_worker_log).await;
     let made = w.create("phantom").await.expect("create");
     let gate = w.driver.hold("NodePublishVolume");
     let publishes = w.driver.arrivals("NodePublishVolume") + 1;
@@ -80,7 +55,10 @@ async fn a_forked_attach_whose_front_is_killed_after_its_worker_finished_leaves_
     w.driver
         .wait_for_call("NodePublishVolume", publishes, WAIT)
         .await;
-    assert!(!children(front_pid).is_empty(), "the front forked a worker");
+    assert!(
+        !common::children(front_pid).is_empty(),
+        "the front forked a worker"
+    );
     kill(Pid::from_raw(front_pid as i32), Signal::SIGSTOP).unwrap();
     gate.release();
     // The worker finishes: the volume is mounted and the holder saved.
@@ -181,7 +159,7 @@ async fn a_forked_create_whose_front_is_killed_after_its_worker_answered_leaves_
         .spawn(&Hook::Create(callers::create_request("unanswered")));
     let front_pid = front.id().expect("the front runs");
     w.driver.wait_for_call("CreateVolume", creates, WAIT).await;
-    let worker = *children(front_pid)
+    let worker = *common::children(front_pid)
         .first()
         .expect("the front forked a worker");
     kill(Pid::from_raw(front_pid as i32), Signal::SIGSTOP).unwrap();

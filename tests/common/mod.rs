@@ -473,3 +473,29 @@ impl World {
         .await
     }
 }
+
+/// The World's config with the forked workers' log in a file of its state dir.
+pub fn with_worker_log(text: String) -> String {
+    let dir = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("dir = \"")?
+                .strip_suffix('"')
+                .map(str::to_string)
+        })
+        .expect("the World's config names its state dir");
+    text.replacen(
+        "[state]\n",
+        &format!("[state]\nworker_log = \"{dir}/worker.log\"\n"),
+        1,
+    )
+}
+
+/// The children of process `pid` (a forked hook's front: its worker, once forked).
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
