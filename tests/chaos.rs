@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use common::callers::{CubeCaller, Hook, RpcCaller, attach_request, detach_request};
 use common::fake_driver::Caps;
-use common::{BRIDGE, Mode, World};
+use common::{BRIDGE, Mode, Rng, World};
 use cube_csi_bridge::bridge::Deadline;
 use cube_csi_bridge::bridge::ports::{LockScope, NodeJournal};
 use cube_csi_bridge::mount::MountTable;
@@ -61,26 +61,6 @@ const CHECKPOINT_EVERY: Duration = Duration::from_secs(30);
 const SETTLE: Duration = Duration::from_secs(60);
 /// How often Cube retries a failed Detach before the test calls it wedged.
 const DETACH_TRIES: usize = 200;
-
-/// xorshift64*: enough to spread choices, reproducible from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn millis(&mut self, from: u64, to: u64) -> Duration {
-        Duration::from_millis(from + self.next() % (to - from))
-    }
-}
 
 fn volume_id(i: usize) -> String {
     format!("chaos-{i}")
@@ -939,16 +919,7 @@ async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phan
     require_root!();
     let w =
         World::start_with_config(Mode::Binary, Caps::staging(), "", common::with_worker_log).await;
-    let seed: u64 = std::env::var(SEED_ENV)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let seed: u64 = common::seed_from(SEED_ENV);
     let secs: u64 = std::env::var(SECS_ENV)
         .ok()
         .and_then(|s| s.parse().ok())

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::callers::{CubeCaller, attach_request, create_request, detach_request};
 use common::fake_driver::Caps;
-use common::{Mode, World};
+use common::{Mode, Rng, World};
 use tokio::sync::Mutex;
 
 const CYCLES: usize = 1_000;
@@ -27,22 +27,6 @@ const RPC_CALLERS: usize = 8;
 const BINARY_CALLERS: usize = 2;
 /// Reproduces a run: the seed is printed; set it here to replay that run's choices.
 const SEED_ENV: &str = "CUBE_CSI_BRIDGE_CHURN_SEED";
-
-/// xorshift64*: enough to spread choices, reproducible from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 /// Cubelet's books for one volume: holders per namespace.
 type Books = Mutex<BTreeMap<&'static str, i64>>;
@@ -174,16 +158,7 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 async fn a_thousand_attach_detach_cycles_leak_nothing_and_keep_every_file() {
     require_root!();
     let w = World::start(Mode::Rpc, Caps::all_steps(), "").await;
-    let seed: u64 = std::env::var(SEED_ENV)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let seed: u64 = common::seed_from(SEED_ENV);
     println!("churn seed {seed} (replay with {SEED_ENV}={seed})");
 
     let mut handles = Vec::new();

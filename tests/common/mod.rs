@@ -499,3 +499,39 @@ pub fn children(pid: u32) -> Vec<u32> {
         .filter_map(|p| p.parse().ok())
         .collect()
 }
+
+/// xorshift64*: enough to spread choices, reproducible from its seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// A duration in [from, to) milliseconds.
+    pub fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.next() % (to - from))
+    }
+}
+
+/// The seed of a randomised test: `env` when it is set (to replay a run), else a fresh
+/// odd one from the clock. The test prints it.
+pub fn seed_from(env: &str) -> u64 {
+    std::env::var(env)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        })
+}
