@@ -45,17 +45,19 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
     if !request.kind().is_node() {
         return None;
     }
-    // Only mount views checked by plain reads in this process: nothing here may start a
-    // thread, since the worker is forked afterwards.
-    if matches!(config.node.mount_view, MountViewSetting::Namespace(_)) {
-        return None;
-    }
     let checked = match hooks::check(request.clone(), config) {
         Ok(checked) => checked,
         Err(error) => return Some(failure(&error)),
     };
+    // Every forked node hook comes here first, so this is where an Attach's paths are
+    // checked before anything opens the bridge's state.
     if let Err(error) = check_paths_first(config, &checked) {
         return Some(failure(&error));
+    }
+    // Only mount views checked by plain reads in this process: nothing here may start a
+    // thread, since the worker is forked afterwards.
+    if matches!(config.node.mount_view, MountViewSetting::Namespace(_)) {
+        return None;
     }
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
     let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
@@ -152,14 +154,12 @@ pub async fn run(
     } else {
         Roles::CONTROLLER
     };
-    // Checked before the bridge opens its state: a bad request leaves no trace.
+    // Checked before the bridge opens its state: a bad request leaves no trace. (An
+    // Attach's paths were checked by `answer_if_hot`, which every forked hook runs first.)
     let checked = match hooks::check(request, &config) {
         Ok(checked) => checked,
         Err(error) => return answered(failure(&error)),
     };
-    if let Err(error) = check_paths_first(&config, &checked) {
-        return answered(failure(&error));
-    }
     // Cubelet forks the hook inside its own mount namespace.
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
     let config = Arc::new(config);
