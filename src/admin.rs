@@ -488,6 +488,9 @@ struct ControllerEntry {
     csi_volume_id: Option<String>,
     csi_driver: Option<String>,
     age_secs: u64,
+    /// What `restore` or `clone` made it from: `snapshot:<name>` or `volume:<id>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    made_from: Option<String>,
 }
 
 /// The controller store's records: state, age and CSI handle of every Cube volume, so
@@ -505,6 +508,7 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         .map(|r| ControllerEntry {
             state: r.state.as_str(),
             age_secs: now.saturating_sub(r.updated_at),
+            made_from: r.content_source.as_ref().map(|s| s.describe()),
             volume_id: r.volume_id,
             csi_name: r.csi_name,
             csi_volume_id: r.csi_volume_id,

@@ -19,7 +19,7 @@ use crate::config::volume_settings::ConfigSettings;
 use crate::config::{Config, ControllerStoreKind, Roles};
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::k8s::record_key::SecretKeySource;
-use crate::k8s::{CubeVolumeStore, Kube, StorageClassSource};
+use crate::k8s::{CubeSnapshotStore, CubeVolumeStore, Kube, StorageClassSource};
 use crate::metrics::{DriverLabel, PrometheusRecorder};
 use crate::mount::{BaseDirPolicy, HostDirs};
 use crate::store::{EmbeddedStore, FileJournal, FileKeySource, FileLocks};
@@ -148,6 +148,7 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
 
 fn open_controller(config: &Config, shared: &Shared) -> Result<ControllerSide, BridgeError> {
     let store = controller_store(config, shared.kube.as_ref())?;
+    let snapshots = snapshot_store(config, shared.kube.as_ref())?;
     // The embedded store's key sits beside it; a shared store's key comes from where every
     // replica can read it.
     let record_key: Arc<dyn RecordKeySource> = match (&shared.kube, config.state.controller_store) {
@@ -168,8 +169,28 @@ fn open_controller(config: &Config, shared: &Shared) -> Result<ControllerSide, B
             locks: shared.locks.clone(),
             clock: shared.clock.clone(),
             recorder: shared.recorder.clone(),
+            snapshots,
         },
     ))
+}
+
+/// The controller store's snapshot records: CubeVolumeSnapshot objects, or a table of
+/// the embedded store's file.
+pub fn snapshot_store(
+    config: &Config,
+    kube: Option<&Arc<Kube>>,
+) -> Result<Arc<dyn crate::bridge::ports::SnapshotStore>, BridgeError> {
+    Ok(match (config.state.controller_store, kube) {
+        (ControllerStoreKind::Kubernetes, Some(kube)) => {
+            Arc::new(CubeSnapshotStore::new(kube.clone(), &config.driver))
+        }
+        (ControllerStoreKind::Kubernetes, None) => {
+            unreachable!("a Kubernetes store makes the config use Kubernetes")
+        }
+        (ControllerStoreKind::Embedded, _) => {
+            Arc::new(Arc::new(EmbeddedStore::open(&config.state.store_path())?))
+        }
+    })
 }
 
 /// The node side's directories under the volume base dirs, with the config's policy for

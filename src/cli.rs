@@ -77,6 +77,86 @@ pub enum Command {
     /// Ask the running daemon over its socket whether it is alive (or, with --ready, ready:
     /// its CSI driver answers Probe); exit 0 if so, 1 if not, 78 for a bad config.
     Probe(ProbeArgs),
+    /// Snapshots of Cube volumes (CSI CreateSnapshot, ListSnapshots, DeleteSnapshot),
+    /// recorded in the controller store.
+    Snapshot(SnapshotArgs),
+    /// Make a CSI volume from a snapshot and record it as a new Cube volume id: CubeMaster's
+    /// Create of that id then returns it instead of an empty volume.
+    Restore(CopyArgs),
+    /// Make a CSI volume from another volume (CLONE_VOLUME) and record it as a new Cube
+    /// volume id: CubeMaster's Create of that id then returns it.
+    Clone(CopyArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotArgs {
+    #[command(subcommand)]
+    pub action: SnapshotAction,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum SnapshotAction {
+    /// Snapshot Cube volume VOLUME_ID as --name (a repeated command adopts what an earlier
+    /// one made).
+    Create(SnapshotCreateArgs),
+    /// List the snapshots with what the driver says of each (LIST_SNAPSHOTS) and the
+    /// volumes restored from them.
+    List(SnapshotListArgs),
+    /// Delete a snapshot (the driver refuses one still in use; then both it and its record
+    /// are kept).
+    Delete(SnapshotDeleteArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotCreateArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The Cube volume to snapshot.
+    #[arg(value_name = "VOLUME_ID", allow_hyphen_values = true)]
+    pub volume_id: String,
+    /// The snapshot's name ([A-Za-z0-9_-]{1,128}).
+    #[arg(long, value_name = "SNAPSHOT", allow_hyphen_values = true)]
+    pub name: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotListArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotDeleteArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The snapshot's name.
+    #[arg(value_name = "SNAPSHOT", allow_hyphen_values = true)]
+    pub snapshot: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
+}
+
+/// `restore SNAPSHOT --as VOLUME_ID` and `clone VOLUME_ID --as NEW_ID`.
+#[derive(Debug, Args)]
+pub struct CopyArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The snapshot (restore) or Cube volume (clone) to copy.
+    #[arg(value_name = "SOURCE", allow_hyphen_values = true)]
+    pub source: String,
+    /// The new Cube volume id; it must not exist yet.
+    #[arg(long = "as", value_name = "VOLUME_ID", allow_hyphen_values = true)]
+    pub as_volume_id: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
 }
 
 #[derive(Debug, Args)]
@@ -490,6 +570,55 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 }
             }
         }
+        Command::Snapshot(SnapshotArgs { action }) => {
+            telemetry::init(cli.log_format, "warn");
+            let (config, name) = match &action {
+                SnapshotAction::Create(a) => (&a.config, "snapshot create"),
+                SnapshotAction::List(a) => (&a.config, "snapshot list"),
+                SnapshotAction::Delete(a) => (&a.config, "snapshot delete"),
+            };
+            let config = match one_config(config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let work = async {
+                match &action {
+                    SnapshotAction::Create(a) => {
+                        crate::copies::create_snapshot(config, &a.volume_id, &a.name, a.output)
+                            .await
+                    }
+                    SnapshotAction::List(a) => {
+                        crate::copies::list_snapshots(config, a.output).await
+                    }
+                    SnapshotAction::Delete(a) => {
+                        crate::copies::delete_snapshot(config, &a.snapshot, a.output).await
+                    }
+                }
+            };
+            run_command(name, work)
+        }
+        Command::Restore(args) => {
+            telemetry::init(cli.log_format, "warn");
+            let config = match one_config(&args.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            run_command(
+                "restore",
+                crate::copies::restore(config, &args.source, &args.as_volume_id, args.output),
+            )
+        }
+        Command::Clone(args) => {
+            telemetry::init(cli.log_format, "warn");
+            let config = match one_config(&args.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            run_command(
+                "clone",
+                crate::copies::clone_volume(config, &args.source, &args.as_volume_id, args.output),
+            )
+        }
         Command::List(args) => {
             telemetry::init(cli.log_format, "warn");
             let configs = match load_configs(args.config, argv0.as_deref()) {
@@ -515,6 +644,42 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                     ExitCode::from(EXIT_FAILURE)
                 }
             }
+        }
+    }
+}
+
+/// The one driver a command acts on: the config's only driver, or the one --driver names.
+fn one_config(arg: &ConfigArg, argv0: Option<&str>) -> Result<Config, ExitCode> {
+    let arg = ConfigArg {
+        config: arg.config.clone(),
+        driver: arg.driver.clone(),
+    };
+    let mut configs = load_configs(arg, argv0)?;
+    if configs.len() != 1 {
+        eprintln!("the config lists several drivers; name the one to act on with --driver");
+        return Err(ExitCode::from(EXIT_USAGE));
+    }
+    Ok(configs.remove(0))
+}
+
+/// Runs one operator command to completion: its text on stdout, or its error on stderr
+/// and exit 1.
+fn run_command(
+    name: &str,
+    work: impl std::future::Future<Output = anyhow::Result<String>>,
+) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("starting the async runtime");
+    match runtime.block_on(work) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{name} failed: {e:#}");
+            ExitCode::from(EXIT_FAILURE)
         }
     }
 }

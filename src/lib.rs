@@ -9,6 +9,7 @@ pub mod app;
 pub mod bridge;
 pub mod cli;
 pub mod config;
+pub mod copies;
 pub mod csi;
 pub mod cube;
 pub mod demo;

@@ -26,6 +26,7 @@ const CAPS: Caps = Caps {
     verifies_existing_mount: false,
     counts_publishes: true,
     volume_condition: true,
+    snapshots: false,
 };
 
 /// Mounts a FUSE filesystem at `at` and closes its daemon's end at once: the mount stays,

@@ -519,6 +519,7 @@ async fn cubevolume_store_refuses_stale_writes() {
         deletion: None,
         revision: None,
         integrity: None,
+        content_source: None,
     };
     one.put(&mut record).await.expect("create");
     let created_at = record.revision.clone().expect("a resourceVersion");
@@ -725,7 +726,6 @@ async fn nfs_like_driver_behind_a_storage_class_as_csi_driver_nfs_documents_it()
 
     const SERVER: &str = "nfs-server.default.svc.cluster.local";
     let bin = require_k8s_peers!();
-    require_root!();
     let api = ApiServer::start(&bin);
     let admin = api.admin().await;
     helm_install(
@@ -897,4 +897,156 @@ async fn nfs_like_driver_behind_a_storage_class_as_csi_driver_nfs_documents_it()
         secret_map(("mountOptions", "nfsvers=4.1"))
     );
     assert_eq!(driver.share_mounts(), 2);
+}
+
+/// Runs an operator command against `w`'s config; its stdout as JSON, or its stderr.
+fn operator(w: &World, args: &[&str]) -> Result<serde_json::Value, String> {
+    let out = std::process::Command::new(common::BRIDGE)
+        .args(args)
+        .args(["--output", "json", "--config"])
+        .arg(&w.config_path)
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// Snapshots in Kubernetes mode: CubeVolumeSnapshot objects (the chart's CRD, written
+/// with the chart's controller RBAC) that another replica restores from; the restored
+/// volume is a CubeVolume carrying its content source, which the other replica's Create
+/// answers with; bad input and a snapshot in use leave every object as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshots_are_cubevolumesnapshots_shared_by_replicas() {
+    use cube_csi_bridge::k8s::snapshots::{SNAPSHOT_KIND, SNAPSHOT_PLURAL};
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    let admin = api.admin().await;
+    install_chart(
+        &api,
+        RELEASE,
+        NAMESPACE,
+        &serde_json::json!({
+            "driver": common::DRIVER,
+            "kubernetes": {
+                "storageClass": CLASS,
+                "secrets": [
+                    {"namespace": "default", "names": ["prov-creds"], "usedBy": ["controller"]},
+                    {"namespace": "default", "names": ["mount-creds"], "usedBy": ["node"]},
+                ],
+            },
+        }),
+    );
+    nfs_style_class(&admin).await;
+    let account = chart_service_account(&admin, RELEASE, "controller").await;
+    let kubeconfig = api.service_account_kubeconfig(NAMESPACE, &account).await;
+    let caps = Caps {
+        snapshots: true,
+        ..Caps::default()
+    };
+    let a = World::start_with_config(Mode::Rpc, caps, "", |text| {
+        serving("controller")(kubernetes_mode(&kubeconfig, CLASS)(text))
+    })
+    .await;
+    let b = World::start_with_config(Mode::Binary, caps, "", |text| {
+        serving("controller")(share_driver(&a)(kubernetes_mode(&kubeconfig, CLASS)(text)))
+    })
+    .await;
+    a.create("ws-1").await.expect("create");
+    let taken = operator(&a, &["snapshot", "create", "ws-1", "--name", "snap-1"]).unwrap();
+    let calls = a.driver.calls();
+    let snapshot_calls = mutating(&calls, "CreateSnapshot");
+    assert_eq!(snapshot_calls.len(), 1, "{calls:?}");
+    assert_eq!(snapshot_calls[0].secrets, secret_map(PROVISIONER_SECRET));
+    let gvk = GroupVersionKind::gvk(CRD_GROUP, CRD_VERSION, SNAPSHOT_KIND);
+    let snapshots: Api<DynamicObject> = Api::namespaced_with(
+        admin.clone(),
+        NAMESPACE,
+        &ApiResource::from_gvk_with_plural(&gvk, SNAPSHOT_PLURAL),
+    );
+    let object = snapshots
+        .get(&object_name(common::DRIVER, "snap-1"))
+        .await
+        .expect("a CubeVolumeSnapshot for the snapshot");
+    let spec = &object.data["spec"];
+    assert_eq!(spec["snapshotId"], "snap-1");
+    assert_eq!(spec["sourceVolumeId"], "ws-1");
+    assert_eq!(spec["state"], "Created");
+    assert_eq!(spec["csiSnapshotId"], taken["csi_snapshot_id"]);
+    assert_eq!(spec["csiDriver"], FAKE_PROVISIONER);
+    assert!(
+        spec["integrity"]
+            .as_str()
+            .unwrap()
+            .starts_with("hmac-sha256-v1:")
+    );
+
+    // The other replica restores from it, and its Create of the new id answers with it.
+    let restored = operator(&b, &["restore", "snap-1", "--as", "ws-2"]).unwrap();
+    let volumes = cube_volumes(admin.clone());
+    let copy = volumes
+        .get(&object_name(common::DRIVER, "ws-2"))
+        .await
+        .expect("a CubeVolume for the restored volume");
+    assert_eq!(
+        copy.data["spec"]["contentSource"],
+        serde_json::json!({"kind": "Snapshot", "id": "snap-1", "csiId": taken["csi_snapshot_id"]})
+    );
+    let created = b.create("ws-2").await.expect("create of the restored id");
+    assert!(
+        created
+            .private_data
+            .contains(restored["csi_volume_id"].as_str().unwrap())
+    );
+    let listed = operator(&a, &["snapshot", "list"]).unwrap();
+    assert_eq!(listed[0]["restored_into"], serde_json::json!(["ws-2"]));
+    assert_eq!(listed[0]["integrity"], "valid");
+
+    // Bad input and a snapshot in use change no object.
+    let before = (
+        volumes
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        snapshots
+            .get(&object_name(common::DRIVER, "snap-1"))
+            .await
+            .unwrap()
+            .data,
+    );
+    for (args, expected) in [
+        (&["restore", "snap-1", "--as", "ws-1"][..], "already exists"),
+        (&["restore", "nope", "--as", "ws-3"], "unknown snapshot"),
+        (&["snapshot", "delete", "snap-1"], "FailedPrecondition"),
+    ] {
+        let error = operator(&a, args).unwrap_err();
+        assert!(error.contains(expected), "{args:?}: {error}");
+        let after = (
+            volumes
+                .list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .len(),
+            snapshots
+                .get(&object_name(common::DRIVER, "snap-1"))
+                .await
+                .unwrap()
+                .data,
+        );
+        assert_eq!(after, before, "{args:?}");
+    }
+
+    // Destroy treats the restored volume like any other; then the snapshot goes.
+    a.destroy("ws-2").await.expect("destroy");
+    operator(&b, &["snapshot", "delete", "snap-1"]).unwrap();
+    let gone = snapshots
+        .get_opt(&object_name(common::DRIVER, "snap-1"))
+        .await
+        .unwrap();
+    assert!(gone.is_none(), "{gone:?}");
+    assert_eq!(mutating(&a.driver.calls(), "DeleteSnapshot").len(), 2);
 }

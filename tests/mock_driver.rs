@@ -365,3 +365,148 @@ async fn csi_mock_injected_errors_on_each_step_leave_nothing_behind() {
         }
     }
 }
+
+/// Runs an operator command against `w`'s config: (success, stdout, stderr).
+fn command(w: &World, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(BRIDGE)
+        .args(args)
+        .arg("--config")
+        .arg(&w.config_path)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Snapshots, restores and clones through csi-mock (which has CREATE_DELETE_SNAPSHOT,
+/// LIST_SNAPSHOTS and CLONE_VOLUME), in both transports: each CSI request carries what
+/// the records say (the source handle, the snapshot handle as VolumeContentSource), Cube's
+/// Create of a restored id repeats that content source and answers with the same volume,
+/// and a DeleteSnapshot the driver refuses (FAILED_PRECONDITION, from its hooks file)
+/// keeps the snapshot and says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_snapshots_restores_and_clones() {
+    let bin = require_csi_mock!();
+    for mode in MODES {
+        let options = MockOptions {
+            hooks: Some(fail_once("deleteSnapshotStart", "FAILEDPRECONDITION")),
+            ..MockOptions::default()
+        };
+        let (w, mock) = mock_world(&bin, mode, &options, "").await;
+        let created = w.create("vol-1").await.unwrap();
+        let csi_id = mock.requests("CreateVolume")[0]["name"].clone();
+        assert_eq!(csi_id, "cube-vol-1");
+        let (ok, out, err) = command(
+            &w,
+            &[
+                "snapshot", "create", "vol-1", "--name", "snap-1", "--output", "json",
+            ],
+        );
+        assert!(ok, "{mode:?}: {err}");
+        let taken: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let snapshot_id = taken["csi_snapshot_id"].as_str().unwrap().to_string();
+        let request = &mock.requests("CreateSnapshot")[0];
+        assert_eq!(request["name"], "cube-snap-snap-1");
+        let source = request["source_volume_id"].as_str().unwrap().to_string();
+        assert!(
+            created.private_data.contains(&source),
+            "{}",
+            created.private_data
+        );
+        // A repeated command adopts it: csi-mock sees no second CreateSnapshot.
+        let (ok, _, err) = command(&w, &["snapshot", "create", "vol-1", "--name", "snap-1"]);
+        assert!(ok, "{err}");
+        assert_eq!(mock.requests("CreateSnapshot").len(), 1);
+
+        let (ok, out, err) = command(
+            &w,
+            &["restore", "snap-1", "--as", "vol-2", "--output", "json"],
+        );
+        assert!(ok, "{mode:?}: {err}");
+        let restored: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let creates = mock.requests("CreateVolume");
+        assert_eq!(creates[1]["name"], "cube-vol-2");
+        assert_eq!(
+            creates[1]["volume_content_source"]["Type"]["Snapshot"]["snapshot_id"],
+            snapshot_id.as_str(),
+            "{}",
+            creates[1]
+        );
+        // CubeMaster's Create of the new id: the same request, the same volume.
+        let copy = w.create("vol-2").await.unwrap();
+        assert!(
+            copy.private_data
+                .contains(restored["csi_volume_id"].as_str().unwrap()),
+            "{}",
+            copy.private_data
+        );
+        let creates = mock.requests("CreateVolume");
+        assert_eq!(creates.len(), 3);
+        assert_eq!(
+            creates[2]["volume_content_source"],
+            creates[1]["volume_content_source"]
+        );
+
+        let (ok, out, err) = command(&w, &["snapshot", "list", "--output", "json"]);
+        assert!(ok, "{err}");
+        let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(listed[0]["driver_says"], "ready");
+        assert_eq!(listed[0]["restored_into"], serde_json::json!(["vol-2"]));
+        assert_eq!(
+            mock.requests("ListSnapshots")[0]["snapshot_id"],
+            snapshot_id
+        );
+
+        // The driver refuses once: its code is passed on, and the snapshot stays.
+        let (ok, _, err) = command(&w, &["snapshot", "delete", "snap-1"]);
+        assert!(
+            !ok && err.contains("FailedPrecondition") && err.contains("kept"),
+            "{err}"
+        );
+        let (_, after, _) = command(&w, &["snapshot", "list", "--output", "json"]);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&after).unwrap(),
+            listed
+        );
+
+        let (ok, out, err) = command(&w, &["clone", "vol-1", "--as", "vol-3", "--output", "json"]);
+        assert!(ok, "{err}");
+        let cloned: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(cloned["content_source"]["kind"], "volume");
+        let creates = mock.requests("CreateVolume");
+        assert_eq!(
+            creates[3]["volume_content_source"]["Type"]["Volume"]["volume_id"],
+            source.as_str(),
+            "{}",
+            creates[3]
+        );
+
+        for volume in ["vol-3", "vol-2"] {
+            w.destroy(volume).await.unwrap();
+        }
+        let (ok, _, err) = command(&w, &["snapshot", "delete", "snap-1"]);
+        assert!(ok, "{err}");
+        let deletes: Vec<_> = mock
+            .calls()
+            .into_iter()
+            .filter(|c| c.method == "DeleteSnapshot")
+            .collect();
+        assert_eq!(deletes.len(), 2, "{deletes:?}");
+        assert!(!deletes[0].error.is_empty() && deletes[1].error.is_empty());
+        assert_eq!(deletes[1].request["snapshot_id"], snapshot_id.as_str());
+        w.destroy("vol-1").await.unwrap();
+        // Every volume the mock made (three, one asked for twice) was deleted.
+        let deleted: Vec<_> = mock
+            .requests("DeleteVolume")
+            .into_iter()
+            .map(|r| r["volume_id"].clone())
+            .collect();
+        assert_eq!(deleted.len(), 3, "{deleted:?}");
+        assert_eq!(controller_records(&w), Vec::<serde_json::Value>::new());
+        let (_, listed, _) = command(&w, &["snapshot", "list", "--output", "json"]);
+        assert_eq!(listed.trim(), "[]");
+    }
+}

@@ -20,7 +20,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::BridgeError;
-use super::records::VolumeRecord;
+use super::records::{ContentSource, SnapshotRecord, VolumeRecord};
 
 /// Bytes of a record key.
 pub const KEY_LEN: usize = 32;
@@ -68,33 +68,54 @@ impl RecordKey {
         Ok(Self(key))
     }
 
-    fn mac(&self, driver: &str, record: &VolumeRecord) -> Hmac<Sha256> {
+    fn mac(&self, input: &[u8]) -> Hmac<Sha256> {
         let mut mac =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        mac.update(&mac_input(driver, record));
+        mac.update(input);
         mac
     }
 
-    /// The MAC of `record` as the bridge of Cube driver `driver` writes it.
-    pub fn sign(&self, driver: &str, record: &VolumeRecord) -> String {
-        let tag = self.mac(driver, record).finalize().into_bytes();
+    fn sign_input(&self, input: &[u8]) -> String {
+        let tag = self.mac(input).finalize().into_bytes();
         let hex: String = tag.iter().map(|b| format!("{b:02x}")).collect();
         format!("{MAC_PREFIX}{hex}")
     }
 
-    /// Whether `record` carries a MAC this key made for exactly these fields (compared in
-    /// constant time).
-    pub fn verify(&self, driver: &str, record: &VolumeRecord) -> Verdict {
-        let Some(stored) = &record.integrity else {
+    fn verify_input(&self, stored: Option<&String>, input: &[u8]) -> Verdict {
+        let Some(stored) = stored else {
             return Verdict::Unsigned;
         };
         let Some(tag) = stored.strip_prefix(MAC_PREFIX).and_then(decode_hex) else {
             return Verdict::Mismatch;
         };
-        match self.mac(driver, record).verify_slice(&tag) {
+        match self.mac(input).verify_slice(&tag) {
             Ok(()) => Verdict::Valid,
             Err(_) => Verdict::Mismatch,
         }
+    }
+
+    /// The MAC of `record` as the bridge of Cube driver `driver` writes it.
+    pub fn sign(&self, driver: &str, record: &VolumeRecord) -> String {
+        self.sign_input(&mac_input(driver, record))
+    }
+
+    /// Whether `record` carries a MAC this key made for exactly these fields (compared in
+    /// constant time).
+    pub fn verify(&self, driver: &str, record: &VolumeRecord) -> Verdict {
+        self.verify_input(record.integrity.as_ref(), &mac_input(driver, record))
+    }
+
+    /// The MAC of a snapshot record (its own domain: no volume record's MAC fits it).
+    pub fn sign_snapshot(&self, driver: &str, record: &SnapshotRecord) -> String {
+        self.sign_input(&snapshot_mac_input(driver, record))
+    }
+
+    /// Whether a snapshot record carries a MAC this key made for exactly these fields.
+    pub fn verify_snapshot(&self, driver: &str, record: &SnapshotRecord) -> Verdict {
+        self.verify_input(
+            record.integrity.as_ref(),
+            &snapshot_mac_input(driver, record),
+        )
     }
 }
 
@@ -143,6 +164,51 @@ fn mac_input(driver: &str, r: &VolumeRecord) -> Vec<u8> {
             field(&optional(secret.map(|s| s.namespace.as_str())));
             field(&optional(secret.map(|s| s.name.as_str())));
         }
+    }
+    // Only present when set, so that the MACs of records from before content sources
+    // existed still verify: the sweep repeats CreateVolume with it.
+    match &r.content_source {
+        None => {}
+        Some(ContentSource::Snapshot {
+            snapshot_id,
+            csi_snapshot_id,
+        }) => {
+            field(b"content:snapshot");
+            field(snapshot_id.as_bytes());
+            field(csi_snapshot_id.as_bytes());
+        }
+        Some(ContentSource::Volume {
+            volume_id,
+            csi_volume_id,
+        }) => {
+            field(b"content:volume");
+            field(volume_id.as_bytes());
+            field(csi_volume_id.as_bytes());
+        }
+    }
+    out
+}
+
+/// The bytes a snapshot record's MAC covers: every field `snapshot delete`, `restore` and
+/// the sweep act on (the CSI snapshot they delete or hand to CreateVolume, the names that
+/// find it again, the driver it belongs to), length-prefixed like `mac_input`.
+fn snapshot_mac_input(driver: &str, r: &SnapshotRecord) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    let mut field = |bytes: &[u8]| {
+        out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+        out.extend_from_slice(bytes);
+    };
+    field(b"cube-csi-bridge snapshot record v1");
+    field(driver.as_bytes());
+    field(r.snapshot_id.as_bytes());
+    field(r.csi_name.as_bytes());
+    field(r.csi_driver.as_bytes());
+    field(r.source_volume_id.as_bytes());
+    field(r.source_csi_volume_id.as_bytes());
+    field(r.state.as_str().as_bytes());
+    match &r.csi_snapshot_id {
+        None => field(&[0]),
+        Some(id) => field(&[&[1u8][..], id.as_bytes()].concat()),
     }
     out
 }
@@ -250,6 +316,7 @@ mod tests {
             }),
             revision: None,
             integrity: None,
+            content_source: None,
         }
     }
 
@@ -266,7 +333,7 @@ mod tests {
         touched.volume_context.insert("k".into(), "v".into());
         assert_eq!(key.verify("nfs", &touched), Verdict::Valid);
         type Edit = fn(&mut VolumeRecord);
-        let edits: [Edit; 8] = [
+        let edits: [Edit; 10] = [
             |r| r.csi_volume_id = Some("server#share#other".into()),
             |r| r.csi_volume_id = None,
             |r| r.volume_id = "v2".into(),
@@ -275,6 +342,18 @@ mod tests {
             |r| r.state = VolumeState::Creating,
             |r| r.deletion.as_mut().unwrap().secret.as_mut().unwrap().name = "admin".into(),
             |r| r.deletion.as_mut().unwrap().retain = true,
+            |r| {
+                r.content_source = Some(ContentSource::Snapshot {
+                    snapshot_id: "s".into(),
+                    csi_snapshot_id: "snap-1".into(),
+                })
+            },
+            |r| {
+                r.content_source = Some(ContentSource::Volume {
+                    volume_id: "v0".into(),
+                    csi_volume_id: "server#share#v0".into(),
+                })
+            },
         ];
         for edit in edits {
             let mut forged = signed.clone();
@@ -292,6 +371,53 @@ mod tests {
         }
         assert_eq!(key.verify("nfs", &record()), Verdict::Unsigned);
         assert!(!format!("{key:?}").contains("07"));
+    }
+
+    #[test]
+    fn every_field_a_snapshot_delete_acts_on_is_covered_and_volume_macs_do_not_fit() {
+        let key = RecordKey::from_bytes(&[7; KEY_LEN]).unwrap();
+        let mut signed = SnapshotRecord {
+            snapshot_id: "s1".into(),
+            csi_name: "cube-snap-s1".into(),
+            csi_driver: "nfs.csi.k8s.io".into(),
+            source_volume_id: "v1".into(),
+            source_csi_volume_id: "server#share#v1".into(),
+            state: VolumeState::Created,
+            csi_snapshot_id: Some("snap-9".into()),
+            size_bytes: 5,
+            creation_time: 6,
+            ready_to_use: true,
+            updated_at: 7,
+            revision: None,
+            integrity: None,
+        };
+        assert_eq!(key.verify_snapshot("nfs", &signed), Verdict::Unsigned);
+        signed.integrity = Some(key.sign_snapshot("nfs", &signed));
+        assert_eq!(key.verify_snapshot("nfs", &signed), Verdict::Valid);
+        let mut touched = signed.clone();
+        (touched.updated_at, touched.ready_to_use, touched.size_bytes) = (99, false, 1);
+        assert_eq!(key.verify_snapshot("nfs", &touched), Verdict::Valid);
+        type Edit = fn(&mut SnapshotRecord);
+        let edits: [Edit; 8] = [
+            |r| r.csi_snapshot_id = Some("snap-other".into()),
+            |r| r.csi_snapshot_id = None,
+            |r| r.snapshot_id = "s2".into(),
+            |r| r.csi_name = "cube-snap-s2".into(),
+            |r| r.csi_driver = "evil.csi".into(),
+            |r| r.source_volume_id = "v2".into(),
+            |r| r.source_csi_volume_id = "server#share#v2".into(),
+            |r| r.state = VolumeState::Creating,
+        ];
+        for edit in edits {
+            let mut forged = signed.clone();
+            edit(&mut forged);
+            assert_eq!(key.verify_snapshot("nfs", &forged), Verdict::Mismatch);
+        }
+        assert_eq!(key.verify_snapshot("cephfs", &signed), Verdict::Mismatch);
+        // A volume record's MAC never passes for a snapshot record's, nor the reverse.
+        let mut volume = record();
+        volume.integrity = signed.integrity.clone();
+        assert_eq!(key.verify("nfs", &volume), Verdict::Mismatch);
     }
 
     #[test]

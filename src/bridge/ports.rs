@@ -11,7 +11,8 @@ use async_trait::async_trait;
 
 use super::Deadline;
 use super::records::{
-    DeletionPolicy, HolderChange, HolderTimes, Holders, NodeRecord, VolumeRecord,
+    ContentSource, DeletionPolicy, HolderChange, HolderTimes, Holders, NodeRecord, SnapshotRecord,
+    VolumeRecord,
 };
 use super::types::AccessMode;
 
@@ -76,6 +77,12 @@ pub struct DriverIdentity {
 pub struct ControllerCaps {
     pub create_delete_volume: bool,
     pub publish_unpublish_volume: bool,
+    /// CREATE_DELETE_SNAPSHOT: `snapshot create|delete`, and `restore` from them.
+    pub create_delete_snapshot: bool,
+    /// LIST_SNAPSHOTS: `snapshot list` asks the driver how each snapshot is.
+    pub list_snapshots: bool,
+    /// CLONE_VOLUME: `clone`.
+    pub clone_volume: bool,
 }
 
 /// Node capabilities the bridge acts on.
@@ -97,6 +104,8 @@ pub struct NewVolume {
     pub capability: Capability,
     pub parameters: BTreeMap<String, String>,
     pub secrets: Secrets,
+    /// VolumeContentSource: a snapshot or a volume the new volume is a copy of.
+    pub content_source: Option<ContentSource>,
 }
 
 /// What CreateVolume returned.
@@ -255,6 +264,47 @@ pub trait ControllerDriver: Send + Sync {
         secrets: &Secrets,
         deadline: &Deadline,
     ) -> Result<(), DriverError>;
+    /// CreateSnapshot (idempotent by `name`).
+    async fn create_snapshot(
+        &self,
+        snapshot: &NewSnapshot,
+        deadline: &Deadline,
+    ) -> Result<SnapshotInfo, DriverError>;
+    /// DeleteSnapshot; NOT_FOUND is success.
+    async fn delete_snapshot(
+        &self,
+        csi_snapshot_id: &str,
+        secrets: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<(), DriverError>;
+    /// ListSnapshots of one snapshot id: None when the driver does not know it.
+    async fn get_snapshot(
+        &self,
+        csi_snapshot_id: &str,
+        secrets: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<Option<SnapshotInfo>, DriverError>;
+}
+
+/// CreateSnapshot, as the core asks for it.
+#[derive(Debug, Clone)]
+pub struct NewSnapshot {
+    /// The idempotency key.
+    pub name: String,
+    pub source_csi_volume_id: String,
+    pub secrets: Secrets,
+}
+
+/// A snapshot as the driver describes it (CreateSnapshot, ListSnapshots).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SnapshotInfo {
+    pub csi_snapshot_id: String,
+    pub source_csi_volume_id: String,
+    /// 0 = unknown.
+    pub size_bytes: i64,
+    /// Seconds since the epoch; 0 = unknown.
+    pub creation_time: u64,
+    pub ready_to_use: bool,
 }
 
 /// The node side of a CSI driver (`csi.endpoint`).
@@ -454,6 +504,22 @@ pub trait ControllerStore: Send + Sync + std::fmt::Debug {
     fn locate(&self, volume_id: &str) -> String {
         format!("the record of volume {volume_id:?} in {}", self.describe())
     }
+}
+
+/// The controller store's snapshot records (`snapshot create|list|delete`), kept beside
+/// the volume records with the same optimistic concurrency. Conflicts name the snapshot
+/// in `StoreError::Conflict::volume_id`.
+#[async_trait]
+pub trait SnapshotStore: Send + Sync + std::fmt::Debug {
+    async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotRecord>, StoreError>;
+    /// Stores `record` if the stored copy is still at `record.revision` (None: there must
+    /// be none); then `record.revision` is the new revision.
+    async fn put_snapshot(&self, record: &mut SnapshotRecord) -> Result<(), StoreError>;
+    /// Deletes the record if it is still at `record.revision`; already gone is success.
+    async fn delete_snapshot(&self, record: &SnapshotRecord) -> Result<(), StoreError>;
+    async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError>;
+    /// Where one snapshot's record lives, for messages.
+    fn locate_snapshot(&self, snapshot_id: &str) -> String;
 }
 
 /// Why a record could not be read.

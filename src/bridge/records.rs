@@ -359,4 +359,71 @@ pub struct VolumeRecord {
     /// record written before records were signed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// What the volume was made from (`restore`, `clone`); None: an empty volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<ContentSource>,
+}
+
+/// What a volume was made from, besides nothing: a snapshot (`restore`) or another volume
+/// (`clone`). Recorded so that every later CreateVolume of the volume (CubeMaster's Create
+/// of its id, the sweep resolving an unfinished one) repeats the same request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum ContentSource {
+    /// Restored from the bridge's snapshot `snapshot_id` (CSI snapshot `csi_snapshot_id`).
+    Snapshot {
+        snapshot_id: String,
+        csi_snapshot_id: String,
+    },
+    /// Cloned from Cube volume `volume_id` (CSI volume `csi_volume_id`).
+    Volume {
+        volume_id: String,
+        csi_volume_id: String,
+    },
+}
+
+impl ContentSource {
+    /// `snapshot:<id>` or `volume:<id>`, in the bridge's own ids (for lists and messages).
+    pub fn describe(&self) -> String {
+        match self {
+            ContentSource::Snapshot { snapshot_id, .. } => format!("snapshot:{snapshot_id}"),
+            ContentSource::Volume { volume_id, .. } => format!("volume:{volume_id}"),
+        }
+    }
+}
+
+/// One snapshot the bridge took of a Cube volume (`snapshot create`). Its states are a
+/// volume's: `Creating` while the answer to CreateSnapshot is unknown (a snapshot of
+/// `csi_name` may exist), `Created` with its handle, `Deleting` once a sweep claimed an
+/// abandoned create.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// The operator's name of the snapshot (`[A-Za-z0-9_-]{1,128}`, like a volume id).
+    pub snapshot_id: String,
+    /// The CreateSnapshot name (the idempotency key).
+    pub csi_name: String,
+    /// The CSI driver (GetPluginInfo name) that took the snapshot.
+    pub csi_driver: String,
+    /// The Cube volume it is a snapshot of.
+    pub source_volume_id: String,
+    /// That volume's CSI handle, which CreateSnapshot was sent for.
+    pub source_csi_volume_id: String,
+    pub state: VolumeState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_snapshot_id: Option<String>,
+    #[serde(default)]
+    pub size_bytes: i64,
+    /// When the driver says it took the snapshot (seconds since the epoch; 0 unknown).
+    #[serde(default)]
+    pub creation_time: u64,
+    #[serde(default)]
+    pub ready_to_use: bool,
+    /// Seconds since the Unix epoch.
+    pub updated_at: u64,
+    /// Set by the store (see `VolumeRecord::revision`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// The bridge's MAC over the fields a delete acts on (bridge/integrity.rs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<String>,
 }

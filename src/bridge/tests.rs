@@ -11,7 +11,7 @@ use async_trait::async_trait;
 
 use super::handoff::{AttachMetadata, VolumeHandle};
 use super::ports::*;
-use super::records::{NodeRecord, Step, VolumeRecord, VolumeState};
+use super::records::{ContentSource, NodeRecord, SnapshotRecord, Step, VolumeRecord, VolumeState};
 use super::*;
 use crate::config::volume_settings::ConfigSettings;
 use crate::config::{Config, Roles};
@@ -72,6 +72,7 @@ fn sides_over(
                 locks: locks.clone(),
                 clock: clock.clone(),
                 recorder: recorder.clone(),
+                snapshots: fake.snapshot_records.clone(),
             },
         )))
     } else {
@@ -130,6 +131,14 @@ struct DriverState {
     /// With `Fake::counts_publishes`: publishes of each target not unpublished since, as
     /// csi-driver-host-path lists them.
     published: BTreeMap<PathBuf, usize>,
+    /// CreateSnapshot name → (snapshot id, source volume id).
+    snapshots: BTreeMap<String, (String, String)>,
+    /// Volume id → the snapshot id it was restored from: DeleteSnapshot of that snapshot
+    /// fails with FAILED_PRECONDITION while the volume exists (as drivers whose restored
+    /// volumes share blocks with the snapshot answer).
+    restored_from: BTreeMap<String, String>,
+    /// The content source of each CreateVolume, by name.
+    content_sources: BTreeMap<String, Option<ContentSource>>,
 }
 
 /// What another user put under the base dir, as the fake's `HostPaths` sees it.
@@ -165,6 +174,11 @@ struct Fake {
     stays_dead: Arc<std::sync::atomic::AtomicBool>,
     /// The VolumeCondition NodeGetVolumeStats reports: `Some(message)` when abnormal.
     condition: Arc<Mutex<Option<String>>>,
+    /// CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and CLONE_VOLUME.
+    snapshots: bool,
+    /// The controller store's snapshot records, shared by every side built over this fake
+    /// (a restarted process reads what the last one wrote).
+    snapshot_records: Arc<MemoryStore>,
 }
 
 impl Fake {
@@ -180,6 +194,8 @@ impl Fake {
             dead: Default::default(),
             stays_dead: Default::default(),
             condition: Default::default(),
+            snapshots: true,
+            snapshot_records: Default::default(),
         }
     }
 
@@ -317,6 +333,9 @@ impl ControllerDriver for Fake {
         Ok(ControllerCaps {
             create_delete_volume: true,
             publish_unpublish_volume: self.controller_publish,
+            create_delete_snapshot: self.snapshots,
+            list_snapshots: self.snapshots,
+            clone_volume: self.snapshots,
         })
     }
     async fn create_volume(
@@ -326,12 +345,39 @@ impl ControllerDriver for Fake {
     ) -> Result<CreatedVolume, DriverError> {
         self.enter("CreateVolume").await?;
         let mut s = self.state.lock().unwrap();
+        let source_missing = match &volume.content_source {
+            Some(ContentSource::Snapshot {
+                csi_snapshot_id, ..
+            }) => !s.snapshots.values().any(|(id, _)| id == csi_snapshot_id),
+            Some(ContentSource::Volume { csi_volume_id, .. }) => {
+                !s.volumes.values().any(|id| id == csi_volume_id)
+            }
+            None => false,
+        };
+        if source_missing {
+            return Err(error("CreateVolume", "NotFound", 5, Finality::Final));
+        }
+        // CSI: the same name with another content source is ALREADY_EXISTS.
+        if let Some(earlier) = s.content_sources.get(&volume.name)
+            && s.volumes.contains_key(&volume.name)
+            && *earlier != volume.content_source
+        {
+            return Err(error("CreateVolume", "AlreadyExists", 6, Finality::Final));
+        }
+        s.content_sources
+            .insert(volume.name.clone(), volume.content_source.clone());
         let next = s.volumes.len();
         let id = s
             .volumes
             .entry(volume.name.clone())
             .or_insert_with(|| format!("handle-{next}"))
             .clone();
+        if let Some(ContentSource::Snapshot {
+            csi_snapshot_id, ..
+        }) = &volume.content_source
+        {
+            s.restored_from.insert(id.clone(), csi_snapshot_id.clone());
+        }
         if std::mem::take(&mut s.lose_answer) {
             return Err(error(
                 "CreateVolume",
@@ -351,7 +397,9 @@ impl ControllerDriver for Fake {
             Err(e) if e.grpc_code == 5 => return Ok(()),
             other => other?,
         };
-        self.state.lock().unwrap().volumes.retain(|_, v| v != id);
+        let mut s = self.state.lock().unwrap();
+        s.volumes.retain(|_, v| v != id);
+        s.restored_from.remove(id);
         Ok(())
     }
     async fn publish(
@@ -378,6 +426,86 @@ impl ControllerDriver for Fake {
             Err(e) if e.grpc_code == 5 => Ok(()),
             other => other.map(|_| ()),
         }
+    }
+    async fn create_snapshot(
+        &self,
+        snapshot: &NewSnapshot,
+        _: &Deadline,
+    ) -> Result<SnapshotInfo, DriverError> {
+        self.enter("CreateSnapshot").await?;
+        let mut s = self.state.lock().unwrap();
+        if !s
+            .volumes
+            .values()
+            .any(|id| *id == snapshot.source_csi_volume_id)
+        {
+            return Err(error("CreateSnapshot", "NotFound", 5, Finality::Final));
+        }
+        let next = s.snapshots.len();
+        let (id, _) = s
+            .snapshots
+            .entry(snapshot.name.clone())
+            .or_insert_with(|| {
+                (
+                    format!("snap-{next}"),
+                    snapshot.source_csi_volume_id.clone(),
+                )
+            })
+            .clone();
+        if std::mem::take(&mut s.lose_answer) {
+            return Err(error(
+                "CreateSnapshot",
+                "Unavailable",
+                14,
+                Finality::Uncertain,
+            ));
+        }
+        Ok(SnapshotInfo {
+            csi_snapshot_id: id,
+            source_csi_volume_id: snapshot.source_csi_volume_id.clone(),
+            size_bytes: 4096,
+            creation_time: 7,
+            ready_to_use: true,
+        })
+    }
+    async fn delete_snapshot(
+        &self,
+        id: &str,
+        _: &Secrets,
+        _: &Deadline,
+    ) -> Result<(), DriverError> {
+        match self.enter("DeleteSnapshot").await {
+            Err(e) if e.grpc_code == 5 => return Ok(()),
+            other => other?,
+        };
+        let mut s = self.state.lock().unwrap();
+        if s.restored_from.values().any(|from| from == id) {
+            return Err(DriverError {
+                message: format!("snapshot {id} has dependent volumes"),
+                ..error("DeleteSnapshot", "FailedPrecondition", 9, Finality::Final)
+            });
+        }
+        s.snapshots.retain(|_, (sid, _)| sid != id);
+        Ok(())
+    }
+    async fn get_snapshot(
+        &self,
+        id: &str,
+        _: &Secrets,
+        _: &Deadline,
+    ) -> Result<Option<SnapshotInfo>, DriverError> {
+        self.enter("ListSnapshots").await?;
+        let s = self.state.lock().unwrap();
+        Ok(s.snapshots
+            .values()
+            .find(|(sid, _)| sid == id)
+            .map(|(sid, source)| SnapshotInfo {
+                csi_snapshot_id: sid.clone(),
+                source_csi_volume_id: source.clone(),
+                size_bytes: 4096,
+                creation_time: 7,
+                ready_to_use: true,
+            }))
     }
 }
 
@@ -595,6 +723,7 @@ impl MountCheck for Fake {
 struct MemoryStore {
     records: Mutex<BTreeMap<String, VolumeRecord>>,
     next: Mutex<u64>,
+    snapshots: Mutex<BTreeMap<String, SnapshotRecord>>,
 }
 
 #[async_trait]
@@ -638,6 +767,49 @@ impl ControllerStore for MemoryStore {
     }
     fn describe(&self) -> String {
         "memory".into()
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for MemoryStore {
+    async fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRecord>, StoreError> {
+        Ok(self.snapshots.lock().unwrap().get(id).cloned())
+    }
+    async fn put_snapshot(&self, record: &mut SnapshotRecord) -> Result<(), StoreError> {
+        let mut snapshots = self.snapshots.lock().unwrap();
+        let stored = snapshots
+            .get(&record.snapshot_id)
+            .and_then(|r| r.revision.clone());
+        if stored != record.revision {
+            return Err(StoreError::Conflict {
+                volume_id: record.snapshot_id.clone(),
+            });
+        }
+        let mut next = self.next.lock().unwrap();
+        *next += 1;
+        record.revision = Some(next.to_string());
+        snapshots.insert(record.snapshot_id.clone(), record.clone());
+        Ok(())
+    }
+    async fn delete_snapshot(&self, record: &SnapshotRecord) -> Result<(), StoreError> {
+        let mut snapshots = self.snapshots.lock().unwrap();
+        match snapshots.get(&record.snapshot_id) {
+            Some(stored) if record.revision.is_some() && stored.revision != record.revision => {
+                Err(StoreError::Conflict {
+                    volume_id: record.snapshot_id.clone(),
+                })
+            }
+            _ => {
+                snapshots.remove(&record.snapshot_id);
+                Ok(())
+            }
+        }
+    }
+    async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
+        Ok(self.snapshots.lock().unwrap().values().cloned().collect())
+    }
+    fn locate_snapshot(&self, id: &str) -> String {
+        format!("memory snapshot {id:?}")
     }
 }
 
@@ -1934,6 +2106,7 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         deletion: None,
         revision: Some("0".into()),
         integrity: None,
+        content_source: None,
     };
     {
         let mut backend = w.fake.state.lock().unwrap();
@@ -2070,6 +2243,7 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
             deletion: None,
             revision: Some("0".into()),
             integrity: None,
+            content_source: None,
         },
     );
     let destroy = || {
@@ -2610,6 +2784,7 @@ fn unsigned_record(volume: &str, handle: &str) -> VolumeRecord {
         deletion: None,
         revision: Some("0".into()),
         integrity: None,
+        content_source: None,
     }
 }
 
@@ -2668,6 +2843,7 @@ fn controller_with_removable_key(w: &World, controller: &str) -> ControllerSide 
             locks: Arc::new(crate::store::FileLocks::new(&config.state.lock_dir).unwrap()),
             clock: Arc::new(crate::system::SystemClock),
             recorder: Arc::new(NoRecorder),
+            snapshots: w.fake.snapshot_records.clone(),
         },
     )
 }
@@ -3055,4 +3231,372 @@ async fn the_condition_check_reports_dead_mounts_and_abnormal_volumes_without_re
     w.detach("well", "ns1", "s1", 0).await.unwrap();
     node.check_volume_conditions().await.unwrap();
     assert!(!node.conditions.lock().unwrap().contains_key("well"));
+}
+
+// ---------------------------------------------------------------- snapshots and copies
+
+impl World {
+    fn controller(&self) -> &ControllerSide {
+        self.bridge.controller().unwrap()
+    }
+
+    fn snapshot_record(&self, id: &str) -> Option<SnapshotRecord> {
+        self.fake
+            .snapshot_records
+            .snapshots
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+    }
+
+    fn backend_snapshots(&self) -> BTreeMap<String, (String, String)> {
+        self.fake.state.lock().unwrap().snapshots.clone()
+    }
+
+    /// Everything the controller side keeps and the driver holds, to prove a refusal
+    /// changed nothing.
+    fn controller_state(&self) -> String {
+        format!(
+            "{:?} {:?} {:?} {:?}",
+            self.store.records.lock().unwrap(),
+            self.fake.snapshot_records.snapshots.lock().unwrap(),
+            self.backend_volumes(),
+            self.backend_snapshots()
+        )
+    }
+}
+
+#[tokio::test]
+async fn a_snapshot_is_recorded_signed_and_a_repeated_create_adopts_it() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    let taken = w.controller().create_snapshot("v", "s1").await.unwrap();
+    assert_eq!(taken.state, VolumeState::Created);
+    assert_eq!(taken.csi_name, "cube-snap-s1");
+    assert_eq!(taken.csi_snapshot_id.as_deref(), Some("snap-0"));
+    assert_eq!(
+        taken.source_csi_volume_id,
+        w.stored("v").unwrap().csi_volume_id.unwrap()
+    );
+    assert!(taken.integrity.is_some());
+    assert_eq!(w.snapshot_record("s1"), Some(taken.clone()));
+    w.fake.clear_calls();
+    // A repeated command adopts it: no second snapshot.
+    assert_eq!(
+        w.controller().create_snapshot("v", "s1").await.unwrap(),
+        taken
+    );
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(w.backend_snapshots().len(), 1);
+    let listed = w.controller().list_snapshots().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (
+            listed[0].integrity,
+            listed[0].driver_says,
+            listed[0].size_bytes
+        ),
+        ("valid", "ready", 4096)
+    );
+}
+
+#[tokio::test]
+async fn an_unanswered_create_snapshot_is_retried_by_name_and_otherwise_swept() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    // The driver made the snapshot but its answer was lost: the intent stays.
+    w.fake.script("CreateSnapshot", Fault::LostAnswer);
+    w.controller().create_snapshot("v", "s1").await.unwrap_err();
+    assert_eq!(
+        w.snapshot_record("s1").unwrap().state,
+        VolumeState::Creating
+    );
+    assert_eq!(w.backend_snapshots().len(), 1);
+    // A retry finds the same snapshot by its name.
+    let taken = w.controller().create_snapshot("v", "s1").await.unwrap();
+    assert_eq!(taken.csi_snapshot_id.as_deref(), Some("snap-0"));
+    assert_eq!(w.backend_snapshots().len(), 1);
+
+    // An abandoned one is reclaimed by the sweep.
+    w.fake.script("CreateSnapshot", Fault::LostAnswer);
+    w.controller().create_snapshot("v", "s2").await.unwrap_err();
+    assert_eq!(w.backend_snapshots().len(), 2);
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.snapshot_record("s2").is_none());
+    assert_eq!(w.backend_snapshots().len(), 1);
+    assert!(w.snapshot_record("s1").is_some());
+}
+
+#[tokio::test]
+async fn a_final_create_snapshot_error_forgets_the_intent() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.fake.script("CreateSnapshot", Fault::Final);
+    w.controller().create_snapshot("v", "s1").await.unwrap_err();
+    assert!(w.snapshot_record("s1").is_none());
+}
+
+#[tokio::test]
+async fn bad_snapshot_input_is_refused_before_any_call_or_record() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.controller().create_snapshot("v", "s1").await.unwrap();
+    let before = w.controller_state();
+    w.fake.clear_calls();
+    let c = w.controller();
+    let cases: Vec<(BridgeError, &str)> = vec![
+        (
+            c.create_snapshot("nope", "s2").await.unwrap_err(),
+            "unknown volume \"nope\"",
+        ),
+        (
+            c.create_snapshot("v", "bad/name").await.unwrap_err(),
+            "snapshot name \"bad/name\"",
+        ),
+        (
+            c.delete_snapshot("nope").await.unwrap_err(),
+            "unknown snapshot \"nope\"",
+        ),
+        (
+            c.restore("nope", "r").await.unwrap_err(),
+            "unknown snapshot \"nope\"",
+        ),
+        (
+            c.restore("s1", "v").await.unwrap_err(),
+            "volume \"v\" already exists",
+        ),
+        (
+            c.clone_volume("nope", "c").await.unwrap_err(),
+            "unknown volume \"nope\"",
+        ),
+        (
+            c.clone_volume("v", "v").await.unwrap_err(),
+            "choose a new id",
+        ),
+    ];
+    for (error, expected) in cases {
+        assert!(error.to_string().contains(expected), "{error}");
+        assert!(matches!(error, BridgeError::InvalidRequest(_)), "{error:?}");
+    }
+    assert_eq!(w.controller_state(), before);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    // `--as` an id that exists, for a clone too (it has a record of its own).
+    w.create("other").await.unwrap();
+    let before_other = w.controller_state();
+    w.fake.clear_calls();
+    let error = c.clone_volume("v", "other").await.unwrap_err();
+    assert!(error.to_string().contains("already exists"), "{error}");
+    assert_eq!(w.controller_state(), before_other);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert_ne!(before, before_other);
+}
+
+#[tokio::test]
+async fn another_drivers_snapshot_is_neither_restored_nor_deleted() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.controller().create_snapshot("v", "s1").await.unwrap();
+    // A snapshot taken (and signed) by this bridge when another CSI driver served it.
+    let key = w.controller().record_key().await.unwrap().clone();
+    {
+        let mut snapshots = w.fake.snapshot_records.snapshots.lock().unwrap();
+        let record = snapshots.get_mut("s1").unwrap();
+        record.csi_driver = "other.csi".into();
+        record.integrity = Some(key.sign_snapshot("fk", record));
+    }
+    let before = w.controller_state();
+    w.fake.clear_calls();
+    for error in [
+        w.controller().restore("s1", "r").await.unwrap_err(),
+        w.controller().delete_snapshot("s1").await.unwrap_err(),
+    ] {
+        let text = error.to_string();
+        assert!(
+            text.contains("other.csi") && text.contains("fake.csi"),
+            "{text}"
+        );
+    }
+    assert_eq!(w.controller_state(), before);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+}
+
+#[tokio::test]
+async fn an_edited_snapshot_record_is_refused() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.create("mine").await.unwrap();
+    w.controller().create_snapshot("v", "s1").await.unwrap();
+    // Pointed at another snapshot handle without the key.
+    w.fake
+        .snapshot_records
+        .snapshots
+        .lock()
+        .unwrap()
+        .get_mut("s1")
+        .unwrap()
+        .csi_snapshot_id = Some("someone-elses".into());
+    let before = w.controller_state();
+    w.fake.clear_calls();
+    for error in [
+        w.controller().restore("s1", "r").await.unwrap_err(),
+        w.controller().delete_snapshot("s1").await.unwrap_err(),
+    ] {
+        assert!(error.to_string().contains("integrity"), "{error}");
+    }
+    assert_eq!(w.controller_state(), before);
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    // And a restored volume's record edited to another content source fails Destroy.
+    w.fake
+        .snapshot_records
+        .snapshots
+        .lock()
+        .unwrap()
+        .get_mut("s1")
+        .unwrap()
+        .csi_snapshot_id = Some("snap-0".into());
+    w.controller().restore("s1", "r").await.unwrap();
+    w.store
+        .records
+        .lock()
+        .unwrap()
+        .get_mut("r")
+        .unwrap()
+        .content_source = Some(ContentSource::Volume {
+        volume_id: "mine".into(),
+        csi_volume_id: w.stored("mine").unwrap().csi_volume_id.unwrap(),
+    });
+    let error = w.destroy("r").await.unwrap_err();
+    assert!(error.to_string().contains("integrity"), "{error}");
+}
+
+#[tokio::test]
+async fn a_restored_volume_is_what_cubes_create_answers_and_destroy_deletes() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.controller().create_snapshot("v", "s1").await.unwrap();
+    let restored = w.controller().restore("s1", "r").await.unwrap();
+    assert_eq!(restored.state, VolumeState::Created);
+    assert_eq!(restored.csi_name, "cube-r");
+    assert_eq!(
+        restored.content_source,
+        Some(ContentSource::Snapshot {
+            snapshot_id: "s1".into(),
+            csi_snapshot_id: "snap-0".into()
+        })
+    );
+    let handle = restored.csi_volume_id.clone().unwrap();
+    assert_eq!(w.backend_volumes().len(), 2);
+    // CubeMaster's Create of the id answers with that volume (the driver saw the same
+    // content source again: a different one would be ALREADY_EXISTS).
+    let created = w.create("r").await.unwrap();
+    assert_eq!(
+        VolumeHandle::decode(&created.private_data)
+            .unwrap()
+            .csi_volume_id,
+        handle
+    );
+    assert_eq!(w.backend_volumes().len(), 2);
+    let listed = w.controller().list_snapshots().await.unwrap();
+    assert_eq!(listed[0].restored_into, ["r"]);
+    // A restore again under the same id is refused: it exists.
+    let error = w.controller().restore("s1", "r").await.unwrap_err();
+    assert!(error.to_string().contains("already exists"), "{error}");
+    // The snapshot is in use while the restored volume lives: the driver's refusal is
+    // passed on, and the record stays.
+    let error = w.controller().delete_snapshot("s1").await.unwrap_err();
+    let text = error.to_string();
+    assert!(
+        text.contains("FailedPrecondition")
+            && text.contains("has dependent volumes")
+            && text.contains("volumes restored from it: r")
+            && text.contains("kept"),
+        "{text}"
+    );
+    assert!(w.snapshot_record("s1").is_some());
+    assert_eq!(w.backend_snapshots().len(), 1);
+    // Destroy treats it like any volume; then the snapshot goes.
+    w.destroy("r").await.unwrap();
+    assert!(w.stored("r").is_none());
+    assert!(!w.backend_volumes().values().any(|id| *id == handle));
+    w.controller().delete_snapshot("s1").await.unwrap();
+    assert!(w.snapshot_record("s1").is_none() && w.backend_snapshots().is_empty());
+}
+
+#[tokio::test]
+async fn a_clone_copies_a_volume_under_a_new_id() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    let source = w.stored("v").unwrap().csi_volume_id.unwrap();
+    let cloned = w.controller().clone_volume("v", "c").await.unwrap();
+    assert_eq!(
+        cloned.content_source,
+        Some(ContentSource::Volume {
+            volume_id: "v".into(),
+            csi_volume_id: source.clone()
+        })
+    );
+    assert_ne!(cloned.csi_volume_id.as_deref(), Some(source.as_str()));
+    let created = w.create("c").await.unwrap();
+    assert_eq!(
+        Some(
+            VolumeHandle::decode(&created.private_data)
+                .unwrap()
+                .csi_volume_id
+        ),
+        cloned.csi_volume_id
+    );
+    w.destroy("c").await.unwrap();
+    assert!(w.stored("c").is_none());
+    assert!(w.stored("v").is_some());
+}
+
+#[tokio::test]
+async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.controller().create_snapshot("v", "s1").await.unwrap();
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.controller().restore("s1", "r").await.unwrap_err();
+    assert_eq!(w.stored("r").unwrap().state, VolumeState::Creating);
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.stored("r").is_none());
+    // The sweep asked for the volume as the restore did (the fake refuses otherwise).
+    assert_eq!(
+        w.fake.state.lock().unwrap().content_sources.get("cube-r"),
+        Some(&Some(ContentSource::Snapshot {
+            snapshot_id: "s1".into(),
+            csi_snapshot_id: "snap-0".into()
+        }))
+    );
+    assert_eq!(w.backend_volumes().len(), 1);
+    // Nothing of it holds the snapshot any more.
+    w.controller().delete_snapshot("s1").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_driver_without_snapshots_or_clones_is_refused_clearly() {
+    let mut fake = Fake::new(false, false);
+    fake.snapshots = false;
+    let w = World::new(fake);
+    w.create("v").await.unwrap();
+    let before = w.controller_state();
+    let error = w.controller().create_snapshot("v", "s").await.unwrap_err();
+    assert!(
+        error.to_string().contains("CREATE_DELETE_SNAPSHOT"),
+        "{error}"
+    );
+    let error = w.controller().clone_volume("v", "c").await.unwrap_err();
+    assert!(error.to_string().contains("CLONE_VOLUME"), "{error}");
+    assert_eq!(w.controller_state(), before);
 }

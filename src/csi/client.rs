@@ -196,6 +196,9 @@ csi_calls! {
     node_publish_volume: NodeClient::node_publish_volume(NodePublishVolumeRequest) -> NodePublishVolumeResponse;
     node_unpublish_volume: NodeClient::node_unpublish_volume(NodeUnpublishVolumeRequest) -> NodeUnpublishVolumeResponse;
     node_get_volume_stats: NodeClient::node_get_volume_stats(NodeGetVolumeStatsRequest) -> NodeGetVolumeStatsResponse;
+    create_snapshot: ControllerClient::create_snapshot(CreateSnapshotRequest) -> CreateSnapshotResponse;
+    delete_snapshot: ControllerClient::delete_snapshot(DeleteSnapshotRequest) -> DeleteSnapshotResponse;
+    list_snapshots: ControllerClient::list_snapshots(ListSnapshotsRequest) -> ListSnapshotsResponse;
 }
 
 /// The status name as gRPC spells it in Go and Rust alike (`NotFound`, `Internal`, …).

@@ -16,8 +16,10 @@ use crate::bridge::AccessMode;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
     Capability, ControllerCaps, ControllerDriver, ControllerPublish, CreatedVolume, DriverError,
-    DriverIdentity, NewVolume, NodeCaps, NodeDriver, Publish, Secrets, Stage, Undone, VolumeStats,
+    DriverIdentity, NewSnapshot, NewVolume, NodeCaps, NodeDriver, Publish, Secrets, SnapshotInfo,
+    Stage, Undone, VolumeStats,
 };
+use crate::bridge::records::ContentSource;
 use crate::proto::csi::v1 as csi;
 use csi::controller_service_capability::rpc::Type as CtrlRpc;
 use csi::node_service_capability::rpc::Type as NodeRpc;
@@ -111,6 +113,34 @@ fn secrets(s: &Secrets) -> std::collections::HashMap<String, String> {
     map(s.0.clone())
 }
 
+fn content_source(source: &ContentSource) -> csi::VolumeContentSource {
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    csi::VolumeContentSource {
+        r#type: Some(match source {
+            ContentSource::Snapshot {
+                csi_snapshot_id, ..
+            } => Type::Snapshot(SnapshotSource {
+                snapshot_id: csi_snapshot_id.clone(),
+            }),
+            ContentSource::Volume { csi_volume_id, .. } => Type::Volume(VolumeSource {
+                volume_id: csi_volume_id.clone(),
+            }),
+        }),
+    }
+}
+
+fn snapshot_info(snapshot: csi::Snapshot) -> SnapshotInfo {
+    SnapshotInfo {
+        csi_snapshot_id: snapshot.snapshot_id,
+        source_csi_volume_id: snapshot.source_volume_id,
+        size_bytes: snapshot.size_bytes,
+        creation_time: snapshot
+            .creation_time
+            .map_or(0, |t| u64::try_from(t.seconds).unwrap_or(0)),
+        ready_to_use: snapshot.ready_to_use,
+    }
+}
+
 fn path_string(path: &Path) -> String {
     path.to_string_lossy().into_owned()
 }
@@ -171,6 +201,9 @@ impl ControllerDriver for GrpcDriver {
         Ok(ControllerCaps {
             create_delete_volume: has(CtrlRpc::CreateDeleteVolume),
             publish_unpublish_volume: has(CtrlRpc::PublishUnpublishVolume),
+            create_delete_snapshot: has(CtrlRpc::CreateDeleteSnapshot),
+            list_snapshots: has(CtrlRpc::ListSnapshots),
+            clone_volume: has(CtrlRpc::CloneVolume),
         })
     }
 
@@ -188,6 +221,7 @@ impl ControllerDriver for GrpcDriver {
             volume_capabilities: vec![capability(&volume.capability)],
             parameters: map(volume.parameters.clone()),
             secrets: secrets(&volume.secrets),
+            volume_content_source: volume.content_source.as_ref().map(content_source),
             ..Default::default()
         };
         let redact = Redactions::of(&volume.secrets, Some(&volume.capability));
@@ -278,6 +312,83 @@ impl ControllerDriver for GrpcDriver {
             Ok(_) => Ok(()),
             // Not attached, or the volume is gone: nothing to undo (CSI spec).
             Err(e) if not_found(&e) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn create_snapshot(
+        &self,
+        snapshot: &NewSnapshot,
+        deadline: &Deadline,
+    ) -> Result<SnapshotInfo, DriverError> {
+        let request = csi::CreateSnapshotRequest {
+            source_volume_id: snapshot.source_csi_volume_id.clone(),
+            name: snapshot.name.clone(),
+            secrets: secrets(&snapshot.secrets),
+            parameters: Default::default(),
+        };
+        let reply = self
+            .client
+            .create_snapshot(request, deadline, &Redactions::of(&snapshot.secrets, None))
+            .await?;
+        reply
+            .snapshot
+            .filter(|s| !s.snapshot_id.is_empty())
+            .map(snapshot_info)
+            .ok_or_else(|| {
+                self.bad_answer(
+                    "CreateSnapshot",
+                    "CreateSnapshot succeeded but returned no snapshot id",
+                )
+            })
+    }
+
+    async fn delete_snapshot(
+        &self,
+        csi_snapshot_id: &str,
+        secrets_: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<(), DriverError> {
+        let request = csi::DeleteSnapshotRequest {
+            snapshot_id: csi_snapshot_id.to_string(),
+            secrets: secrets(secrets_),
+        };
+        match self
+            .client
+            .delete_snapshot(request, deadline, &Redactions::of(secrets_, None))
+            .await
+        {
+            Ok(_) => Ok(()),
+            // Deleting an unknown snapshot must succeed (CSI spec).
+            Err(e) if not_found(&e) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn get_snapshot(
+        &self,
+        csi_snapshot_id: &str,
+        secrets_: &Secrets,
+        deadline: &Deadline,
+    ) -> Result<Option<SnapshotInfo>, DriverError> {
+        let request = csi::ListSnapshotsRequest {
+            snapshot_id: csi_snapshot_id.to_string(),
+            secrets: secrets(secrets_),
+            ..Default::default()
+        };
+        // An unknown id is an empty list (CSI spec); some drivers answer NOT_FOUND.
+        match self
+            .client
+            .list_snapshots(request, deadline, &Redactions::of(secrets_, None))
+            .await
+        {
+            Ok(reply) => Ok(reply
+                .entries
+                .into_iter()
+                .filter_map(|e| e.snapshot)
+                .find(|s| s.snapshot_id == csi_snapshot_id)
+                .map(snapshot_info)),
+            Err(e) if not_found(&e) => Ok(None),
             Err(e) => Err(e),
         }
     }

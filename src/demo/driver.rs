@@ -72,6 +72,12 @@ pub struct Profile {
     /// if the volume had been provisioned elsewhere: the benchmark attaches volumes it
     /// never created (their CSI handle comes in Cube's private_data).
     pub volumes_on_first_use: bool,
+    /// Controller CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and CLONE_VOLUME: a snapshot is a
+    /// copy of the volume's directory under `<data_dir>/.snapshots/`, and CreateVolume
+    /// from a snapshot or a volume copies it into the new volume. DeleteSnapshot fails
+    /// with FAILED_PRECONDITION while a volume restored from the snapshot exists, as
+    /// drivers whose restored volumes share the snapshot's blocks answer.
+    pub snapshots: bool,
 }
 
 impl Profile {
@@ -93,6 +99,7 @@ impl Profile {
             counts_publishes: false,
             latency: Duration::ZERO,
             volumes_on_first_use: false,
+            snapshots: true,
         }
     }
 }
@@ -162,6 +169,8 @@ pub struct Call {
 pub const MUTATING: &[&str] = &[
     "CreateVolume",
     "DeleteVolume",
+    "CreateSnapshot",
+    "DeleteSnapshot",
     "ControllerPublishVolume",
     "ControllerUnpublishVolume",
     "NodeStageVolume",
@@ -182,6 +191,10 @@ struct State {
     published: HashMap<String, Vec<PathBuf>>,
     /// CSI volume id → the message of its abnormal VolumeCondition.
     abnormal: HashMap<String, String>,
+    /// CSI snapshot id → (its CSI source volume id, seconds since the epoch it was taken).
+    snapshots: BTreeMap<String, (String, u64)>,
+    /// CSI volume id → the CSI snapshot it was restored from.
+    restored_from: HashMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -384,6 +397,90 @@ impl LocalDirDriver {
         Err(Status::not_found(format!("volume {id} does not exist")))
     }
 
+    /// Where snapshot `id` keeps its copy of the volume's data.
+    pub fn snapshot_path(&self, id: &str) -> PathBuf {
+        self.inner.data_dir.join(".snapshots").join(id)
+    }
+
+    fn snapshots_served(&self) -> Result<(), Status> {
+        if !self.inner.profile.snapshots {
+            return Err(Status::unimplemented("this driver takes no snapshots"));
+        }
+        Ok(())
+    }
+
+    /// The Snapshot message of a snapshot this driver took.
+    fn snapshot_message(&self, id: &str, source: &str, taken: u64) -> csi::Snapshot {
+        csi::Snapshot {
+            size_bytes: dir_size(&self.snapshot_path(id)) as i64,
+            snapshot_id: id.to_string(),
+            source_volume_id: source.to_string(),
+            creation_time: Some(prost_types::Timestamp {
+                seconds: taken as i64,
+                nanos: 0,
+            }),
+            ready_to_use: true,
+            group_snapshot_id: String::new(),
+        }
+    }
+
+    /// Copies what a CreateVolume content source names into the new volume `id` (only
+    /// when the volume is new: a repeated CreateVolume must not overwrite what was written
+    /// since).
+    async fn fill_from_source(
+        &self,
+        id: &str,
+        source: Option<&csi::VolumeContentSource>,
+        is_new: bool,
+    ) -> Result<(), Status> {
+        use csi::volume_content_source::Type;
+        let Some(from) = self.source_dir(source)? else {
+            return Ok(());
+        };
+        if let Some(Type::Snapshot(s)) = source.and_then(|s| s.r#type.as_ref()) {
+            self.state()
+                .restored_from
+                .insert(id.to_string(), s.snapshot_id.clone());
+        }
+        if !is_new {
+            return Ok(());
+        }
+        let to = self.data_path(id);
+        blocking(move || copy_dir(&from, &to)).await
+    }
+
+    /// The directory a CreateVolume content source names (None without one); NOT_FOUND
+    /// when the snapshot or volume does not exist.
+    fn source_dir(
+        &self,
+        source: Option<&csi::VolumeContentSource>,
+    ) -> Result<Option<PathBuf>, Status> {
+        use csi::volume_content_source::Type;
+        let Some(kind) = source.and_then(|s| s.r#type.as_ref()) else {
+            return Ok(None);
+        };
+        self.snapshots_served()?;
+        let (dir, exists) = match kind {
+            Type::Snapshot(s) => {
+                self.volume_dir(&s.snapshot_id)?;
+                let exists = self.state().snapshots.contains_key(&s.snapshot_id);
+                (self.snapshot_path(&s.snapshot_id), exists)
+            }
+            Type::Volume(v) => {
+                let dir = self.volume_dir(&v.volume_id)?;
+                let exists = dir.is_dir();
+                (dir, exists)
+            }
+        };
+        if !exists {
+            return Err(Status::not_found(format!(
+                "the content source {} does not exist",
+                dir.display()
+            )));
+        }
+        Ok(Some(dir))
+    }
+
     fn controller_reachable(&self) -> Result<(), Status> {
         if self.inner.profile.controller_unreachable {
             return Err(Status::unimplemented("this endpoint serves the node only"));
@@ -466,6 +563,35 @@ fn change_volume_dir(dir: &Path, create: bool) -> std::io::Result<()> {
 }
 
 /// Whether `target` shows the same directory as `source` (a bind mount of it).
+/// Copies the files and directories below `from` into `to` (which exists).
+fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            std::fs::create_dir_all(&target)?;
+            copy_dir(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+/// The bytes of the files below `dir` (0 when it cannot be read).
+fn dir_size(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_size(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
+}
+
 fn same_directory(target: &Path, source: &Path) -> std::io::Result<bool> {
     use std::os::unix::fs::MetadataExt;
     let (t, s) = (std::fs::metadata(target)?, std::fs::metadata(source)?);
@@ -550,6 +676,9 @@ impl Controller for LocalDirDriver {
         if self.inner.profile.controller_publish {
             caps.push(R::PublishUnpublishVolume);
         }
+        if self.inner.profile.snapshots {
+            caps.extend([R::CreateDeleteSnapshot, R::ListSnapshots, R::CloneVolume]);
+        }
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -582,7 +711,12 @@ impl Controller for LocalDirDriver {
             required(&req.name, "name")?
         );
         self.volume_dir(&id)?;
+        let is_new = !self.data_path(&id).is_dir();
+        // Checked before anything is made: an unknown source leaves no volume.
+        self.source_dir(req.volume_content_source.as_ref())?;
         self.through_share(&id, true).await?;
+        self.fill_from_source(&id, req.volume_content_source.as_ref(), is_new)
+            .await?;
         Ok(Response::new(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
                 volume_id: id,
@@ -614,7 +748,129 @@ impl Controller for LocalDirDriver {
         let id = required(&req.volume_id, "volume_id")?;
         self.volume_dir(id)?;
         self.through_share(id, false).await?;
+        self.state().restored_from.remove(id);
         Ok(Response::new(csi::DeleteVolumeResponse {}))
+    }
+
+    async fn create_snapshot(
+        &self,
+        request: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "CreateSnapshot",
+            volume_id: req.source_volume_id.clone(),
+            secrets: map(&req.secrets),
+            parameters: map(&req.parameters),
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        self.snapshots_served()?;
+        let name = required(&req.name, "name")?;
+        let source = required(&req.source_volume_id, "source_volume_id")?;
+        // Idempotent by name: the id is derived from the name.
+        let id = format!("snap-{name}");
+        self.volume_dir(&id)?;
+        if let Some((taken_of, taken)) = self.state().snapshots.get(&id).cloned() {
+            if taken_of != source {
+                return Err(Status::already_exists(format!(
+                    "snapshot {name} exists, of volume {taken_of}"
+                )));
+            }
+            return Ok(Response::new(csi::CreateSnapshotResponse {
+                snapshot: Some(self.snapshot_message(&id, source, taken)),
+            }));
+        }
+        let from = self.volume_dir(source)?;
+        if !from.is_dir() {
+            return Err(Status::not_found(format!("volume {source} does not exist")));
+        }
+        let to = self.snapshot_path(&id);
+        blocking(move || {
+            std::fs::create_dir_all(&to)?;
+            copy_dir(&from, &to)
+        })
+        .await?;
+        let taken = crate::system::now_secs();
+        self.state()
+            .snapshots
+            .insert(id.clone(), (source.to_string(), taken));
+        Ok(Response::new(csi::CreateSnapshotResponse {
+            snapshot: Some(self.snapshot_message(&id, source, taken)),
+        }))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        request: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "DeleteSnapshot",
+            volume_id: req.snapshot_id.clone(),
+            secrets: map(&req.secrets),
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        self.snapshots_served()?;
+        let id = required(&req.snapshot_id, "snapshot_id")?;
+        self.volume_dir(id)?;
+        let dependents: Vec<String> = {
+            let state = self.state();
+            let mut dependents: Vec<String> = state
+                .restored_from
+                .iter()
+                .filter(|(volume, from)| *from == id && self.data_path(volume).is_dir())
+                .map(|(volume, _)| volume.clone())
+                .collect();
+            dependents.sort();
+            dependents
+        };
+        if !dependents.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "snapshot {id} is in use by volumes restored from it: {}",
+                dependents.join(", ")
+            )));
+        }
+        let path = self.snapshot_path(id);
+        blocking(move || change_volume_dir(&path, false)).await?;
+        self.state().snapshots.remove(id);
+        Ok(Response::new(csi::DeleteSnapshotResponse {}))
+    }
+
+    async fn list_snapshots(
+        &self,
+        request: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        let req = request.into_inner();
+        self.enter(Call {
+            method: "ListSnapshots",
+            volume_id: req.snapshot_id.clone(),
+            secrets: map(&req.secrets),
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        self.snapshots_served()?;
+        let snapshots = self.state().snapshots.clone();
+        let entries = snapshots
+            .iter()
+            .filter(|(id, (source, _))| {
+                (req.snapshot_id.is_empty() || **id == req.snapshot_id)
+                    && (req.source_volume_id.is_empty() || *source == req.source_volume_id)
+            })
+            .map(
+                |(id, (source, taken))| csi::list_snapshots_response::Entry {
+                    snapshot: Some(self.snapshot_message(id, source, *taken)),
+                },
+            )
+            .collect();
+        Ok(Response::new(csi::ListSnapshotsResponse {
+            entries,
+            next_token: String::new(),
+        }))
     }
 
     async fn controller_publish_volume(

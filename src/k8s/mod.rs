@@ -7,6 +7,7 @@
 mod cache;
 pub mod names;
 pub mod record_key;
+pub mod snapshots;
 pub mod storage_class;
 pub mod volumes;
 
@@ -17,6 +18,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 
 use crate::config::KubernetesSettings;
 
+pub use snapshots::CubeSnapshotStore;
 pub use storage_class::{ResolvedClass, StorageClassSource};
 pub use volumes::{CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION, CubeVolumeStore};
 

@@ -19,7 +19,7 @@ use sha2::{Digest, Sha256};
 use super::names::dns_name_chars;
 use super::{Kube, KubeError};
 use crate::bridge::ports::{ControllerStore, StoreError};
-use crate::bridge::records::{DeletionPolicy, SecretRef, VolumeRecord, VolumeState};
+use crate::bridge::records::{ContentSource, DeletionPolicy, SecretRef, VolumeRecord, VolumeState};
 
 pub const CRD_GROUP: &str = "csibridge.cubesandbox.io";
 pub const CRD_VERSION: &str = "v1alpha1";
@@ -55,6 +55,65 @@ pub struct CubeVolumeSpec {
     /// The bridge's MAC over the fields above that Destroy acts on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// What `restore` or `clone` made the volume from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<SpecContentSource>,
+}
+
+/// `spec.contentSource`: a snapshot (its name and CSI id) or a volume (its Cube and CSI
+/// ids) the volume was made from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpecContentSource {
+    pub kind: SpecContentKind,
+    /// The snapshot's name or the Cube volume id.
+    pub id: String,
+    /// The CSI snapshot id or CSI volume id.
+    pub csi_id: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SpecContentKind {
+    Snapshot,
+    Volume,
+}
+
+impl From<&ContentSource> for SpecContentSource {
+    fn from(source: &ContentSource) -> Self {
+        match source {
+            ContentSource::Snapshot {
+                snapshot_id,
+                csi_snapshot_id,
+            } => SpecContentSource {
+                kind: SpecContentKind::Snapshot,
+                id: snapshot_id.clone(),
+                csi_id: csi_snapshot_id.clone(),
+            },
+            ContentSource::Volume {
+                volume_id,
+                csi_volume_id,
+            } => SpecContentSource {
+                kind: SpecContentKind::Volume,
+                id: volume_id.clone(),
+                csi_id: csi_volume_id.clone(),
+            },
+        }
+    }
+}
+
+impl From<SpecContentSource> for ContentSource {
+    fn from(source: SpecContentSource) -> Self {
+        match source.kind {
+            SpecContentKind::Snapshot => ContentSource::Snapshot {
+                snapshot_id: source.id,
+                csi_snapshot_id: source.csi_id,
+            },
+            SpecContentKind::Volume => ContentSource::Volume {
+                volume_id: source.id,
+                csi_volume_id: source.csi_id,
+            },
+        }
+    }
 }
 
 /// `spec.state`, spelled as Kubernetes enums are.
@@ -256,6 +315,7 @@ impl CubeVolumeStore {
                 .map(|d| if d.retain { "Retain" } else { "Delete" }.to_string()),
             provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
             integrity: record.integrity.clone(),
+            content_source: record.content_source.as_ref().map(SpecContentSource::from),
         }
     }
 
@@ -293,6 +353,7 @@ impl CubeVolumeStore {
             updated_at: spec.updated_at,
             revision: object.metadata.resource_version,
             integrity: spec.integrity,
+            content_source: spec.content_source.map(ContentSource::from),
         })
     }
 }
@@ -418,6 +479,11 @@ mod tests {
                 name: "creds".into(),
             }),
             integrity: Some("hmac-sha256-v1:00".into()),
+            content_source: Some(SpecContentSource {
+                kind: SpecContentKind::Snapshot,
+                id: "s1".into(),
+                csi_id: "cs1".into(),
+            }),
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -428,7 +494,8 @@ mod tests {
                 "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
                 "reclaimPolicy": "Retain",
                 "provisionerSecretRef": {"namespace": "default", "name": "creds"},
-                "integrity": "hmac-sha256-v1:00"
+                "integrity": "hmac-sha256-v1:00",
+                "contentSource": {"kind": "Snapshot", "id": "s1", "csiId": "cs1"}
             })
         );
     }

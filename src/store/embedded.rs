@@ -12,13 +12,16 @@ use async_trait::async_trait;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::fsutil::lock_exclusive_within;
-use crate::bridge::ports::{ControllerStore, StoreError};
-use crate::bridge::records::VolumeRecord;
+use crate::bridge::ports::{ControllerStore, SnapshotStore, StoreError};
+use crate::bridge::records::{SnapshotRecord, VolumeRecord};
 
 /// Version of the records and tables in the file; recorded in the `meta` table.
 pub const STORE_FORMAT: u64 = 1;
 
 const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+/// Snapshot records by snapshot name (made on the first snapshot: a file without it has
+/// none). Their revisions come from the same store-wide counter.
+const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const FORMAT_KEY: &str = "format";
 /// The last revision handed out, store-wide: a record deleted and created again never
@@ -273,6 +276,152 @@ impl EmbeddedStore {
     }
 }
 
+/// Snapshot records, in their own table of the same file.
+impl EmbeddedStore {
+    fn decode_snapshot(&self, bytes: &[u8]) -> Result<SnapshotRecord, StoreError> {
+        let mut record: SnapshotRecord = serde_json::from_slice(bytes)
+            .map_err(|e| self.err(format!("corrupt snapshot record: {e}")))?;
+        record.revision.get_or_insert_with(|| "0".into());
+        Ok(record)
+    }
+
+    fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotRecord>, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let table = match txn.open_table(SNAPSHOTS) {
+                Ok(table) => table,
+                Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+                Err(e) => return Err(self.err(e)),
+            };
+            match table.get(snapshot_id).map_err(|e| self.err(e))? {
+                Some(v) => self.decode_snapshot(v.value()).map(Some),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// The revision the snapshot is stored at, inside a write transaction.
+    fn stored_snapshot_revision(
+        &self,
+        table: &redb::Table<&str, &[u8]>,
+        snapshot_id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let stored = table.get(snapshot_id).map_err(|e| self.err(e))?;
+        stored
+            .map(|v| {
+                self.decode_snapshot(v.value())
+                    .map(|r| r.revision.unwrap_or_default())
+            })
+            .transpose()
+    }
+
+    fn put_snapshot(&self, record: &SnapshotRecord) -> Result<String, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            let revision = {
+                let mut table = txn.open_table(SNAPSHOTS).map_err(|e| self.err(e))?;
+                let stored = self.stored_snapshot_revision(&table, &record.snapshot_id)?;
+                if stored != record.revision {
+                    return Err(StoreError::Conflict {
+                        volume_id: record.snapshot_id.clone(),
+                    });
+                }
+                let volumes = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+                let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+                let next = self.last_revision(&meta, &volumes)? + 1;
+                meta.insert(REVISION_KEY, next).map_err(|e| self.err(e))?;
+                let mut copy = record.clone();
+                copy.revision = Some(next.to_string());
+                let bytes = serde_json::to_vec(&copy).map_err(|e| self.err(e))?;
+                table
+                    .insert(record.snapshot_id.as_str(), bytes.as_slice())
+                    .map_err(|e| self.err(e))?;
+                next.to_string()
+            };
+            txn.commit().map_err(|e| self.err(e))?;
+            Ok(revision)
+        })
+    }
+
+    fn delete_snapshot(&self, record: &SnapshotRecord) -> Result<(), StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            {
+                let mut table = txn.open_table(SNAPSHOTS).map_err(|e| self.err(e))?;
+                let stored = self.stored_snapshot_revision(&table, &record.snapshot_id)?;
+                match (&stored, &record.revision) {
+                    (None, _) => return Ok(()),
+                    (Some(s), Some(r)) if s != r => {
+                        return Err(StoreError::Conflict {
+                            volume_id: record.snapshot_id.clone(),
+                        });
+                    }
+                    _ => {}
+                }
+                table
+                    .remove(record.snapshot_id.as_str())
+                    .map_err(|e| self.err(e))?;
+            }
+            txn.commit().map_err(|e| self.err(e))
+        })
+    }
+
+    fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let table = match txn.open_table(SNAPSHOTS) {
+                Ok(table) => table,
+                Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+                Err(e) => return Err(self.err(e)),
+            };
+            let mut out = Vec::new();
+            for entry in table.iter().map_err(|e| self.err(e))? {
+                let (k, v) = entry.map_err(|e| self.err(e))?;
+                match self.decode_snapshot(v.value()) {
+                    Ok(record) => out.push(record),
+                    Err(error) => tracing::warn!(
+                        snapshot_id = k.value(),
+                        %error,
+                        "leaving an unreadable snapshot record out of the list"
+                    ),
+                }
+            }
+            Ok(out)
+        })
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for Arc<EmbeddedStore> {
+    async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotRecord>, StoreError> {
+        let (s, id) = (self.clone(), snapshot_id.to_string());
+        blocking(move || EmbeddedStore::get_snapshot(&s, &id)).await
+    }
+
+    async fn put_snapshot(&self, record: &mut SnapshotRecord) -> Result<(), StoreError> {
+        let (s, copy) = (self.clone(), record.clone());
+        record.revision = Some(blocking(move || EmbeddedStore::put_snapshot(&s, &copy)).await?);
+        Ok(())
+    }
+
+    async fn delete_snapshot(&self, record: &SnapshotRecord) -> Result<(), StoreError> {
+        let (s, copy) = (self.clone(), record.clone());
+        blocking(move || EmbeddedStore::delete_snapshot(&s, &copy)).await
+    }
+
+    async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
+        let s = self.clone();
+        blocking(move || EmbeddedStore::list_snapshots(&s)).await
+    }
+
+    fn locate_snapshot(&self, snapshot_id: &str) -> String {
+        format!(
+            "the record of snapshot {snapshot_id:?} in {}",
+            self.path.display()
+        )
+    }
+}
+
 /// The async face of the store: each operation on a blocking thread.
 #[async_trait]
 impl ControllerStore for Arc<EmbeddedStore> {
@@ -330,7 +479,64 @@ mod tests {
             deletion: None,
             revision: None,
             integrity: None,
+            content_source: None,
         }
+    }
+
+    fn snapshot(id: &str) -> SnapshotRecord {
+        SnapshotRecord {
+            snapshot_id: id.into(),
+            csi_name: format!("cube-snap-{id}"),
+            csi_driver: "d".into(),
+            source_volume_id: "v".into(),
+            source_csi_volume_id: "h-v".into(),
+            state: VolumeState::Creating,
+            csi_snapshot_id: None,
+            size_bytes: 0,
+            creation_time: 0,
+            ready_to_use: false,
+            updated_at: now_secs(),
+            revision: None,
+            integrity: None,
+        }
+    }
+
+    /// Snapshots keep their own records beside the volumes', with the same revisions
+    /// (a file from before snapshots simply has none), and a volume of the same name is
+    /// another record.
+    #[tokio::test]
+    async fn snapshot_records_round_trip_beside_volumes_and_conflict_like_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        assert!(store.list_snapshots().await.unwrap().is_empty());
+        assert!(store.get_snapshot("s").await.unwrap().is_none());
+        let mut volume = record("s");
+        ControllerStore::put(&store, &mut volume).await.unwrap();
+        let mut snap = snapshot("s");
+        store.put_snapshot(&mut snap).await.unwrap();
+        assert_ne!(snap.revision, volume.revision, "one store-wide counter");
+        let stale = snap.clone();
+        snap.state = VolumeState::Created;
+        snap.csi_snapshot_id = Some("cs".into());
+        store.put_snapshot(&mut snap).await.unwrap();
+        let mut lost = stale.clone();
+        assert!(matches!(
+            store.put_snapshot(&mut lost).await,
+            Err(StoreError::Conflict { .. })
+        ));
+        assert!(matches!(
+            store.delete_snapshot(&stale).await,
+            Err(StoreError::Conflict { .. })
+        ));
+        // A new handle on the same file (another process) reads what was written.
+        let again = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        assert_eq!(again.get_snapshot("s").await.unwrap(), Some(snap.clone()));
+        assert_eq!(again.list_snapshots().await.unwrap(), vec![snap.clone()]);
+        assert_eq!(ControllerStore::list(&again).await.unwrap().len(), 1);
+        again.delete_snapshot(&snap).await.unwrap();
+        again.delete_snapshot(&snap).await.unwrap();
+        assert!(store.get_snapshot("s").await.unwrap().is_none());
+        assert!(ControllerStore::get(&store, "s").await.unwrap().is_some());
     }
 
     /// A damaged file is an error of the store's calls, never a panic of the process:

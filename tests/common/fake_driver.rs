@@ -39,6 +39,9 @@ pub struct Caps {
     /// unmounted target counts again, NodeUnpublish uncounts one, and NodeUnstage fails
     /// ("still published") while any is counted.
     pub counts_publishes: bool,
+    /// CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and CLONE_VOLUME (copies of the volume's
+    /// directory; a snapshot volumes were restored from cannot be deleted while they exist).
+    pub snapshots: bool,
 }
 
 impl Caps {
@@ -132,6 +135,7 @@ impl FakeDriver {
             counts_publishes: caps.counts_publishes,
             latency: Duration::ZERO,
             volumes_on_first_use: false,
+            snapshots: caps.snapshots,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
