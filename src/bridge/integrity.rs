@@ -250,6 +250,7 @@ mod tests {
             }),
             revision: None,
             integrity: None,
+            node_expansion_required: false,
         }
     }
 

@@ -101,6 +101,8 @@ pub struct NodeVolume {
     /// Each holder with its age and whether it is stale (`staleness::judge_holders`
     /// fills it; empty until then).
     pub holder_ages: Vec<HolderAge>,
+    /// The size NodeExpandVolume last grew it to on this node (`expand`; 0 = never).
+    pub expanded_bytes: i64,
 }
 
 /// Every volume in `journal`, with its mount state as `mounts` sees it.
@@ -140,6 +142,7 @@ pub async fn node_volumes(
                     error: None,
                     holder_times: r.holder_times,
                     holder_ages: Vec::new(),
+                    expanded_bytes: r.expanded_bytes,
                 }
             }
             Ok(None) => continue,
@@ -159,6 +162,7 @@ pub async fn node_volumes(
                 error: Some(e.to_string()),
                 holder_times: HolderTimes::default(),
                 holder_ages: Vec::new(),
+                expanded_bytes: 0,
             },
         };
         out.push(entry);

@@ -241,6 +241,13 @@ pub struct NodeRecord {
     /// from records written before times were kept: ages unknown).
     #[serde(default, skip_serializing_if = "HolderTimes::is_empty")]
     pub holder_times: HolderTimes,
+    /// The capacity NodeExpandVolume last grew the volume to on this node (0: never).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub expanded_bytes: i64,
+}
+
+fn is_zero(value: &i64) -> bool {
+    *value == 0
 }
 
 impl NodeRecord {
@@ -262,6 +269,7 @@ impl NodeRecord {
             since: 0,
             holders_unknown: false,
             holder_times: HolderTimes::default(),
+            expanded_bytes: 0,
         }
     }
 
@@ -287,11 +295,12 @@ impl NodeRecord {
 }
 
 /// Where a Cube volume's creation stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum VolumeState {
     /// CreateVolume was sent but its answer is not known: a CSI volume of `csi_name`
     /// may exist.
+    #[default]
     Creating,
     /// CreateVolume succeeded; `csi_volume_id` is the handle.
     Created,
@@ -328,7 +337,7 @@ pub struct DeletionPolicy {
 }
 
 /// One Cube volume.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct VolumeRecord {
     pub volume_id: String,
     /// The CreateVolume name (the idempotency key).
@@ -359,4 +368,9 @@ pub struct VolumeRecord {
     /// record written before records were signed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// The last ControllerExpandVolume (or a driver that expands on nodes only) asked for
+    /// NodeExpandVolume: every node where the volume is staged or published grows it to
+    /// `capacity_bytes` (kubelet's part in Kubernetes).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_required: bool,
 }

@@ -165,6 +165,27 @@ struct Fake {
     stays_dead: Arc<std::sync::atomic::AtomicBool>,
     /// The VolumeCondition NodeGetVolumeStats reports: `Some(message)` when abnormal.
     condition: Arc<Mutex<Option<String>>>,
+    /// What the fake offers for expansion, and what it grew.
+    expansion: Arc<Mutex<FakeExpansion>>,
+}
+
+/// The fake's expansion capabilities and state.
+#[derive(Debug, Default)]
+struct FakeExpansion {
+    /// Controller EXPAND_VOLUME.
+    controller: bool,
+    /// Node EXPAND_VOLUME.
+    node: bool,
+    /// The VolumeExpansion plugin capability.
+    mode: Option<ExpansionMode>,
+    /// ControllerExpandVolume's node_expansion_required.
+    node_expansion_required: bool,
+    /// CSI volume id → capacity, once expanded.
+    capacity: BTreeMap<String, i64>,
+    /// NodeExpandVolume calls: (volume id, volume path, staging path, required bytes).
+    node_calls: Vec<(String, PathBuf, Option<PathBuf>, u64)>,
+    /// The secrets each expand call carried, by call name.
+    secrets: Vec<(&'static str, Secrets)>,
 }
 
 impl Fake {
@@ -180,6 +201,7 @@ impl Fake {
             dead: Default::default(),
             stays_dead: Default::default(),
             condition: Default::default(),
+            expansion: Default::default(),
         }
     }
 
@@ -310,6 +332,7 @@ impl ControllerDriver for Fake {
             name: "fake.csi".into(),
             vendor_version: "1".into(),
             controller_service: true,
+            volume_expansion: self.expansion.lock().unwrap().mode,
         })
     }
     async fn capabilities(&self, _: &Deadline) -> Result<ControllerCaps, DriverError> {
@@ -317,6 +340,7 @@ impl ControllerDriver for Fake {
         Ok(ControllerCaps {
             create_delete_volume: true,
             publish_unpublish_volume: self.controller_publish,
+            expand_volume: self.expansion.lock().unwrap().controller,
         })
     }
     async fn create_volume(
@@ -340,10 +364,19 @@ impl ControllerDriver for Fake {
                 Finality::Uncertain,
             ));
         }
+        drop(s);
+        let capacity_bytes = self
+            .expansion
+            .lock()
+            .unwrap()
+            .capacity
+            .get(&id)
+            .copied()
+            .unwrap_or(0);
         Ok(CreatedVolume {
             csi_volume_id: id,
             volume_context: BTreeMap::from([("ctx".into(), "v".into())]),
-            capacity_bytes: 0,
+            capacity_bytes,
         })
     }
     async fn delete_volume(&self, id: &str, _: &Secrets, _: &Deadline) -> Result<(), DriverError> {
@@ -379,6 +412,27 @@ impl ControllerDriver for Fake {
             other => other.map(|_| ()),
         }
     }
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        _: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        self.enter("ControllerExpandVolume").await?;
+        let mut expansion = self.expansion.lock().unwrap();
+        expansion
+            .secrets
+            .push(("ControllerExpandVolume", call.secrets.clone()));
+        let size = call.required_bytes as i64;
+        let grown = expansion
+            .capacity
+            .entry(call.csi_volume_id.clone())
+            .or_default();
+        *grown = (*grown).max(size);
+        Ok(ControllerExpanded {
+            capacity_bytes: *grown,
+            node_expansion_required: expansion.node_expansion_required,
+        })
+    }
 }
 
 #[async_trait]
@@ -395,6 +449,7 @@ impl NodeDriver for Fake {
             stage_unstage_volume: self.stage,
             get_volume_stats: true,
             volume_condition: true,
+            expand_volume: self.expansion.lock().unwrap().node,
         })
     }
     async fn node_id(&self, _: &Deadline) -> Result<String, DriverError> {
@@ -495,6 +550,20 @@ impl NodeDriver for Fake {
             abnormal: self.condition.lock().unwrap().clone(),
             ..VolumeStats::default()
         })
+    }
+    async fn expand_volume(&self, call: &NodeExpand, _: &Deadline) -> Result<i64, DriverError> {
+        self.enter("NodeExpandVolume").await?;
+        let mut expansion = self.expansion.lock().unwrap();
+        expansion
+            .secrets
+            .push(("NodeExpandVolume", call.secrets.clone()));
+        expansion.node_calls.push((
+            call.csi_volume_id.clone(),
+            call.volume_path.clone(),
+            call.staging_path.clone(),
+            call.required_bytes,
+        ));
+        Ok(call.required_bytes as i64)
     }
 }
 
@@ -1934,6 +2003,7 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         deletion: None,
         revision: Some("0".into()),
         integrity: None,
+        node_expansion_required: false,
     };
     {
         let mut backend = w.fake.state.lock().unwrap();
@@ -2070,6 +2140,7 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
             deletion: None,
             revision: Some("0".into()),
             integrity: None,
+            node_expansion_required: false,
         },
     );
     let destroy = || {
@@ -2610,6 +2681,7 @@ fn unsigned_record(volume: &str, handle: &str) -> VolumeRecord {
         deletion: None,
         revision: Some("0".into()),
         integrity: None,
+        node_expansion_required: false,
     }
 }
 
@@ -3056,3 +3128,5 @@ async fn the_condition_check_reports_dead_mounts_and_abnormal_volumes_without_re
     node.check_volume_conditions().await.unwrap();
     assert!(!node.conditions.lock().unwrap().contains_key("well"));
 }
+
+mod expansion;

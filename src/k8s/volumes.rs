@@ -55,6 +55,10 @@ pub struct CubeVolumeSpec {
     /// The bridge's MAC over the fields above that Destroy acts on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// The last expansion asks every node where the volume is staged or published to
+    /// grow it to `capacityBytes` (NodeExpandVolume); node daemons watch for it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_required: bool,
 }
 
 /// `spec.state`, spelled as Kubernetes enums are.
@@ -256,6 +260,7 @@ impl CubeVolumeStore {
                 .map(|d| if d.retain { "Retain" } else { "Delete" }.to_string()),
             provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
             integrity: record.integrity.clone(),
+            node_expansion_required: record.node_expansion_required,
         }
     }
 
@@ -293,6 +298,7 @@ impl CubeVolumeStore {
             updated_at: spec.updated_at,
             revision: object.metadata.resource_version,
             integrity: spec.integrity,
+            node_expansion_required: spec.node_expansion_required,
         })
     }
 }
@@ -418,6 +424,7 @@ mod tests {
                 name: "creds".into(),
             }),
             integrity: Some("hmac-sha256-v1:00".into()),
+            node_expansion_required: true,
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -428,7 +435,7 @@ mod tests {
                 "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
                 "reclaimPolicy": "Retain",
                 "provisionerSecretRef": {"namespace": "default", "name": "creds"},
-                "integrity": "hmac-sha256-v1:00"
+                "integrity": "hmac-sha256-v1:00", "nodeExpansionRequired": true
             })
         );
     }

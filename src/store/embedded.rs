@@ -330,6 +330,7 @@ mod tests {
             deletion: None,
             revision: None,
             integrity: None,
+            node_expansion_required: false,
         }
     }
 

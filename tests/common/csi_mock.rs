@@ -44,6 +44,8 @@ pub struct MockOptions {
     pub enable_creds: bool,
     /// `-hooks-file`: this YAML (JavaScript hooks that may fail a call).
     pub hooks: Option<String>,
+    /// More flags, e.g. `-node-expand-required`, `-disable-online-expansion`.
+    pub flags: Vec<&'static str>,
 }
 
 /// One running csi-mock; killed on drop.
@@ -80,6 +82,7 @@ impl MockDriver {
         if options.enable_creds {
             command.env("CSI_ENABLE_CREDS", "true");
         }
+        command.args(&options.flags);
         let mut child = command
             .env("CSI_ENDPOINT", &socket)
             .stdout(std::process::Stdio::null())

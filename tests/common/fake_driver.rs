@@ -11,7 +11,7 @@ use std::time::Duration;
 use cube_csi_bridge::demo::driver::{LocalDirDriver, Profile};
 use tokio_stream::wrappers::UnixListenerStream;
 
-pub use cube_csi_bridge::demo::driver::{Behavior, Call, Gate, MUTATING};
+pub use cube_csi_bridge::demo::driver::{Behavior, Call, ExpansionProfile, Gate, MUTATING};
 
 pub const FAKE_NODE_ID: &str = "fake-node-1";
 
@@ -39,6 +39,8 @@ pub struct Caps {
     /// unmounted target counts again, NodeUnpublish uncounts one, and NodeUnstage fails
     /// ("still published") while any is counted.
     pub counts_publishes: bool,
+    /// What it offers for volume expansion (none by default).
+    pub expansion: ExpansionProfile,
 }
 
 impl Caps {
@@ -132,6 +134,7 @@ impl FakeDriver {
             counts_publishes: caps.counts_publishes,
             latency: Duration::ZERO,
             volumes_on_first_use: false,
+            expansion: caps.expansion,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
@@ -230,5 +233,10 @@ impl FakeDriver {
     /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
     pub fn controller_published(&self) -> Vec<(String, String)> {
         self.driver.controller_published()
+    }
+
+    /// The capacity CSI volume `id` has now (0 when it was never given one).
+    pub fn capacity(&self, id: &str) -> i64 {
+        self.driver.capacity(id)
     }
 }
