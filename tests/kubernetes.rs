@@ -903,8 +903,8 @@ async fn nfs_like_driver_behind_a_storage_class_as_csi_driver_nfs_documents_it()
 /// `expand` in Kubernetes mode, behind csi-mock: the controller replica grows the volume
 /// (ControllerExpandVolume with the StorageClass's controller-expand secret) and records
 /// the new capacity in the CubeVolume; the node daemon, which `expand` never talks to,
-/// notices the recorded capacity and calls NodeExpandVolume at the volume's host_path
-/// (with the node-expand secret), once.
+/// notices the recorded capacity and calls NodeExpandVolume at the volume's host_path,
+/// once.
 #[tokio::test(flavor = "multi_thread")]
 async fn expand_records_the_capacity_and_the_node_daemon_follows_it() {
     let bin = require_k8s_peers!();
@@ -1016,10 +1016,8 @@ async fn expand_records_the_capacity_and_the_node_daemon_follows_it() {
     let grown = mock.requests("NodeExpandVolume");
     assert_eq!(grown[0]["volume_path"], attached.host_path.as_str());
     assert_eq!(grown[0]["capacity_range"]["required_bytes"], 3 * GI);
-    assert_eq!(
-        grown[0]["secrets"],
-        serde_json::json!({PROVISIONER_SECRET.0: PROVISIONER_SECRET.1})
-    );
+    // csi-mock's CSI spec predates NodeExpandVolumeRequest.secrets, so its log cannot show
+    // them (tests/expansion.rs checks them against the fake driver).
     node.wait_for_daemon_log(
         "grew the volume on this node",
         1,
