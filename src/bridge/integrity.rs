@@ -263,6 +263,7 @@ mod tests {
             }),
             revision: None,
             integrity: None,
+            node_expansion_required: false,
             accessible_topology: Vec::new(),
         }
     }

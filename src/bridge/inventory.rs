@@ -103,6 +103,8 @@ pub struct NodeVolume {
     pub holder_ages: Vec<HolderAge>,
     /// The nodes the volume can be attached on, from its handle (empty: every node).
     pub accessible_topology: Vec<super::ports::Segments>,
+    /// The size NodeExpandVolume last grew it to on this node (`expand`; 0 = never).
+    pub expanded_bytes: i64,
 }
 
 /// Every volume in `journal`, with its mount state as `mounts` sees it.
@@ -143,6 +145,7 @@ pub async fn node_volumes(
                     holder_times: r.holder_times,
                     holder_ages: Vec::new(),
                     accessible_topology: r.accessible_topology,
+                    expanded_bytes: r.expanded_bytes,
                 }
             }
             Ok(None) => continue,
@@ -163,6 +166,7 @@ pub async fn node_volumes(
                 holder_times: HolderTimes::default(),
                 holder_ages: Vec::new(),
                 accessible_topology: Vec::new(),
+                expanded_bytes: 0,
             },
         };
         out.push(entry);

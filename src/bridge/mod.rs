@@ -14,6 +14,7 @@ pub mod controller;
 mod deadline;
 pub mod discovery;
 pub mod error;
+pub mod expansion;
 pub mod faults;
 pub mod fit;
 pub mod handoff;

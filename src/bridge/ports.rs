@@ -72,6 +72,28 @@ pub struct DriverIdentity {
     /// The driver advertises VOLUME_ACCESSIBILITY_CONSTRAINTS: its volumes may be
     /// reachable from some nodes only, and CreateVolume takes accessibility requirements.
     pub accessibility_constraints: bool,
+    /// The VolumeExpansion plugin capability: whether volumes grow while published
+    /// (None: not advertised, which a CO takes as offline).
+    pub volume_expansion: Option<ExpansionMode>,
+}
+
+/// When a driver can grow a volume (the VolumeExpansion plugin capability).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpansionMode {
+    /// While it is staged or published (ONLINE).
+    Online,
+    /// Only while no node has it staged or published (OFFLINE, or not advertised).
+    Offline,
+}
+
+impl ExpansionMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpansionMode::Online => "online",
+            ExpansionMode::Offline => "offline",
+        }
+    }
 }
 
 /// Controller capabilities the bridge acts on.
@@ -82,6 +104,8 @@ pub struct ControllerCaps {
     /// SINGLE_NODE_MULTI_WRITER: CreateVolume and ControllerPublish accept the access
     /// modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
     pub single_node_multi_writer: bool,
+    /// EXPAND_VOLUME: ControllerExpandVolume.
+    pub expand_volume: bool,
 }
 
 /// Node capabilities the bridge acts on.
@@ -91,6 +115,8 @@ pub struct NodeCaps {
     pub get_volume_stats: bool,
     /// VOLUME_CONDITION: NodeGetVolumeStats says whether a volume is abnormal.
     pub volume_condition: bool,
+    /// EXPAND_VOLUME: NodeExpandVolume.
+    pub expand_volume: bool,
     /// SINGLE_NODE_MULTI_WRITER: NodeStage and NodePublish accept the access modes
     /// SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
     pub single_node_multi_writer: bool,
@@ -238,6 +264,37 @@ pub struct VolumeStats {
     pub abnormal: Option<String>,
 }
 
+/// ControllerExpandVolume.
+#[derive(Debug, Clone)]
+pub struct ControllerExpand {
+    pub csi_volume_id: String,
+    pub required_bytes: u64,
+    pub capability: Capability,
+    pub secrets: Secrets,
+}
+
+/// What ControllerExpandVolume answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControllerExpanded {
+    /// 0 = not said.
+    pub capacity_bytes: i64,
+    /// NodeExpandVolume must follow on every node where the volume is staged or published.
+    pub node_expansion_required: bool,
+}
+
+/// NodeExpandVolume.
+#[derive(Debug, Clone)]
+pub struct NodeExpand {
+    pub csi_volume_id: String,
+    /// Where the volume is available: the target when published, else the staging path.
+    pub volume_path: PathBuf,
+    /// Set when the volume is staged.
+    pub staging_path: Option<PathBuf>,
+    pub required_bytes: u64,
+    pub capability: Capability,
+    pub secrets: Secrets,
+}
+
 /// Whether a failed driver call may still be in progress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finality {
@@ -298,6 +355,22 @@ impl fmt::Display for DriverError {
 
 impl std::error::Error for DriverError {}
 
+impl DriverError {
+    /// The answer of an endpoint that does not serve `call` (what a port without it says).
+    pub fn unimplemented(call: &'static str, endpoint: &str) -> Self {
+        DriverError {
+            call,
+            endpoint: endpoint.to_string(),
+            status: "Unimplemented",
+            grpc_code: 12,
+            finality: Finality::Unimplemented,
+            message: format!("{call} is not served here"),
+            attempts: 1,
+            gave_up_after: None,
+        }
+    }
+}
+
 /// The controller side of a CSI driver (the endpoint in `csi.controller_endpoint`, else
 /// `csi.endpoint`). NOT_FOUND from deletes and unpublishes is success here.
 #[async_trait]
@@ -331,6 +404,18 @@ pub trait ControllerDriver: Send + Sync {
         secrets: &Secrets,
         deadline: &Deadline,
     ) -> Result<(), DriverError>;
+    /// ControllerExpandVolume (only asked of a driver with EXPAND_VOLUME).
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        deadline: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        let _ = (call, deadline);
+        Err(DriverError::unimplemented(
+            "ControllerExpandVolume",
+            self.endpoint(),
+        ))
+    }
 }
 
 /// The node side of a CSI driver (`csi.endpoint`).
@@ -364,6 +449,19 @@ pub trait NodeDriver: Send + Sync {
     ) -> Result<VolumeStats, DriverError>;
     /// NodeGetInfo: the node id and where the node sits.
     async fn node_info(&self, deadline: &Deadline) -> Result<NodeInfo, DriverError>;
+    /// NodeExpandVolume (only asked of a driver with node EXPAND_VOLUME); returns the
+    /// capacity the driver reports (0 = not said).
+    async fn expand_volume(
+        &self,
+        call: &NodeExpand,
+        deadline: &Deadline,
+    ) -> Result<i64, DriverError> {
+        let _ = (call, deadline);
+        Err(DriverError::unimplemented(
+            "NodeExpandVolume",
+            self.endpoint(),
+        ))
+    }
 }
 
 /// What a mount-table query can say about a path, as Cubelet sees it.
@@ -431,8 +529,9 @@ pub enum SecretUse {
     ControllerPublish,
     NodeStage,
     NodePublish,
-    /// Volume expansion (not used by Cube; accepted and stripped from StorageClasses).
+    /// ControllerExpandVolume (`cube-csi-bridge expand`).
     ControllerExpand,
+    /// NodeExpandVolume.
     NodeExpand,
 }
 

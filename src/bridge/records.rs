@@ -246,6 +246,13 @@ pub struct NodeRecord {
     /// The nodes the volume can be attached on, from its handle (empty: every node).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub accessible_topology: Vec<Segments>,
+    /// The capacity NodeExpandVolume last grew the volume to on this node (0: never).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub expanded_bytes: i64,
+}
+
+fn is_zero(value: &i64) -> bool {
+    *value == 0
 }
 
 impl NodeRecord {
@@ -268,6 +275,7 @@ impl NodeRecord {
             holders_unknown: false,
             holder_times: HolderTimes::default(),
             accessible_topology: Vec::new(),
+            expanded_bytes: 0,
         }
     }
 
@@ -370,4 +378,9 @@ pub struct VolumeRecord {
     /// every node, or a driver without VOLUME_ACCESSIBILITY_CONSTRAINTS).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub accessible_topology: Vec<Segments>,
+    /// The last ControllerExpandVolume (or a driver that expands on nodes only) asked for
+    /// NodeExpandVolume: every node where the volume is staged or published grows it to
+    /// `capacity_bytes` (kubelet's part in Kubernetes).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_required: bool,
 }

@@ -169,6 +169,7 @@ mod tests {
             holder_ages: Vec::new(),
             condition: None,
             accessible_topology: Vec::new(),
+            expanded_bytes: 0,
         }
     }
 

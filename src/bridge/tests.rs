@@ -167,6 +167,8 @@ struct Fake {
     condition: Arc<Mutex<Option<String>>>,
     /// Topology, mount group and access mode: what the fake advertises and what it got.
     placement: Arc<Mutex<Placement>>,
+    /// What the fake offers for expansion, and what it grew.
+    expansion: Arc<Mutex<FakeExpansion>>,
 }
 
 /// What the fake says of topology, mount groups and single-node writer modes, and what
@@ -190,6 +192,25 @@ struct Placement {
     node_calls: Vec<(&'static str, Option<u32>, AccessMode)>,
 }
 
+/// The fake's expansion capabilities and state.
+#[derive(Debug, Default)]
+struct FakeExpansion {
+    /// Controller EXPAND_VOLUME.
+    controller: bool,
+    /// Node EXPAND_VOLUME.
+    node: bool,
+    /// The VolumeExpansion plugin capability.
+    mode: Option<ExpansionMode>,
+    /// ControllerExpandVolume's node_expansion_required.
+    node_expansion_required: bool,
+    /// CSI volume id → capacity, once expanded.
+    capacity: BTreeMap<String, i64>,
+    /// NodeExpandVolume calls: (volume id, volume path, staging path, required bytes).
+    node_calls: Vec<(String, PathBuf, Option<PathBuf>, u64)>,
+    /// The secrets each expand call carried, by call name.
+    secrets: Vec<(&'static str, Secrets)>,
+}
+
 impl Fake {
     fn new(stage: bool, controller_publish: bool) -> Self {
         Self {
@@ -204,6 +225,7 @@ impl Fake {
             stays_dead: Default::default(),
             condition: Default::default(),
             placement: Default::default(),
+            expansion: Default::default(),
         }
     }
 
@@ -339,6 +361,7 @@ impl ControllerDriver for Fake {
             vendor_version: "1".into(),
             controller_service: true,
             accessibility_constraints: self.placement().accessibility_constraints,
+            volume_expansion: self.expansion.lock().unwrap().mode,
         })
     }
     async fn capabilities(&self, _: &Deadline) -> Result<ControllerCaps, DriverError> {
@@ -347,6 +370,7 @@ impl ControllerDriver for Fake {
             create_delete_volume: true,
             publish_unpublish_volume: self.controller_publish,
             single_node_multi_writer: self.placement().controller_multi_writer,
+            expand_volume: self.expansion.lock().unwrap().controller,
         })
     }
     async fn create_volume(
@@ -375,10 +399,19 @@ impl ControllerDriver for Fake {
                 Finality::Uncertain,
             ));
         }
+        drop(s);
+        let capacity_bytes = self
+            .expansion
+            .lock()
+            .unwrap()
+            .capacity
+            .get(&id)
+            .copied()
+            .unwrap_or(0);
         Ok(CreatedVolume {
             csi_volume_id: id,
             volume_context: BTreeMap::from([("ctx".into(), "v".into())]),
-            capacity_bytes: 0,
+            capacity_bytes,
             accessible_topology,
         })
     }
@@ -415,6 +448,27 @@ impl ControllerDriver for Fake {
             other => other.map(|_| ()),
         }
     }
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        _: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        self.enter("ControllerExpandVolume").await?;
+        let mut expansion = self.expansion.lock().unwrap();
+        expansion
+            .secrets
+            .push(("ControllerExpandVolume", call.secrets.clone()));
+        let size = call.required_bytes as i64;
+        let grown = expansion
+            .capacity
+            .entry(call.csi_volume_id.clone())
+            .or_default();
+        *grown = (*grown).max(size);
+        Ok(ControllerExpanded {
+            capacity_bytes: *grown,
+            node_expansion_required: expansion.node_expansion_required,
+        })
+    }
 }
 
 #[async_trait]
@@ -434,6 +488,7 @@ impl NodeDriver for Fake {
             volume_condition: true,
             single_node_multi_writer: placement.node_multi_writer,
             volume_mount_group: placement.volume_mount_group,
+            expand_volume: self.expansion.lock().unwrap().node,
         })
     }
     async fn node_id(&self, _: &Deadline) -> Result<String, DriverError> {
@@ -551,6 +606,21 @@ impl NodeDriver for Fake {
             node_id: "node-1".into(),
             accessible_topology: self.placement().node_topology.clone(),
         })
+    }
+
+    async fn expand_volume(&self, call: &NodeExpand, _: &Deadline) -> Result<i64, DriverError> {
+        self.enter("NodeExpandVolume").await?;
+        let mut expansion = self.expansion.lock().unwrap();
+        expansion
+            .secrets
+            .push(("NodeExpandVolume", call.secrets.clone()));
+        expansion.node_calls.push((
+            call.csi_volume_id.clone(),
+            call.volume_path.clone(),
+            call.staging_path.clone(),
+            call.required_bytes,
+        ));
+        Ok(call.required_bytes as i64)
     }
 }
 
@@ -1992,6 +2062,7 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         revision: Some("0".into()),
         integrity: None,
         accessible_topology: Vec::new(),
+        node_expansion_required: false,
     };
     {
         let mut backend = w.fake.state.lock().unwrap();
@@ -2129,6 +2200,7 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
             revision: Some("0".into()),
             integrity: None,
             accessible_topology: Vec::new(),
+            node_expansion_required: false,
         },
     );
     let destroy = || {
@@ -2670,6 +2742,7 @@ fn unsigned_record(volume: &str, handle: &str) -> VolumeRecord {
         revision: Some("0".into()),
         integrity: None,
         accessible_topology: Vec::new(),
+        node_expansion_required: false,
     }
 }
 
@@ -3363,3 +3436,4 @@ async fn single_node_writer_modes_need_the_multi_writer_capability_on_both_sides
         );
     }
 }
+mod expansion;

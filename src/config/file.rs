@@ -207,6 +207,10 @@ pub(super) struct SecretsFile {
     pub node_stage: BTreeMap<String, String>,
     #[serde(default)]
     pub node_publish: BTreeMap<String, String>,
+    #[serde(default)]
+    pub controller_expand: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_expand: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]

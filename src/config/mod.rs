@@ -171,6 +171,10 @@ pub struct SecretsSettings {
     pub node_stage: BTreeMap<String, String>,
     /// NodePublishVolume.
     pub node_publish: BTreeMap<String, String>,
+    /// ControllerExpandVolume (`cube-csi-bridge expand`).
+    pub controller_expand: BTreeMap<String, String>,
+    /// NodeExpandVolume.
+    pub node_expand: BTreeMap<String, String>,
 }
 
 impl SecretsSettings {
@@ -181,6 +185,8 @@ impl SecretsSettings {
             &self.controller_publish,
             &self.node_stage,
             &self.node_publish,
+            &self.controller_expand,
+            &self.node_expand,
         ]
         .into_iter()
         .flat_map(|m| m.values().map(String::as_str))
@@ -199,6 +205,8 @@ impl fmt::Debug for SecretsSettings {
             .field("controller_publish_keys", &keys(&self.controller_publish))
             .field("node_stage_keys", &keys(&self.node_stage))
             .field("node_publish_keys", &keys(&self.node_publish))
+            .field("controller_expand_keys", &keys(&self.controller_expand))
+            .field("node_expand_keys", &keys(&self.node_expand))
             .finish()
     }
 }
@@ -635,6 +643,8 @@ impl Checker<'_> {
                 controller_publish: raw.secrets.controller_publish,
                 node_stage: raw.secrets.node_stage,
                 node_publish: raw.secrets.node_publish,
+                controller_expand: raw.secrets.controller_expand,
+                node_expand: raw.secrets.node_expand,
             },
             state,
             node,

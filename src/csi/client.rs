@@ -196,6 +196,8 @@ csi_calls! {
     node_publish_volume: NodeClient::node_publish_volume(NodePublishVolumeRequest) -> NodePublishVolumeResponse;
     node_unpublish_volume: NodeClient::node_unpublish_volume(NodeUnpublishVolumeRequest) -> NodeUnpublishVolumeResponse;
     node_get_volume_stats: NodeClient::node_get_volume_stats(NodeGetVolumeStatsRequest) -> NodeGetVolumeStatsResponse;
+    controller_expand_volume: ControllerClient::controller_expand_volume(ControllerExpandVolumeRequest) -> ControllerExpandVolumeResponse;
+    node_expand_volume: NodeClient::node_expand_volume(NodeExpandVolumeRequest) -> NodeExpandVolumeResponse;
 }
 
 /// The status name as gRPC spells it in Go and Rust alike (`NotFound`, `Internal`, …).

@@ -15,8 +15,9 @@ use super::retry::finality;
 use crate::bridge::AccessMode;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
-    Capability, ControllerCaps, ControllerDriver, ControllerPublish, CreatedVolume, DriverError,
-    DriverIdentity, NewVolume, NodeCaps, NodeDriver, NodeInfo, Publish, Secrets, Segments, Stage,
+    Capability, ControllerCaps, ControllerDriver, ControllerExpand, ControllerExpanded,
+    ControllerPublish, CreatedVolume, DriverError, DriverIdentity, ExpansionMode, NewVolume,
+    NodeCaps, NodeDriver, NodeExpand, NodeInfo, Publish, Secrets, Segments, Stage,
     TopologyRequirement, Undone, VolumeStats,
 };
 use crate::proto::csi::v1 as csi;
@@ -106,6 +107,32 @@ fn capability(c: &Capability, mount_group: Option<u32>) -> csi::VolumeCapability
     }
 }
 
+/// The VolumeExpansion plugin capability: ONLINE, else OFFLINE; None when not advertised.
+fn volume_expansion(caps: &[csi::PluginCapability]) -> Option<ExpansionMode> {
+    use csi::plugin_capability::{Type, volume_expansion::Type as Expansion};
+    let modes: Vec<i32> = caps
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(Type::VolumeExpansion(e)) => Some(e.r#type),
+            _ => None,
+        })
+        .collect();
+    if modes.contains(&(Expansion::Online as i32)) {
+        Some(ExpansionMode::Online)
+    } else if modes.is_empty() {
+        None
+    } else {
+        Some(ExpansionMode::Offline)
+    }
+}
+
+fn capacity(required_bytes: u64) -> Option<csi::CapacityRange> {
+    (required_bytes > 0).then_some(csi::CapacityRange {
+        required_bytes: required_bytes.min(i64::MAX as u64) as i64,
+        limit_bytes: 0,
+    })
+}
+
 fn map<I: IntoIterator<Item = (String, String)>, M: FromIterator<(String, String)>>(m: I) -> M {
     m.into_iter().collect()
 }
@@ -167,6 +194,7 @@ impl ControllerDriver for GrpcDriver {
             vendor_version: info.vendor_version,
             controller_service: service(PluginService::ControllerService),
             accessibility_constraints: service(PluginService::VolumeAccessibilityConstraints),
+            volume_expansion: volume_expansion(&caps.capabilities),
         })
     }
 
@@ -190,6 +218,7 @@ impl ControllerDriver for GrpcDriver {
             create_delete_volume: has(CtrlRpc::CreateDeleteVolume),
             publish_unpublish_volume: has(CtrlRpc::PublishUnpublishVolume),
             single_node_multi_writer: has(CtrlRpc::SingleNodeMultiWriter),
+            expand_volume: has(CtrlRpc::ExpandVolume),
         })
     }
 
@@ -306,6 +335,31 @@ impl ControllerDriver for GrpcDriver {
             Err(e) => Err(e),
         }
     }
+
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        deadline: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        let request = csi::ControllerExpandVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            capacity_range: capacity(call.required_bytes),
+            secrets: secrets(&call.secrets),
+            volume_capability: Some(capability(&call.capability, None)),
+        };
+        let reply = self
+            .client
+            .controller_expand_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
+            .await?;
+        Ok(ControllerExpanded {
+            capacity_bytes: reply.capacity_bytes,
+            node_expansion_required: reply.node_expansion_required,
+        })
+    }
 }
 
 #[async_trait]
@@ -339,6 +393,7 @@ impl NodeDriver for GrpcDriver {
             volume_condition: has(NodeRpc::VolumeCondition),
             single_node_multi_writer: has(NodeRpc::SingleNodeMultiWriter),
             volume_mount_group: has(NodeRpc::VolumeMountGroup),
+            expand_volume: has(NodeRpc::ExpandVolume),
         })
     }
 
@@ -484,6 +539,34 @@ impl NodeDriver for GrpcDriver {
                 .map(|t| map(t.segments))
                 .unwrap_or_default(),
         })
+    }
+
+    async fn expand_volume(
+        &self,
+        call: &NodeExpand,
+        deadline: &Deadline,
+    ) -> Result<i64, DriverError> {
+        let request = csi::NodeExpandVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            volume_path: path_string(&call.volume_path),
+            capacity_range: capacity(call.required_bytes),
+            staging_target_path: call
+                .staging_path
+                .as_deref()
+                .map(path_string)
+                .unwrap_or_default(),
+            volume_capability: Some(capability(&call.capability, None)),
+            secrets: secrets(&call.secrets),
+        };
+        let reply = self
+            .client
+            .node_expand_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
+            .await?;
+        Ok(reply.capacity_bytes)
     }
 }
 

@@ -81,6 +81,24 @@ pub struct Profile {
     pub volume_mount_group: bool,
     /// Controller and node SINGLE_NODE_MULTI_WRITER.
     pub single_node_multi_writer: bool,
+    /// How it grows volumes (every volume is a directory, so growing only changes the
+    /// capacity it reports); the default grows none.
+    pub expansion: ExpansionProfile,
+}
+
+/// What the driver advertises for volume expansion.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExpansionProfile {
+    /// Controller EXPAND_VOLUME: ControllerExpandVolume.
+    pub controller: bool,
+    /// Node EXPAND_VOLUME: NodeExpandVolume.
+    pub node: bool,
+    /// The VolumeExpansion plugin capability: Some(true) ONLINE, Some(false) OFFLINE
+    /// (ControllerExpandVolume then refuses a volume that is staged or published, as
+    /// drivers of block devices do).
+    pub online: Option<bool>,
+    /// ControllerExpandVolume's node_expansion_required.
+    pub node_expansion_required: bool,
 }
 
 impl Profile {
@@ -105,6 +123,7 @@ impl Profile {
             topology: None,
             volume_mount_group: false,
             single_node_multi_writer: false,
+            expansion: ExpansionProfile::default(),
         }
     }
 }
@@ -175,6 +194,8 @@ pub struct Call {
     /// CreateVolume's accessibility_requirements: requisite and preferred segments.
     pub requisite: Vec<BTreeMap<String, String>>,
     pub preferred: Vec<BTreeMap<String, String>>,
+    /// CreateVolume's, ControllerExpandVolume's and NodeExpandVolume's required_bytes.
+    pub required_bytes: i64,
 }
 
 /// Calls that change state (discovery calls are recorded too but filtered here).
@@ -187,6 +208,8 @@ pub const MUTATING: &[&str] = &[
     "NodeUnstageVolume",
     "NodePublishVolume",
     "NodeUnpublishVolume",
+    "ControllerExpandVolume",
+    "NodeExpandVolume",
 ];
 
 #[derive(Debug, Default)]
@@ -201,6 +224,10 @@ struct State {
     published: HashMap<String, Vec<PathBuf>>,
     /// CSI volume id → the message of its abnormal VolumeCondition.
     abnormal: HashMap<String, String>,
+    /// CSI volume id → its capacity (the most asked of CreateVolume or an expansion).
+    capacity: HashMap<String, i64>,
+    /// CSI volume id → the paths NodeStage or NodePublish made it available at.
+    node_paths: HashMap<String, BTreeSet<PathBuf>>,
 }
 
 #[derive(Debug)]
@@ -340,6 +367,11 @@ impl LocalDirDriver {
         };
     }
 
+    /// The capacity CSI volume `id` has now (0 when it was never given one).
+    pub fn capacity(&self, id: &str) -> i64 {
+        self.state().capacity.get(id).copied().unwrap_or(0)
+    }
+
     pub fn data_path(&self, id: &str) -> PathBuf {
         self.inner.data_dir.join(id)
     }
@@ -417,6 +449,17 @@ impl LocalDirDriver {
                     segments: node.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                 }),
         )
+    }
+
+    /// Volume `id` is no longer available at `path` on this node.
+    fn forget_node_path(&self, id: &str, path: &Path) {
+        let mut state = self.state();
+        if let Some(paths) = state.node_paths.get_mut(id) {
+            paths.remove(path);
+            if paths.is_empty() {
+                state.node_paths.remove(id);
+            }
+        }
     }
 
     fn controller_reachable(&self) -> Result<(), Status> {
@@ -562,17 +605,28 @@ impl Identity for LocalDirDriver {
             ..Default::default()
         })
         .await?;
-        let mut services = vec![S::ControllerService];
+        use csi::plugin_capability::{VolumeExpansion, volume_expansion::Type as E};
+        let mut capabilities = vec![csi::PluginCapability {
+            r#type: Some(Type::Service(Service {
+                r#type: S::ControllerService as i32,
+            })),
+        }];
         if self.inner.profile.topology.is_some() {
-            services.push(S::VolumeAccessibilityConstraints);
+            capabilities.push(csi::PluginCapability {
+                r#type: Some(Type::Service(Service {
+                    r#type: S::VolumeAccessibilityConstraints as i32,
+                })),
+            });
+        }
+        if let Some(online) = self.inner.profile.expansion.online {
+            capabilities.push(csi::PluginCapability {
+                r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                    r#type: if online { E::Online } else { E::Offline } as i32,
+                })),
+            });
         }
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: services
-                .into_iter()
-                .map(|s| csi::PluginCapability {
-                    r#type: Some(Type::Service(Service { r#type: s as i32 })),
-                })
-                .collect(),
+            capabilities,
         }))
     }
 
@@ -609,6 +663,9 @@ impl Controller for LocalDirDriver {
         if self.inner.profile.single_node_multi_writer {
             caps.push(R::SingleNodeMultiWriter);
         }
+        if self.inner.profile.expansion.controller {
+            caps.push(R::ExpandVolume);
+        }
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -634,6 +691,7 @@ impl Controller for LocalDirDriver {
             access_mode: access_mode(req.volume_capabilities.first()),
             requisite: segments_of(&requirements.requisite),
             preferred: segments_of(&requirements.preferred),
+            required_bytes: req.capacity_range.as_ref().map_or(0, |r| r.required_bytes),
             ..Default::default()
         })
         .await?;
@@ -646,6 +704,13 @@ impl Controller for LocalDirDriver {
         );
         self.volume_dir(&id)?;
         self.through_share(&id, true).await?;
+        let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        let capacity_bytes = {
+            let mut state = self.state();
+            let capacity = state.capacity.entry(id.clone()).or_default();
+            *capacity = (*capacity).max(required);
+            *capacity
+        };
         Ok(Response::new(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
                 volume_id: id,
@@ -656,7 +721,7 @@ impl Controller for LocalDirDriver {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
-                capacity_bytes: 0,
+                capacity_bytes,
                 accessible_topology: self.placed(&requirements).into_iter().collect(),
                 ..Default::default()
             }),
@@ -678,6 +743,7 @@ impl Controller for LocalDirDriver {
         let id = required(&req.volume_id, "volume_id")?;
         self.volume_dir(id)?;
         self.through_share(id, false).await?;
+        self.state().capacity.remove(id);
         Ok(Response::new(csi::DeleteVolumeResponse {}))
     }
 
@@ -732,6 +798,55 @@ impl Controller for LocalDirDriver {
             .remove(&(req.volume_id.clone(), req.node_id.clone()));
         Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
     }
+
+    async fn controller_expand_volume(
+        &self,
+        request: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let wanted = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        self.enter(Call {
+            method: "ControllerExpandVolume",
+            volume_id: req.volume_id.clone(),
+            secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
+            required_bytes: wanted,
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        let expansion = self.inner.profile.expansion;
+        if !expansion.controller {
+            return Err(Status::unimplemented("no EXPAND_VOLUME"));
+        }
+        let id = required(&req.volume_id, "volume_id")?;
+        if !self.volume_dir(id)?.is_dir() {
+            return Err(Status::not_found(format!("no volume {id}")));
+        }
+        if wanted <= 0 {
+            return Err(Status::invalid_argument(
+                "capacity_range.required_bytes is required",
+            ));
+        }
+        let mut state = self.state();
+        if expansion.online != Some(true) && state.node_paths.get(id).is_some_and(|p| !p.is_empty())
+        {
+            return Err(Status::failed_precondition(format!(
+                "volume {id} is in use and this driver expands volumes offline only"
+            )));
+        }
+        let capacity = state.capacity.entry(id.to_string()).or_default();
+        if *capacity > wanted {
+            return Err(Status::invalid_argument(format!(
+                "volume {id} has {capacity} bytes; it cannot shrink to {wanted}"
+            )));
+        }
+        *capacity = wanted;
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: wanted,
+            node_expansion_required: expansion.node_expansion_required,
+        }))
+    }
 }
 
 #[tonic::async_trait]
@@ -761,6 +876,11 @@ impl Node for LocalDirDriver {
             ));
         }
         self.existing_volume(&source, &req.volume_id).await?;
+        self.state()
+            .node_paths
+            .entry(req.volume_id.clone())
+            .or_default()
+            .insert(staging.clone());
         if !is_mounted(&staging)? {
             blocking(move || ops::bind_mount(&source, &staging, false)).await?;
         }
@@ -792,7 +912,9 @@ impl Node for LocalDirDriver {
                 target.display()
             )));
         }
-        blocking(move || ops::unmount(&staging)).await?;
+        let unmounted = staging.clone();
+        blocking(move || ops::unmount(&unmounted)).await?;
+        self.forget_node_path(&req.volume_id, &staging);
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
     }
 
@@ -838,6 +960,11 @@ impl Node for LocalDirDriver {
             }
             return Ok(Response::new(csi::NodePublishVolumeResponse {}));
         }
+        self.state()
+            .node_paths
+            .entry(req.volume_id.clone())
+            .or_default()
+            .insert(target.clone());
         let read_only = req.readonly;
         let made = target.clone();
         blocking(move || {
@@ -885,6 +1012,7 @@ impl Node for LocalDirDriver {
             ops::remove_dir_if_empty(&unmounted).map(|_| ())
         })
         .await?;
+        self.forget_node_path(&req.volume_id, &target);
         if self.inner.profile.counts_publishes {
             let mut state = self.state();
             if let Some(targets) = state.published.get_mut(&req.volume_id) {
@@ -916,6 +1044,7 @@ impl Node for LocalDirDriver {
             (profile.volume_condition, R::VolumeCondition),
             (profile.volume_mount_group, R::VolumeMountGroup),
             (profile.single_node_multi_writer, R::SingleNodeMultiWriter),
+            (profile.expansion.node, R::ExpandVolume),
         ]
         .into_iter()
         .filter(|(offered, _)| *offered)
@@ -971,6 +1100,40 @@ impl Node for LocalDirDriver {
                     message: abnormal.unwrap_or_default(),
                 }
             }),
+        }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let wanted = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        self.enter(Call {
+            method: "NodeExpandVolume",
+            volume_id: req.volume_id.clone(),
+            target_path: req.volume_path.clone(),
+            staging_target_path: req.staging_target_path.clone(),
+            secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
+            required_bytes: wanted,
+            ..Default::default()
+        })
+        .await?;
+        if !self.inner.profile.expansion.node {
+            return Err(Status::unimplemented("no EXPAND_VOLUME"));
+        }
+        let path = PathBuf::from(required(&req.volume_path, "volume_path")?);
+        if !is_mounted(&path)? {
+            return Err(Status::not_found(format!(
+                "volume {} is not available at {}",
+                req.volume_id,
+                path.display()
+            )));
+        }
+        let capacity_bytes = self.capacity(&req.volume_id).max(wanted);
+        Ok(Response::new(csi::NodeExpandVolumeResponse {
+            capacity_bytes,
         }))
     }
 

@@ -59,6 +59,10 @@ pub struct CubeVolumeSpec {
     /// every node).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub accessible_topology: Vec<BTreeMap<String, String>>,
+    /// The last expansion asks every node where the volume is staged or published to
+    /// grow it to `capacityBytes` (NodeExpandVolume); node daemons watch for it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_required: bool,
 }
 
 /// `spec.state`, spelled as Kubernetes enums are.
@@ -261,6 +265,7 @@ impl CubeVolumeStore {
             provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
             integrity: record.integrity.clone(),
             accessible_topology: record.accessible_topology.clone(),
+            node_expansion_required: record.node_expansion_required,
         }
     }
 
@@ -299,6 +304,7 @@ impl CubeVolumeStore {
             revision: object.metadata.resource_version,
             integrity: spec.integrity,
             accessible_topology: spec.accessible_topology,
+            node_expansion_required: spec.node_expansion_required,
         })
     }
 }
@@ -425,6 +431,7 @@ mod tests {
             }),
             integrity: Some("hmac-sha256-v1:00".into()),
             accessible_topology: vec![BTreeMap::from([("example.com/zone".into(), "a".into())])],
+            node_expansion_required: true,
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -435,7 +442,7 @@ mod tests {
                 "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
                 "reclaimPolicy": "Retain",
                 "provisionerSecretRef": {"namespace": "default", "name": "creds"},
-                "integrity": "hmac-sha256-v1:00",
+                "integrity": "hmac-sha256-v1:00", "nodeExpansionRequired": true,
                 "accessibleTopology": [{"example.com/zone": "a"}]
             })
         );

@@ -331,6 +331,7 @@ mod tests {
             revision: None,
             integrity: None,
             accessible_topology: Vec::new(),
+            node_expansion_required: false,
         }
     }
 

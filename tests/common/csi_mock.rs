@@ -47,6 +47,8 @@ pub struct MockOptions {
     /// `-enable-topology`: VOLUME_ACCESSIBILITY_CONSTRAINTS; NodeGetInfo and every volume
     /// report the one topology [`MOCK_TOPOLOGY_KEY`] = [`MOCK_TOPOLOGY_NODE`].
     pub enable_topology: bool,
+    /// More flags, e.g. `-node-expand-required`, `-disable-online-expansion`.
+    pub flags: Vec<&'static str>,
 }
 
 /// The mock's topology key and its node's segment (fixed in csi-test, whatever `-name`).
@@ -90,6 +92,7 @@ impl MockDriver {
         if options.enable_creds {
             command.env("CSI_ENABLE_CREDS", "true");
         }
+        command.args(&options.flags);
         let mut child = command
             .env("CSI_ENDPOINT", &socket)
             .stdout(std::process::Stdio::null())

@@ -11,7 +11,7 @@ use std::time::Duration;
 use cube_csi_bridge::demo::driver::{LocalDirDriver, Profile};
 use tokio_stream::wrappers::UnixListenerStream;
 
-pub use cube_csi_bridge::demo::driver::{Behavior, Call, Gate, MUTATING};
+pub use cube_csi_bridge::demo::driver::{Behavior, Call, ExpansionProfile, Gate, MUTATING};
 
 pub const FAKE_NODE_ID: &str = "fake-node-1";
 
@@ -47,6 +47,8 @@ pub struct Caps {
     pub volume_mount_group: bool,
     /// Controller and node SINGLE_NODE_MULTI_WRITER.
     pub single_node_multi_writer: bool,
+    /// What it offers for volume expansion (none by default).
+    pub expansion: ExpansionProfile,
 }
 
 /// The topology key of the fake's zones.
@@ -57,6 +59,9 @@ impl Caps {
     pub fn staging() -> Self {
         Caps {
             stage: true,
+            // csi-driver-host-path advertises it, and the staging node's volumes ask for
+            // single_node_multi_writer.
+            single_node_multi_writer: true,
             ..Default::default()
         }
     }
@@ -148,6 +153,7 @@ impl FakeDriver {
                 .map(|zone| BTreeMap::from([(ZONE_KEY.to_string(), zone.to_string())])),
             volume_mount_group: caps.volume_mount_group,
             single_node_multi_writer: caps.single_node_multi_writer,
+            expansion: caps.expansion,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
@@ -246,5 +252,10 @@ impl FakeDriver {
     /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
     pub fn controller_published(&self) -> Vec<(String, String)> {
         self.driver.controller_published()
+    }
+
+    /// The capacity CSI volume `id` has now (0 when it was never given one).
+    pub fn capacity(&self, id: &str) -> i64 {
+        self.driver.capacity(id)
     }
 }
