@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::bridge::Deadline;
 use crate::bridge::inventory::{NodeVolume, add_driver_conditions, node_volumes};
-use crate::bridge::ports::ControllerDriver;
+use crate::bridge::ports::{ControllerDriver, Segments, describe_topologies};
 use crate::config::Config;
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::mount::{MountTable, MountView};
@@ -447,8 +447,9 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
     if output == Output::Json {
         return Ok(serde_json::to_string_pretty(&volumes)? + "\n");
     }
-    let mut out =
-        String::from("VOLUME\tMOUNT\tCONDITION\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\n");
+    let mut out = String::from(
+        "VOLUME\tMOUNT\tCONDITION\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\tATTACHABLE_ON\n",
+    );
     for v in volumes {
         if let Some(error) = &v.error {
             let _ = writeln!(out, "{}\t?\t?\t?\t?\t?\t{error}\t", v.volume_id);
@@ -465,7 +466,7 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             .map_or_else(|| "-".to_string(), |c| c.as_column());
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             v.volume_id,
             v.mount,
             condition,
@@ -473,7 +474,8 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             v.stage,
             age(v.since),
             v.host_path.display(),
-            holders.join(",")
+            holders.join(","),
+            describe_topologies(&v.accessible_topology)
         );
     }
     Ok(out)
@@ -488,6 +490,9 @@ struct ControllerEntry {
     csi_volume_id: Option<String>,
     csi_driver: Option<String>,
     age_secs: u64,
+    /// Where the volume can be attached: CreateVolume's accessible_topology (empty: on
+    /// every node).
+    accessible_topology: Vec<Segments>,
 }
 
 /// The controller store's records: state, age and CSI handle of every Cube volume, so
@@ -509,6 +514,7 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
             csi_name: r.csi_name,
             csi_volume_id: r.csi_volume_id,
             csi_driver: r.csi_driver,
+            accessible_topology: r.accessible_topology,
         })
         .collect();
     entries.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
@@ -516,18 +522,19 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         return Ok(serde_json::to_string_pretty(&entries)? + "\n");
     }
     let mut out = format!(
-        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\n",
+        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\tATTACHABLE_ON\n",
         store.describe()
     );
     for e in entries {
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}",
             e.volume_id,
             e.state,
             age(now.saturating_sub(e.age_secs)),
             e.csi_volume_id.as_deref().unwrap_or("-"),
-            e.csi_name
+            e.csi_name,
+            describe_topologies(&e.accessible_topology)
         );
     }
     Ok(out)

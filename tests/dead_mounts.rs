@@ -26,6 +26,9 @@ const CAPS: Caps = Caps {
     verifies_existing_mount: false,
     counts_publishes: true,
     volume_condition: true,
+    zone: None,
+    volume_mount_group: false,
+    single_node_multi_writer: false,
 };
 
 /// Mounts a FUSE filesystem at `at` and closes its daemon's end at once: the mount stays,

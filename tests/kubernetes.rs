@@ -519,6 +519,7 @@ async fn cubevolume_store_refuses_stale_writes() {
         deletion: None,
         revision: None,
         integrity: None,
+        accessible_topology: vec![[("example.com/zone".to_string(), "a".to_string())].into()],
     };
     one.put(&mut record).await.expect("create");
     let created_at = record.revision.clone().expect("a resourceVersion");
@@ -538,6 +539,10 @@ async fn cubevolume_store_refuses_stale_writes() {
         .unwrap()
         .expect("visible to the other replica");
     assert_eq!(read.revision.as_deref(), Some(created_at.as_str()));
+    assert_eq!(
+        read.accessible_topology, record.accessible_topology,
+        "the accessible topology is kept in the CubeVolume"
+    );
     read.state = VolumeState::Created;
     read.csi_volume_id = Some("handle-1".into());
     two.put(&mut read)
@@ -897,4 +902,73 @@ async fn nfs_like_driver_behind_a_storage_class_as_csi_driver_nfs_documents_it()
         secret_map(("mountOptions", "nfsvers=4.1"))
     );
     assert_eq!(driver.share_mounts(), 2);
+}
+
+/// With CubeVolume records, the accessible topology CreateVolume answered is kept in the
+/// object (`spec.accessibleTopology`), covered by its MAC (Destroy verifies it), listed by
+/// `list --controller`, and handed to the node in private_data.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_accessible_topology_is_kept_in_the_cubevolume() {
+    use common::fake_driver::ZONE_KEY;
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    helm_install(&api, "defaults", NAMESPACE, &[]);
+    let admin = api.admin().await;
+    let kubeconfig = api.kubeconfig.clone();
+    let caps = Caps {
+        zone: Some("zone-a"),
+        ..Default::default()
+    };
+    let volume = format!(
+        "[volume.accessibility_requirements]\nrequisite = [{{ \"{ZONE_KEY}\" = \"zone-b\" }}]\n"
+    );
+    let w = World::start_with_config(Mode::Rpc, caps, &volume, |text| {
+        let text = text.replacen(
+            "[state]\n",
+            "[state]\ncontroller_store = \"kubernetes\"\n",
+            1,
+        );
+        format!(
+            "{text}\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\n",
+            kubeconfig.display()
+        )
+    })
+    .await;
+    let created = w.create("vol-topo").await.expect("create");
+    let object = cube_volumes(admin.clone())
+        .get(&object_name(common::DRIVER, "vol-topo"))
+        .await
+        .expect("a CubeVolume");
+    let topology = serde_json::json!([{ ZONE_KEY: "zone-b" }]);
+    assert_eq!(object.data["spec"]["accessibleTopology"], topology);
+    let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+    assert_eq!(handle["t"], topology);
+    let out = std::process::Command::new(common::BRIDGE)
+        .args(["list", "--controller", "--output", "json", "--config"])
+        .arg(&w.config_path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed[0]["accessible_topology"], topology, "{listed}");
+    // The node (zone-a) is outside it: refused before any node call.
+    let err = w
+        .attach("sb", "vol-topo", 0, &created.private_data)
+        .await
+        .expect_err("zone-b volume on a zone-a node");
+    assert_eq!(err.code, Some(tonic::Code::FailedPrecondition), "{err:?}");
+    assert!(
+        !w.driver
+            .calls()
+            .iter()
+            .any(|c| c.method.starts_with("NodeStage") || c.method.starts_with("NodePublish"))
+    );
+    w.destroy("vol-topo").await.expect("the record verifies");
+    assert!(
+        cube_volumes(admin)
+            .get_opt(&object_name(common::DRIVER, "vol-topo"))
+            .await
+            .unwrap()
+            .is_none()
+    );
 }

@@ -365,3 +365,98 @@ async fn csi_mock_injected_errors_on_each_step_leave_nothing_behind() {
         }
     }
 }
+
+/// csi-mock with `-enable-topology` gets the configured accessibility requirements, its
+/// answer is recorded and listed, and its node (which reports the same topology) attaches
+/// the volume; without topology, or for a mount group or a single-node writer mode it
+/// does not advertise, the bridge refuses to start and its hooks change nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_topology_mount_group_and_access_modes() {
+    use common::csi_mock::{MOCK_TOPOLOGY_KEY, MOCK_TOPOLOGY_NODE};
+    let bin = require_csi_mock!();
+    let requirements = format!(
+        "[volume.accessibility_requirements]\nrequisite = [{{ \"{MOCK_TOPOLOGY_KEY}\" = \
+         \"{MOCK_TOPOLOGY_NODE}\" }}]\n"
+    );
+    let topology = serde_json::json!([{ MOCK_TOPOLOGY_KEY: MOCK_TOPOLOGY_NODE }]);
+    for mode in MODES {
+        let options = MockOptions {
+            enable_topology: true,
+            ..MockOptions::default()
+        };
+        let (w, mock) = mock_world(&bin, mode, &options, &requirements).await;
+        let created = w
+            .create("vol-t")
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: create: {e:?}\n{}", w.logs()));
+        let asked = &mock.requests("CreateVolume")[0]["accessibility_requirements"];
+        assert_eq!(
+            asked["requisite"][0]["segments"][MOCK_TOPOLOGY_KEY], MOCK_TOPOLOGY_NODE,
+            "{mode:?}: {asked}"
+        );
+        let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+        assert_eq!(handle["t"], topology, "{mode:?}: handed to the node");
+        assert_eq!(
+            controller_records(&w)[0]["accessible_topology"],
+            topology,
+            "{mode:?}"
+        );
+        let a = w
+            .attach("sb", "vol-t", 0, &created.private_data)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: attach: {e:?}\n{}", w.logs()));
+        w.detach("sb", "vol-t", 0, &a.metadata).await.unwrap();
+        w.destroy("vol-t").await.unwrap();
+        assert_nothing_left(&w, &mock, &format!("{mode:?} topology"));
+    }
+
+    for (options, extra, needle) in [
+        (
+            MockOptions::default(),
+            requirements.as_str(),
+            "VOLUME_ACCESSIBILITY_CONSTRAINTS",
+        ),
+        (
+            MockOptions::default(),
+            "[volume]\nmount_group = 1000\n",
+            "VOLUME_MOUNT_GROUP",
+        ),
+        (
+            MockOptions::default(),
+            "[volume]\naccess_mode = \"single_node_multi_writer\"\n",
+            "SINGLE_NODE_MULTI_WRITER controller capability",
+        ),
+    ] {
+        let (mut w, mock) = mock_world(&bin, Mode::Binary, &options, extra).await;
+        let out = std::process::Command::new(BRIDGE)
+            .args(["check", "--config"])
+            .arg(&w.config_path)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !out.status.success() && said.contains(needle),
+            "{needle}: {said}"
+        );
+        let refused = w.start_daemon().await.expect_err("serve refuses");
+        assert!(
+            refused.contains(needle) && refused.contains(MOCK_NAME),
+            "{refused}"
+        );
+        // The forked hooks refuse too, before any call that changes anything.
+        let created = w.create("vol-r").await;
+        if let Ok(created) = created {
+            let err = w
+                .attach("sb", "vol-r", 0, &created.private_data)
+                .await
+                .expect_err("attach refused");
+            assert!(err.message.contains(needle), "{needle}: {}", err.message);
+            assert_eq!(mock.mutating(), ["CreateVolume"], "{needle}");
+            w.destroy("vol-r").await.unwrap();
+        } else {
+            assert!(created.unwrap_err().message.contains(needle), "{needle}");
+            assert!(mock.mutating().is_empty(), "{needle}");
+        }
+        assert_nothing_left(&w, &mock, needle);
+    }
+}

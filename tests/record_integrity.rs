@@ -279,6 +279,7 @@ async fn forge(api: &ApiServer, volume_id: &str, handle: &str, key: Option<&Reco
         deletion: None,
         revision: None,
         integrity: None,
+        accessible_topology: Vec::new(),
     };
     record.integrity = key.map(|k| k.sign(DRIVER, &record));
     attackers_store(api).put(&mut record).await.unwrap();

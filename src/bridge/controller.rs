@@ -150,6 +150,14 @@ impl ControllerSide {
                     "controller side: CSI driver found"
                 );
                 require_create_delete(&identity, caps.as_ref())?;
+                // The access mode comes from the settings source, which may not answer yet
+                // (a StorageClass): checked below with the other settings.
+                super::fit::controller_fits(
+                    &identity,
+                    caps.as_ref(),
+                    Default::default(),
+                    self.config.accessibility.as_ref(),
+                )?;
             }
             Err(e) if e.is_uncertain_driver_error() => {
                 tracing::warn!(error = %e, "controller side: CSI driver not reachable yet; will connect on first use");
@@ -160,6 +168,16 @@ impl ControllerSide {
         let outcome = async {
             if let Some(line) = self.settings.check(known.as_deref()).await? {
                 tracing::info!("{line}");
+            }
+            if known.is_some() {
+                let (identity, caps) = self.driver.controller_view(deadline).await?;
+                let spec = self.settings.spec(&identity.name).await?;
+                super::fit::controller_fits(
+                    &identity,
+                    caps.as_ref(),
+                    spec.capability.access_mode,
+                    self.config.accessibility.as_ref(),
+                )?;
             }
             if self.config.shared_store {
                 let count = self.store.list().await?.len();
@@ -466,6 +484,7 @@ impl ControllerSide {
             capability: spec.capability.clone(),
             parameters: spec.parameters.clone(),
             secrets: self.settings.secrets(SecretUse::Provisioner).await?,
+            accessibility: self.config.accessibility.clone(),
         };
         faults::point(hook, When::Before, "CreateVolume");
         let reply = self
@@ -540,6 +559,7 @@ impl ControllerSide {
                     deletion: deletion.cloned(),
                     revision: None,
                     integrity: None,
+                    accessible_topology: Vec::new(),
                 },
             };
             match self.store_put(HookKind::Create, &mut record).await {
@@ -568,6 +588,7 @@ impl ControllerSide {
             record.csi_volume_id = Some(volume.csi_volume_id.clone());
             record.volume_context = volume.volume_context.clone();
             record.capacity_bytes = volume.capacity_bytes;
+            record.accessible_topology = volume.accessible_topology.clone();
             record.updated_at = self.now_secs();
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
@@ -611,6 +632,12 @@ impl ControllerSide {
             require_create_delete(&identity, caps.as_ref())?;
             // Resolved before anything is written: a bad StorageClass changes nothing.
             let spec = self.settings.spec(&identity.name).await?;
+            super::fit::controller_fits(
+                &identity,
+                caps.as_ref(),
+                spec.capability.access_mode,
+                self.config.accessibility.as_ref(),
+            )?;
             let _guard = self
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
@@ -654,6 +681,7 @@ impl ControllerSide {
                 csi_volume_id: volume.csi_volume_id.clone(),
                 volume_context: volume.volume_context.clone(),
                 controller_publish: caps.is_some_and(|c| c.publish_unpublish_volume),
+                topology: volume.accessible_topology.clone(),
             };
             if volume.capacity_bytes != 0
                 && volume.capacity_bytes < required

@@ -39,7 +39,7 @@ impl From<BTreeMap<String, String>> for Secrets {
 }
 
 /// The one VolumeCapability every call for a volume carries (always a mount volume).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Default)]
 pub struct Capability {
     pub access_mode: AccessMode,
     /// Empty lets the driver choose.
@@ -62,13 +62,16 @@ impl fmt::Debug for Capability {
 }
 
 /// The driver's identity and plugin-level capabilities.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DriverIdentity {
     /// The GetPluginInfo name.
     pub name: String,
     pub vendor_version: String,
     /// The driver advertises the CONTROLLER_SERVICE plugin capability.
     pub controller_service: bool,
+    /// The driver advertises VOLUME_ACCESSIBILITY_CONSTRAINTS: its volumes may be
+    /// reachable from some nodes only, and CreateVolume takes accessibility requirements.
+    pub accessibility_constraints: bool,
 }
 
 /// Controller capabilities the bridge acts on.
@@ -76,6 +79,9 @@ pub struct DriverIdentity {
 pub struct ControllerCaps {
     pub create_delete_volume: bool,
     pub publish_unpublish_volume: bool,
+    /// SINGLE_NODE_MULTI_WRITER: CreateVolume and ControllerPublish accept the access
+    /// modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
 }
 
 /// Node capabilities the bridge acts on.
@@ -85,10 +91,63 @@ pub struct NodeCaps {
     pub get_volume_stats: bool,
     /// VOLUME_CONDITION: NodeGetVolumeStats says whether a volume is abnormal.
     pub volume_condition: bool,
+    /// SINGLE_NODE_MULTI_WRITER: NodeStage and NodePublish accept the access modes
+    /// SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
+    /// VOLUME_MOUNT_GROUP: NodeStage and NodePublish mount with the group id given in
+    /// `volume_mount_group`.
+    pub volume_mount_group: bool,
+}
+
+/// One CSI Topology: topological domains (keys such as `example.com/zone`) to segments
+/// (values such as `zone-a`).
+pub type Segments = BTreeMap<String, String>;
+
+/// CreateVolume's accessibility_requirements (CSI TopologyRequirement): the volume must be
+/// accessible from at least one `requisite` topology (when any is given), and the driver
+/// tries the `preferred` ones first, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TopologyRequirement {
+    pub requisite: Vec<Segments>,
+    pub preferred: Vec<Segments>,
+}
+
+/// Whether a volume whose accessible topology is `volume` can be used on a node whose
+/// NodeGetInfo says `node` (CSI: accessible when every segment of some one of the
+/// volume's topologies is present, with the same value, in the node's). A volume that
+/// names no topology is accessible from every node.
+pub fn accessible_from(volume: &[Segments], node: &Segments) -> bool {
+    volume.is_empty()
+        || volume
+            .iter()
+            .any(|topology| topology.iter().all(|(k, v)| node.get(k) == Some(v)))
+}
+
+/// Topologies as an operator reads them: `{zone=a,rack=1} or {zone=b}`; `any node` when
+/// there are none.
+pub fn describe_topologies(topologies: &[Segments]) -> String {
+    if topologies.is_empty() {
+        return "any node".to_string();
+    }
+    topologies
+        .iter()
+        .map(describe_segments)
+        .collect::<Vec<_>>()
+        .join(" or ")
+}
+
+/// One topology as `{zone=a,rack=1}`.
+pub fn describe_segments(segments: &Segments) -> String {
+    let inner = segments
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    format!("{{{inner}}}")
 }
 
 /// CreateVolume, as the core asks for it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct NewVolume {
     /// The idempotency key.
     pub name: String,
@@ -97,15 +156,28 @@ pub struct NewVolume {
     pub capability: Capability,
     pub parameters: BTreeMap<String, String>,
     pub secrets: Secrets,
+    /// Where the volume must (or should) be accessible from; only sent to a driver with
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS.
+    pub accessibility: Option<TopologyRequirement>,
 }
 
 /// What CreateVolume returned.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CreatedVolume {
     pub csi_volume_id: String,
     pub volume_context: BTreeMap<String, String>,
     /// 0 = unknown.
     pub capacity_bytes: i64,
+    /// The nodes the volume is accessible from (empty: every node).
+    pub accessible_topology: Vec<Segments>,
+}
+
+/// What NodeGetInfo says of this node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeInfo {
+    pub node_id: String,
+    /// Where this node sits (empty when the driver says nothing).
+    pub accessible_topology: Segments,
 }
 
 /// ControllerPublishVolume.
@@ -127,6 +199,8 @@ pub struct Stage {
     pub volume_context: BTreeMap<String, String>,
     pub capability: Capability,
     pub secrets: Secrets,
+    /// `volume_mount_group`: the group id the driver mounts with (VOLUME_MOUNT_GROUP).
+    pub mount_group: Option<u32>,
 }
 
 /// NodePublishVolume.
@@ -140,6 +214,8 @@ pub struct Publish {
     pub volume_context: BTreeMap<String, String>,
     pub capability: Capability,
     pub secrets: Secrets,
+    /// `volume_mount_group`: the group id the driver mounts with (VOLUME_MOUNT_GROUP).
+    pub mount_group: Option<u32>,
 }
 
 /// How an unpublish or unstage ended.
@@ -286,6 +362,8 @@ pub trait NodeDriver: Send + Sync {
         target_path: &Path,
         deadline: &Deadline,
     ) -> Result<VolumeStats, DriverError>;
+    /// NodeGetInfo: the node id and where the node sits.
+    async fn node_info(&self, deadline: &Deadline) -> Result<NodeInfo, DriverError>;
 }
 
 /// What a mount-table query can say about a path, as Cubelet sees it.

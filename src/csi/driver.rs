@@ -16,7 +16,8 @@ use crate::bridge::AccessMode;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
     Capability, ControllerCaps, ControllerDriver, ControllerPublish, CreatedVolume, DriverError,
-    DriverIdentity, NewVolume, NodeCaps, NodeDriver, Publish, Secrets, Stage, Undone, VolumeStats,
+    DriverIdentity, NewVolume, NodeCaps, NodeDriver, NodeInfo, Publish, Secrets, Segments, Stage,
+    TopologyRequirement, Undone, VolumeStats,
 };
 use crate::proto::csi::v1 as csi;
 use csi::controller_service_capability::rpc::Type as CtrlRpc;
@@ -80,7 +81,9 @@ fn not_found(error: &DriverError) -> bool {
     error.grpc_code == Code::NotFound as i32
 }
 
-fn capability(c: &Capability) -> csi::VolumeCapability {
+/// The VolumeCapability of `c`; `mount_group` (NodeStage and NodePublish only) becomes
+/// its `volume_mount_group`.
+fn capability(c: &Capability, mount_group: Option<u32>) -> csi::VolumeCapability {
     use csi::volume_capability::access_mode::Mode;
     let mode = match c.access_mode {
         AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
@@ -97,7 +100,7 @@ fn capability(c: &Capability) -> csi::VolumeCapability {
             csi::volume_capability::MountVolume {
                 fs_type: c.fs_type.clone(),
                 mount_flags: c.mount_flags.clone(),
-                volume_mount_group: String::new(),
+                volume_mount_group: mount_group.map(|gid| gid.to_string()).unwrap_or_default(),
             },
         )),
     }
@@ -109,6 +112,19 @@ fn map<I: IntoIterator<Item = (String, String)>, M: FromIterator<(String, String
 
 fn secrets(s: &Secrets) -> std::collections::HashMap<String, String> {
     map(s.0.clone())
+}
+
+fn topology(segments: &Segments) -> csi::Topology {
+    csi::Topology {
+        segments: map(segments.clone()),
+    }
+}
+
+fn requirement(r: &TopologyRequirement) -> csi::TopologyRequirement {
+    csi::TopologyRequirement {
+        requisite: r.requisite.iter().map(topology).collect(),
+        preferred: r.preferred.iter().map(topology).collect(),
+    }
 }
 
 fn path_string(path: &Path) -> String {
@@ -138,17 +154,19 @@ impl ControllerDriver for GrpcDriver {
                 &Redactions::NONE,
             )
             .await?;
-        let controller_service = caps.capabilities.iter().any(|c| {
-            matches!(
-                &c.r#type,
-                Some(csi::plugin_capability::Type::Service(s))
-                    if s.r#type == PluginService::ControllerService as i32
-            )
-        });
+        let service = |wanted: PluginService| {
+            caps.capabilities.iter().any(|c| {
+                matches!(
+                    &c.r#type,
+                    Some(csi::plugin_capability::Type::Service(s)) if s.r#type == wanted as i32
+                )
+            })
+        };
         Ok(DriverIdentity {
             name: info.name,
             vendor_version: info.vendor_version,
-            controller_service,
+            controller_service: service(PluginService::ControllerService),
+            accessibility_constraints: service(PluginService::VolumeAccessibilityConstraints),
         })
     }
 
@@ -171,6 +189,7 @@ impl ControllerDriver for GrpcDriver {
         Ok(ControllerCaps {
             create_delete_volume: has(CtrlRpc::CreateDeleteVolume),
             publish_unpublish_volume: has(CtrlRpc::PublishUnpublishVolume),
+            single_node_multi_writer: has(CtrlRpc::SingleNodeMultiWriter),
         })
     }
 
@@ -185,9 +204,10 @@ impl ControllerDriver for GrpcDriver {
                 required_bytes: volume.required_bytes as i64,
                 limit_bytes: 0,
             }),
-            volume_capabilities: vec![capability(&volume.capability)],
+            volume_capabilities: vec![capability(&volume.capability, None)],
             parameters: map(volume.parameters.clone()),
             secrets: secrets(&volume.secrets),
+            accessibility_requirements: volume.accessibility.as_ref().map(requirement),
             ..Default::default()
         };
         let redact = Redactions::of(&volume.secrets, Some(&volume.capability));
@@ -208,6 +228,11 @@ impl ControllerDriver for GrpcDriver {
             csi_volume_id: created.volume_id,
             volume_context: map(created.volume_context),
             capacity_bytes: created.capacity_bytes,
+            accessible_topology: created
+                .accessible_topology
+                .into_iter()
+                .map(|t| map(t.segments))
+                .collect(),
         })
     }
 
@@ -242,7 +267,7 @@ impl ControllerDriver for GrpcDriver {
         let request = csi::ControllerPublishVolumeRequest {
             volume_id: call.csi_volume_id.clone(),
             node_id: call.node_id.clone(),
-            volume_capability: Some(capability(&call.capability)),
+            volume_capability: Some(capability(&call.capability, None)),
             readonly: false,
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
@@ -312,6 +337,8 @@ impl NodeDriver for GrpcDriver {
             stage_unstage_volume: has(NodeRpc::StageUnstageVolume),
             get_volume_stats: has(NodeRpc::GetVolumeStats) || has(NodeRpc::VolumeCondition),
             volume_condition: has(NodeRpc::VolumeCondition),
+            single_node_multi_writer: has(NodeRpc::SingleNodeMultiWriter),
+            volume_mount_group: has(NodeRpc::VolumeMountGroup),
         })
     }
 
@@ -331,7 +358,7 @@ impl NodeDriver for GrpcDriver {
             volume_id: call.csi_volume_id.clone(),
             publish_context: map(call.publish_context.clone()),
             staging_target_path: path_string(&call.staging_path),
-            volume_capability: Some(capability(&call.capability)),
+            volume_capability: Some(capability(&call.capability, call.mount_group)),
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
         };
@@ -377,7 +404,7 @@ impl NodeDriver for GrpcDriver {
                 .map(path_string)
                 .unwrap_or_default(),
             target_path: path_string(&call.target_path),
-            volume_capability: Some(capability(&call.capability)),
+            volume_capability: Some(capability(&call.capability, call.mount_group)),
             readonly: false,
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
@@ -441,6 +468,23 @@ impl NodeDriver for GrpcDriver {
             .map(|c| c.message);
         Ok(stats)
     }
+
+    async fn node_info(&self, deadline: &Deadline) -> Result<NodeInfo, DriverError> {
+        let info = self
+            .client
+            .node_get_info(csi::NodeGetInfoRequest {}, deadline, &Redactions::NONE)
+            .await?;
+        if info.node_id.is_empty() {
+            return Err(self.bad_answer("NodeGetInfo", "the driver returned an empty node_id"));
+        }
+        Ok(NodeInfo {
+            node_id: info.node_id,
+            accessible_topology: info
+                .accessible_topology
+                .map(|t| map(t.segments))
+                .unwrap_or_default(),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -449,11 +493,14 @@ mod tests {
 
     #[test]
     fn capability_is_a_mount_volume_with_the_mode_asked_for() {
-        let c = capability(&Capability {
-            access_mode: AccessMode::SingleNodeWriter,
-            fs_type: "ext4".into(),
-            mount_flags: vec!["ro".into()],
-        });
+        let c = capability(
+            &Capability {
+                access_mode: AccessMode::SingleNodeWriter,
+                fs_type: "ext4".into(),
+                mount_flags: vec!["ro".into()],
+            },
+            None,
+        );
         assert_eq!(
             c.access_mode.unwrap().mode,
             csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32
@@ -465,5 +512,63 @@ mod tests {
             (m.fs_type.as_str(), m.mount_flags),
             ("ext4", vec!["ro".into()])
         );
+        assert_eq!(
+            m.volume_mount_group, "",
+            "no group unless one is configured"
+        );
+    }
+
+    #[test]
+    fn a_mount_group_becomes_volume_mount_group_and_every_mode_maps_to_its_number() {
+        use csi::volume_capability::access_mode::Mode;
+        for (mode, wire) in [
+            (AccessMode::SingleNodeWriter, Mode::SingleNodeWriter),
+            (AccessMode::SingleNodeReaderOnly, Mode::SingleNodeReaderOnly),
+            (AccessMode::MultiNodeReaderOnly, Mode::MultiNodeReaderOnly),
+            (
+                AccessMode::MultiNodeSingleWriter,
+                Mode::MultiNodeSingleWriter,
+            ),
+            (AccessMode::MultiNodeMultiWriter, Mode::MultiNodeMultiWriter),
+            (
+                AccessMode::SingleNodeSingleWriter,
+                Mode::SingleNodeSingleWriter,
+            ),
+            (
+                AccessMode::SingleNodeMultiWriter,
+                Mode::SingleNodeMultiWriter,
+            ),
+        ] {
+            let c = capability(
+                &Capability {
+                    access_mode: mode,
+                    ..Default::default()
+                },
+                Some(2000),
+            );
+            assert_eq!(c.access_mode.unwrap().mode, wire as i32, "{mode:?}");
+            let Some(csi::volume_capability::AccessType::Mount(m)) = c.access_type else {
+                panic!("not a mount volume")
+            };
+            assert_eq!(m.volume_mount_group, "2000");
+        }
+        assert_eq!(Mode::SingleNodeSingleWriter as i32, 6);
+        assert_eq!(Mode::SingleNodeMultiWriter as i32, 7);
+    }
+
+    #[test]
+    fn accessibility_requirements_keep_their_order() {
+        let zone = |z: &str| Segments::from([("example.com/zone".to_string(), z.to_string())]);
+        let r = requirement(&TopologyRequirement {
+            requisite: vec![zone("b"), zone("a")],
+            preferred: vec![zone("a")],
+        });
+        let zones = |ts: &[csi::Topology]| {
+            ts.iter()
+                .map(|t| t.segments["example.com/zone"].clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(zones(&r.requisite), ["b", "a"]);
+        assert_eq!(zones(&r.preferred), ["a"]);
     }
 }

@@ -72,6 +72,15 @@ pub struct Profile {
     /// if the volume had been provisioned elsewhere: the benchmark attaches volumes it
     /// never created (their CSI handle comes in Cube's private_data).
     pub volumes_on_first_use: bool,
+    /// Where this node sits: advertise VOLUME_ACCESSIBILITY_CONSTRAINTS, report these
+    /// segments in NodeGetInfo, and answer CreateVolume with one accessible topology: the
+    /// first preferred one asked for, else the first requisite one, else this node's.
+    pub topology: Option<BTreeMap<String, String>>,
+    /// Node VOLUME_MOUNT_GROUP (the group is recorded, not applied: bind mounts keep the
+    /// source's owners).
+    pub volume_mount_group: bool,
+    /// Controller and node SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
 }
 
 impl Profile {
@@ -93,6 +102,9 @@ impl Profile {
             counts_publishes: false,
             latency: Duration::ZERO,
             volumes_on_first_use: false,
+            topology: None,
+            volume_mount_group: false,
+            single_node_multi_writer: false,
         }
     }
 }
@@ -156,6 +168,13 @@ pub struct Call {
     pub secrets: BTreeMap<String, String>,
     pub parameters: BTreeMap<String, String>,
     pub mount_flags: Vec<String>,
+    /// The VolumeCapability's volume_mount_group ("" when none).
+    pub volume_mount_group: String,
+    /// The VolumeCapability's access mode (its CSI number; 0 when absent).
+    pub access_mode: i32,
+    /// CreateVolume's accessibility_requirements: requisite and preferred segments.
+    pub requisite: Vec<BTreeMap<String, String>>,
+    pub preferred: Vec<BTreeMap<String, String>>,
 }
 
 /// Calls that change state (discovery calls are recorded too but filtered here).
@@ -384,6 +403,22 @@ impl LocalDirDriver {
         Err(Status::not_found(format!("volume {id} does not exist")))
     }
 
+    /// Where CreateVolume makes a volume accessible (a driver with topology only): the first
+    /// preferred topology, else the first requisite one, else this node's.
+    fn placed(&self, requirements: &csi::TopologyRequirement) -> Option<csi::Topology> {
+        let node = self.inner.profile.topology.as_ref()?;
+        Some(
+            requirements
+                .preferred
+                .first()
+                .or(requirements.requisite.first())
+                .cloned()
+                .unwrap_or_else(|| csi::Topology {
+                    segments: node.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                }),
+        )
+    }
+
     fn controller_reachable(&self) -> Result<(), Status> {
         if self.inner.profile.controller_unreachable {
             return Err(Status::unimplemented("this endpoint serves the node only"));
@@ -476,6 +511,22 @@ fn map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
+fn volume_mount_group(cap: Option<&csi::VolumeCapability>) -> String {
+    match cap.and_then(|c| c.access_type.as_ref()) {
+        Some(csi::volume_capability::AccessType::Mount(m)) => m.volume_mount_group.clone(),
+        _ => String::new(),
+    }
+}
+
+fn access_mode(cap: Option<&csi::VolumeCapability>) -> i32 {
+    cap.and_then(|c| c.access_mode.as_ref())
+        .map_or(0, |m| m.mode)
+}
+
+fn segments_of(topologies: &[csi::Topology]) -> Vec<BTreeMap<String, String>> {
+    topologies.iter().map(|t| map(&t.segments)).collect()
+}
+
 fn mount_flags(cap: Option<&csi::VolumeCapability>) -> Vec<String> {
     match cap.and_then(|c| c.access_type.as_ref()) {
         Some(csi::volume_capability::AccessType::Mount(m)) => m.mount_flags.clone(),
@@ -511,12 +562,17 @@ impl Identity for LocalDirDriver {
             ..Default::default()
         })
         .await?;
+        let mut services = vec![S::ControllerService];
+        if self.inner.profile.topology.is_some() {
+            services.push(S::VolumeAccessibilityConstraints);
+        }
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: vec![csi::PluginCapability {
-                r#type: Some(Type::Service(Service {
-                    r#type: S::ControllerService as i32,
-                })),
-            }],
+            capabilities: services
+                .into_iter()
+                .map(|s| csi::PluginCapability {
+                    r#type: Some(Type::Service(Service { r#type: s as i32 })),
+                })
+                .collect(),
         }))
     }
 
@@ -550,6 +606,9 @@ impl Controller for LocalDirDriver {
         if self.inner.profile.controller_publish {
             caps.push(R::PublishUnpublishVolume);
         }
+        if self.inner.profile.single_node_multi_writer {
+            caps.push(R::SingleNodeMultiWriter);
+        }
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -565,12 +624,16 @@ impl Controller for LocalDirDriver {
         request: Request<csi::CreateVolumeRequest>,
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let req = request.into_inner();
+        let requirements = req.accessibility_requirements.clone().unwrap_or_default();
         self.enter(Call {
             method: "CreateVolume",
             volume_id: req.name.clone(),
             secrets: map(&req.secrets),
             parameters: map(&req.parameters),
             mount_flags: mount_flags(req.volume_capabilities.first()),
+            access_mode: access_mode(req.volume_capabilities.first()),
+            requisite: segments_of(&requirements.requisite),
+            preferred: segments_of(&requirements.preferred),
             ..Default::default()
         })
         .await?;
@@ -594,6 +657,7 @@ impl Controller for LocalDirDriver {
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
                 capacity_bytes: 0,
+                accessible_topology: self.placed(&requirements).into_iter().collect(),
                 ..Default::default()
             }),
         }))
@@ -684,6 +748,8 @@ impl Node for LocalDirDriver {
             publish_context: map(&req.publish_context),
             secrets: map(&req.secrets),
             mount_flags: mount_flags(req.volume_capability.as_ref()),
+            volume_mount_group: volume_mount_group(req.volume_capability.as_ref()),
+            access_mode: access_mode(req.volume_capability.as_ref()),
             ..Default::default()
         })
         .await?;
@@ -743,6 +809,8 @@ impl Node for LocalDirDriver {
             publish_context: map(&req.publish_context),
             secrets: map(&req.secrets),
             mount_flags: mount_flags(req.volume_capability.as_ref()),
+            volume_mount_group: volume_mount_group(req.volume_capability.as_ref()),
+            access_mode: access_mode(req.volume_capability.as_ref()),
             ..Default::default()
         })
         .await?;
@@ -846,6 +914,8 @@ impl Node for LocalDirDriver {
             (profile.stage, R::StageUnstageVolume),
             (profile.volume_stats, R::GetVolumeStats),
             (profile.volume_condition, R::VolumeCondition),
+            (profile.volume_mount_group, R::VolumeMountGroup),
+            (profile.single_node_multi_writer, R::SingleNodeMultiWriter),
         ]
         .into_iter()
         .filter(|(offered, _)| *offered)
@@ -915,6 +985,9 @@ impl Node for LocalDirDriver {
         .await?;
         Ok(Response::new(csi::NodeGetInfoResponse {
             node_id: self.inner.profile.node_id.clone(),
+            accessible_topology: self.inner.profile.topology.as_ref().map(|t| csi::Topology {
+                segments: t.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            }),
             ..Default::default()
         }))
     }

@@ -55,6 +55,10 @@ pub struct CubeVolumeSpec {
     /// The bridge's MAC over the fields above that Destroy acts on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// CreateVolume's accessible_topology: the nodes the volume can be attached on (absent:
+    /// every node).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<BTreeMap<String, String>>,
 }
 
 /// `spec.state`, spelled as Kubernetes enums are.
@@ -256,6 +260,7 @@ impl CubeVolumeStore {
                 .map(|d| if d.retain { "Retain" } else { "Delete" }.to_string()),
             provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
             integrity: record.integrity.clone(),
+            accessible_topology: record.accessible_topology.clone(),
         }
     }
 
@@ -293,6 +298,7 @@ impl CubeVolumeStore {
             updated_at: spec.updated_at,
             revision: object.metadata.resource_version,
             integrity: spec.integrity,
+            accessible_topology: spec.accessible_topology,
         })
     }
 }
@@ -418,6 +424,7 @@ mod tests {
                 name: "creds".into(),
             }),
             integrity: Some("hmac-sha256-v1:00".into()),
+            accessible_topology: vec![BTreeMap::from([("example.com/zone".into(), "a".into())])],
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -428,7 +435,8 @@ mod tests {
                 "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
                 "reclaimPolicy": "Retain",
                 "provisionerSecretRef": {"namespace": "default", "name": "creds"},
-                "integrity": "hmac-sha256-v1:00"
+                "integrity": "hmac-sha256-v1:00",
+                "accessibleTopology": [{"example.com/zone": "a"}]
             })
         );
     }

@@ -330,6 +330,7 @@ mod tests {
             deletion: None,
             revision: None,
             integrity: None,
+            accessible_topology: Vec::new(),
         }
     }
 

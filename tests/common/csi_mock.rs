@@ -44,7 +44,14 @@ pub struct MockOptions {
     pub enable_creds: bool,
     /// `-hooks-file`: this YAML (JavaScript hooks that may fail a call).
     pub hooks: Option<String>,
+    /// `-enable-topology`: VOLUME_ACCESSIBILITY_CONSTRAINTS; NodeGetInfo and every volume
+    /// report the one topology [`MOCK_TOPOLOGY_KEY`] = [`MOCK_TOPOLOGY_NODE`].
+    pub enable_topology: bool,
 }
+
+/// The mock's topology key and its node's segment (fixed in csi-test, whatever `-name`).
+pub const MOCK_TOPOLOGY_KEY: &str = "io.kubernetes.storage.mock/node";
+pub const MOCK_TOPOLOGY_NODE: &str = "some-mock-node";
 
 /// One running csi-mock; killed on drop.
 pub struct MockDriver {
@@ -71,6 +78,9 @@ impl MockDriver {
         command.args([&format!("-name={MOCK_NAME}"), "-v=5", "-skip_headers"]);
         if options.disable_attach {
             command.arg("-disable-attach");
+        }
+        if options.enable_topology {
+            command.arg("-enable-topology");
         }
         if let Some(hooks) = &options.hooks {
             let file = dir.join("mock-hooks.yaml");

@@ -39,7 +39,18 @@ pub struct Caps {
     /// unmounted target counts again, NodeUnpublish uncounts one, and NodeUnstage fails
     /// ("still published") while any is counted.
     pub counts_publishes: bool,
+    /// This node sits in this zone (the segment [`ZONE_KEY`]): the fake has
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS and places each volume in the first preferred
+    /// zone asked for, else the first requisite one, else this node's.
+    pub zone: Option<&'static str>,
+    /// Node VOLUME_MOUNT_GROUP (recorded in each call's `volume_mount_group`).
+    pub volume_mount_group: bool,
+    /// Controller and node SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
 }
+
+/// The topology key of the fake's zones.
+pub const ZONE_KEY: &str = "topology.fake.csi.test/zone";
 
 impl Caps {
     /// A driver that stages (STAGE_UNSTAGE_VOLUME) and needs no ControllerPublish.
@@ -132,6 +143,11 @@ impl FakeDriver {
             counts_publishes: caps.counts_publishes,
             latency: Duration::ZERO,
             volumes_on_first_use: false,
+            topology: caps
+                .zone
+                .map(|zone| BTreeMap::from([(ZONE_KEY.to_string(), zone.to_string())])),
+            volume_mount_group: caps.volume_mount_group,
+            single_node_multi_writer: caps.single_node_multi_writer,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
