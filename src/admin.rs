@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::bridge::Deadline;
 use crate::bridge::inventory::{NodeVolume, add_driver_conditions, node_volumes};
-use crate::bridge::ports::ControllerDriver;
+use crate::bridge::ports::{ControllerDriver, Segments, describe_topologies};
 use crate::config::Config;
 use crate::csi::{CsiClient, GrpcDriver};
 use crate::mount::{MountTable, MountView};
@@ -447,8 +447,9 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
     if output == Output::Json {
         return Ok(serde_json::to_string_pretty(&volumes)? + "\n");
     }
-    let mut out =
-        String::from("VOLUME\tMOUNT\tCONDITION\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\n");
+    let mut out = String::from(
+        "VOLUME\tMOUNT\tCONDITION\tPUBLISH\tSTAGE\tSINCE\tHOST_PATH\tHOLDERS\tATTACHABLE_ON\n",
+    );
     for v in volumes {
         if let Some(error) = &v.error {
             let _ = writeln!(out, "{}\t?\t?\t?\t?\t?\t{error}\t", v.volume_id);
@@ -465,7 +466,7 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             .map_or_else(|| "-".to_string(), |c| c.as_column());
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             v.volume_id,
             v.mount,
             condition,
@@ -473,7 +474,8 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
             v.stage,
             age(v.since),
             v.host_path.display(),
-            holders.join(",")
+            holders.join(","),
+            describe_topologies(&v.accessible_topology)
         );
     }
     Ok(out)
@@ -491,6 +493,14 @@ struct ControllerEntry {
     /// What `restore` or `clone` made it from: `snapshot:<name>` or `volume:<id>`.
     #[serde(skip_serializing_if = "Option::is_none")]
     made_from: Option<String>,
+    /// Where the volume can be attached: CreateVolume's accessible_topology (empty: on
+    /// every node).
+    accessible_topology: Vec<Segments>,
+    /// The recorded capacity (0 = unknown): CreateVolume's answer, then what `expand`
+    /// grew it to.
+    capacity_bytes: i64,
+    /// Nodes still grow it to `capacity_bytes` (NodeExpandVolume) where it is attached.
+    node_expansion_required: bool,
 }
 
 /// The controller store's records: state, age and CSI handle of every Cube volume, so
@@ -513,6 +523,9 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
             csi_name: r.csi_name,
             csi_volume_id: r.csi_volume_id,
             csi_driver: r.csi_driver,
+            accessible_topology: r.accessible_topology,
+            capacity_bytes: r.capacity_bytes,
+            node_expansion_required: r.node_expansion_required,
         })
         .collect();
     entries.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
@@ -520,18 +533,23 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         return Ok(serde_json::to_string_pretty(&entries)? + "\n");
     }
     let mut out = format!(
-        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\n",
+        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\tCAPACITY\tATTACHABLE_ON\n",
         store.describe()
     );
     for e in entries {
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}",
             e.volume_id,
             e.state,
             age(now.saturating_sub(e.age_secs)),
             e.csi_volume_id.as_deref().unwrap_or("-"),
-            e.csi_name
+            e.csi_name,
+            match e.capacity_bytes {
+                0 => "-".to_string(),
+                bytes => crate::bridge::expansion::human_size(bytes),
+            },
+            describe_topologies(&e.accessible_topology)
         );
     }
     Ok(out)
@@ -553,4 +571,84 @@ fn duration(secs: u64) -> String {
         s if s < 86_400 => format!("{}h{}m", s / 3600, s % 3600 / 60),
         s => format!("{}d{}h", s / 86_400, s % 86_400 / 3600),
     }
+}
+
+/// `expand`: the sides this instance serves, opened as the daemon opens them, grow the
+/// volume (see `Bridge::expand`); text or one JSON object.
+pub async fn expand(
+    config: Config,
+    volume_id: &str,
+    size: u64,
+    output: Output,
+) -> anyhow::Result<String> {
+    use crate::bridge::expansion::{NodeExpansion, human_size};
+    crate::bridge::naming::validate_volume_id(volume_id).map_err(anyhow::Error::msg)?;
+    let roles = config.serve.roles;
+    let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
+    let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts)?;
+    let report = bridge.expand(volume_id, size).await?;
+    tracing::info!(volume_id, size, report = ?report, "volume expanded by the operator");
+    if output == Output::Json {
+        return Ok(serde_json::to_string_pretty(&report)? + "\n");
+    }
+    let mut out = String::new();
+    match &report.controller {
+        Some(c) => {
+            let how = if c.controller_expanded {
+                "ControllerExpandVolume"
+            } else if c.previous_bytes == c.capacity_bytes {
+                "already that size"
+            } else {
+                "recorded for NodeExpandVolume"
+            };
+            let _ = writeln!(
+                out,
+                "volume {volume_id}: {} -> {} ({} bytes; {how}; {} expansion)",
+                match c.previous_bytes {
+                    0 => "unknown".to_string(),
+                    bytes => human_size(bytes),
+                },
+                human_size(c.capacity_bytes),
+                c.capacity_bytes,
+                c.expansion.as_str()
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "volume {volume_id}: this instance does not serve the controller role; \
+                 growing it on this node only, to {} ({size} bytes)",
+                human_size(size as i64)
+            );
+        }
+    }
+    let node_line = match &report.node {
+        None => "this node: not served here (no node role); node daemons or a run of \
+                 `expand` on each node grow it where it is attached"
+            .to_string(),
+        Some(NodeExpansion::Expanded {
+            volume_path,
+            capacity_bytes,
+        }) => format!(
+            "this node: NodeExpandVolume grew it at {} to {}",
+            volume_path.display(),
+            human_size(*capacity_bytes)
+        ),
+        Some(NodeExpansion::AlreadyExpanded { capacity_bytes }) => format!(
+            "this node: already grown to {}",
+            human_size(*capacity_bytes)
+        ),
+        Some(NodeExpansion::NotAttached) => "this node: not attached here; other nodes \
+             where it is attached grow it (their daemon in Kubernetes mode, else run `expand` \
+             there)"
+            .to_string(),
+        Some(NodeExpansion::NotRequired) => {
+            "nodes: nothing to do (the driver needs no NodeExpandVolume)".to_string()
+        }
+        Some(NodeExpansion::Unsupported) => "this node: the driver's node service lacks \
+             EXPAND_VOLUME; nothing to do here"
+            .to_string(),
+    };
+    let _ = writeln!(out, "{node_line}");
+    Ok(out)
 }

@@ -44,6 +44,8 @@ pub fn core_settings(config: &Config) -> Settings {
         sign_unsigned_records: config.controller.sign_unsigned_records.clone(),
         shared_store: config.state.controller_store == ControllerStoreKind::Kubernetes,
         stale_holder_after: config.node.stale_holder_after,
+        accessibility: config.volume.accessibility.clone(),
+        mount_group: config.volume.mount_group,
     }
 }
 

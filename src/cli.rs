@@ -86,6 +86,9 @@ pub enum Command {
     /// Make a CSI volume from another volume (CLONE_VOLUME) and record it as a new Cube
     /// volume id: CubeMaster's Create of that id then returns it.
     Clone(CopyArgs),
+    /// Grow a volume: ControllerExpandVolume, the new capacity recorded, then
+    /// NodeExpandVolume where this node has it staged or published.
+    Expand(ExpandArgs),
 }
 
 #[derive(Debug, Args)]
@@ -154,6 +157,22 @@ pub struct CopyArgs {
     /// The new Cube volume id; it must not exist yet.
     #[arg(long = "as", value_name = "VOLUME_ID", allow_hyphen_values = true)]
     pub as_volume_id: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
+    pub output: crate::admin::Output,
+}
+
+#[derive(Debug, Args)]
+pub struct ExpandArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The Cube volume id.
+    #[arg(value_name = "VOLUME_ID", allow_hyphen_values = true)]
+    pub volume_id: String,
+    /// The new size: bytes, or with a suffix Ki, Mi, Gi, Ti, Pi, Ei (powers of 1024) or
+    /// k, M, G, T, P, E (powers of 1000), e.g. 20Gi. Never smaller than the current one.
+    #[arg(long, value_name = "SIZE", value_parser = crate::bridge::expansion::parse_size)]
+    pub size: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = crate::admin::Output::Text)]
     pub output: crate::admin::Output,
@@ -618,6 +637,35 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 "clone",
                 crate::copies::clone_volume(config, &args.source, &args.as_volume_id, args.output),
             )
+        }
+
+        Command::Expand(args) => {
+            telemetry::init(cli.log_format, "warn");
+            let mut configs = match load_configs(args.config, argv0.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            if configs.len() != 1 {
+                eprintln!("the config lists several drivers; name the volume's with --driver");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
+            let config = configs.remove(0);
+            match runtime.block_on(crate::admin::expand(
+                config,
+                &args.volume_id,
+                args.size,
+                args.output,
+            )) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("expand failed: {e:#}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
         }
         Command::List(args) => {
             telemetry::init(cli.log_format, "warn");

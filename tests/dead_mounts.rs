@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use common::fake_driver::ExpansionProfile;
 use common::fake_driver::{Behavior, Caps};
 use common::{BRIDGE, MODES, Mode, World};
 
@@ -27,6 +28,15 @@ const CAPS: Caps = Caps {
     counts_publishes: true,
     volume_condition: true,
     snapshots: false,
+    zone: None,
+    volume_mount_group: false,
+    single_node_multi_writer: false,
+    expansion: ExpansionProfile {
+        controller: false,
+        node: false,
+        online: None,
+        node_expansion_required: false,
+    },
 };
 
 /// Mounts a FUSE filesystem at `at` and closes its daemon's end at once: the mount stays,

@@ -389,6 +389,13 @@ volume:
     server: "10.0.0.5"
     share: "/exports/\"quoted\"\\back"
     "key with spaces": "a&b<c>"
+  mountGroup: 2000
+  accessibilityRequirements:
+    requisite:
+      - {topology.example.com/zone: zone-a, topology.example.com/rack: "7"}
+      - {topology.example.com/zone: zone-b}
+    preferred:
+      - {topology.example.com/zone: zone-b}
 timeouts: {attachSecs: 60, detachSecs: 20}
 node:
   controllerEndpoint: "http://10.0.0.8:10000"
@@ -454,6 +461,28 @@ controller:
                 );
                 assert_eq!(config.volume.mount_flags, ["nfsvers=4.1", "hard"]);
                 assert_eq!(config.volume.capacity_bytes, 107_374_182_400);
+                assert_eq!(config.volume.mount_group, Some(2000));
+                let zone = |pairs: &[(&str, &str)]| {
+                    pairs
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect::<std::collections::BTreeMap<_, _>>()
+                };
+                let requirement = config.volume.accessibility.clone().expect("rendered");
+                assert_eq!(
+                    requirement.requisite,
+                    [
+                        zone(&[
+                            ("topology.example.com/rack", "7"),
+                            ("topology.example.com/zone", "zone-a")
+                        ]),
+                        zone(&[("topology.example.com/zone", "zone-b")])
+                    ]
+                );
+                assert_eq!(
+                    requirement.preferred,
+                    [zone(&[("topology.example.com/zone", "zone-b")])]
+                );
                 assert_eq!(config.timeouts.attach, std::time::Duration::from_secs(60));
                 // The pin reaches the side that reads the key, and only that one.
                 assert_eq!(

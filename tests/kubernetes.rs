@@ -520,6 +520,8 @@ async fn cubevolume_store_refuses_stale_writes() {
         revision: None,
         integrity: None,
         content_source: None,
+        accessible_topology: vec![[("example.com/zone".to_string(), "a".to_string())].into()],
+        node_expansion_required: false,
     };
     one.put(&mut record).await.expect("create");
     let created_at = record.revision.clone().expect("a resourceVersion");
@@ -539,6 +541,10 @@ async fn cubevolume_store_refuses_stale_writes() {
         .unwrap()
         .expect("visible to the other replica");
     assert_eq!(read.revision.as_deref(), Some(created_at.as_str()));
+    assert_eq!(
+        read.accessible_topology, record.accessible_topology,
+        "the accessible topology is kept in the CubeVolume"
+    );
     read.state = VolumeState::Created;
     read.csi_volume_id = Some("handle-1".into());
     two.put(&mut read)
@@ -1049,4 +1055,205 @@ async fn snapshots_are_cubevolumesnapshots_shared_by_replicas() {
         .unwrap();
     assert!(gone.is_none(), "{gone:?}");
     assert_eq!(mutating(&a.driver.calls(), "DeleteSnapshot").len(), 2);
+}
+
+/// With CubeVolume records, the accessible topology CreateVolume answered is kept in the
+/// object (`spec.accessibleTopology`), covered by its MAC (Destroy verifies it), listed by
+/// `list --controller`, and handed to the node in private_data.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_accessible_topology_is_kept_in_the_cubevolume() {
+    use common::fake_driver::ZONE_KEY;
+    let bin = require_k8s_peers!();
+    let api = ApiServer::start(&bin);
+    helm_install(&api, "defaults", NAMESPACE, &[]);
+    let admin = api.admin().await;
+    let kubeconfig = api.kubeconfig.clone();
+    let caps = Caps {
+        zone: Some("zone-a"),
+        ..Default::default()
+    };
+    let volume = format!(
+        "[volume.accessibility_requirements]\nrequisite = [{{ \"{ZONE_KEY}\" = \"zone-b\" }}]\n"
+    );
+    let w = World::start_with_config(Mode::Rpc, caps, &volume, |text| {
+        let text = text.replacen(
+            "[state]\n",
+            "[state]\ncontroller_store = \"kubernetes\"\n",
+            1,
+        );
+        format!(
+            "{text}\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\n",
+            kubeconfig.display()
+        )
+    })
+    .await;
+    let created = w.create("vol-topo").await.expect("create");
+    let object = cube_volumes(admin.clone())
+        .get(&object_name(common::DRIVER, "vol-topo"))
+        .await
+        .expect("a CubeVolume");
+    let topology = serde_json::json!([{ ZONE_KEY: "zone-b" }]);
+    assert_eq!(object.data["spec"]["accessibleTopology"], topology);
+    let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+    assert_eq!(handle["t"], topology);
+    let out = std::process::Command::new(common::BRIDGE)
+        .args(["list", "--controller", "--output", "json", "--config"])
+        .arg(&w.config_path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed[0]["accessible_topology"], topology, "{listed}");
+    // The node (zone-a) is outside it: refused before any node call.
+    let err = w
+        .attach("sb", "vol-topo", 0, &created.private_data)
+        .await
+        .expect_err("zone-b volume on a zone-a node");
+    assert_eq!(err.code, Some(tonic::Code::FailedPrecondition), "{err:?}");
+    assert!(
+        !w.driver
+            .calls()
+            .iter()
+            .any(|c| c.method.starts_with("NodeStage") || c.method.starts_with("NodePublish"))
+    );
+    w.destroy("vol-topo").await.expect("the record verifies");
+    assert!(
+        cube_volumes(admin)
+            .get_opt(&object_name(common::DRIVER, "vol-topo"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// `expand` in Kubernetes mode, behind csi-mock: the controller replica grows the volume
+/// (ControllerExpandVolume with the StorageClass's controller-expand secret) and records
+/// the new capacity in the CubeVolume; the node daemon, which `expand` never talks to,
+/// notices the recorded capacity and calls NodeExpandVolume at the volume's host_path,
+/// once.
+#[tokio::test(flavor = "multi_thread")]
+async fn expand_records_the_capacity_and_the_node_daemon_follows_it() {
+    let bin = require_k8s_peers!();
+    let peers = require_csi_mock!();
+    const GI: i64 = 1 << 30;
+    let api = ApiServer::start(&bin);
+    let admin = api.admin().await;
+    install_chart(
+        &api,
+        RELEASE,
+        NAMESPACE,
+        &serde_json::json!({
+            "driver": "mock",
+            "node": {"enabled": false},
+            "kubernetes": {
+                "storageClass": "mock-expand",
+                "secrets": [{"namespace": "default", "names": ["prov-creds"]}],
+            },
+        }),
+    );
+    create_secret(&admin, "prov-creds", PROVISIONER_SECRET).await;
+    create_class(
+        &admin,
+        "mock-expand",
+        MOCK_NAME,
+        &[
+            ("csi.storage.k8s.io/provisioner-secret-name", "prov-creds"),
+            ("csi.storage.k8s.io/provisioner-secret-namespace", "default"),
+            (
+                "csi.storage.k8s.io/controller-expand-secret-name",
+                "prov-creds",
+            ),
+            (
+                "csi.storage.k8s.io/controller-expand-secret-namespace",
+                "default",
+            ),
+            ("csi.storage.k8s.io/node-expand-secret-name", "prov-creds"),
+            ("csi.storage.k8s.io/node-expand-secret-namespace", "default"),
+        ],
+    )
+    .await;
+    let account = chart_service_account(&admin, RELEASE, "controller").await;
+    let kubeconfig = api.service_account_kubeconfig(NAMESPACE, &account).await;
+    let mock = MockDriver::start(
+        &peers,
+        api.dir.path(),
+        &MockOptions {
+            disable_attach: true,
+            flags: vec!["-node-expand-required"],
+            ..MockOptions::default()
+        },
+    );
+    let bridge = |services: &'static str| {
+        let (kubeconfig, socket) = (kubeconfig.clone(), mock.socket.clone());
+        World::start_with_config(Mode::Rpc, Caps::default(), "", move |text| {
+            let text = text
+                .replacen("driver = \"fake\"", "driver = \"mock\"", 1)
+                .replacen("\nmount_view = \"self\"\n", "\nmount_view = \"none\"\n", 1)
+                .replacen(
+                    "[node]\n",
+                    &format!("[volume]\ncapacity_bytes = {GI}\n\n[node]\n"),
+                    1,
+                );
+            serving(services)(driver_at(&socket)(kubernetes_mode(
+                &kubeconfig,
+                "mock-expand",
+            )(text)))
+        })
+    };
+    let controller = bridge("controller").await;
+    let node = bridge("node").await;
+
+    let created = controller.create("vol-grow").await.expect("create");
+    let attached = node
+        .attach("sb", "vol-grow", 0, &created.private_data)
+        .await
+        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", node.logs()));
+    let out = std::process::Command::new(common::BRIDGE)
+        .args([
+            "expand", "vol-grow", "--size", "3Gi", "--output", "json", "--config",
+        ])
+        .arg(&controller.config_path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "expand: {out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["controller"]["capacity_bytes"], 3 * GI, "{report}");
+    assert_eq!(report["node"], serde_json::Value::Null, "{report}");
+    let expands = mock.requests("ControllerExpandVolume");
+    assert_eq!(expands.len(), 1, "{expands:?}");
+    assert_eq!(
+        expands[0]["secrets"],
+        serde_json::json!({PROVISIONER_SECRET.0: PROVISIONER_SECRET.1})
+    );
+    let object = cube_volumes(admin.clone())
+        .get(&object_name("mock", "vol-grow"))
+        .await
+        .unwrap();
+    assert_eq!(object.data["spec"]["capacityBytes"], 3 * GI);
+    assert_eq!(object.data["spec"]["nodeExpansionRequired"], true);
+
+    // The node daemon follows what the CubeVolume records.
+    common::wait_until(
+        "the node daemon's NodeExpandVolume",
+        std::time::Duration::from_secs(60),
+        || !mock.requests("NodeExpandVolume").is_empty(),
+    )
+    .await;
+    let grown = mock.requests("NodeExpandVolume");
+    assert_eq!(grown[0]["volume_path"], attached.host_path.as_str());
+    assert_eq!(grown[0]["capacity_range"]["required_bytes"], 3 * GI);
+    // csi-mock's CSI spec predates NodeExpandVolumeRequest.secrets, so its log cannot show
+    // them (tests/expansion.rs checks them against the fake driver).
+    node.wait_for_daemon_log(
+        "grew the volume on this node",
+        1,
+        std::time::Duration::from_secs(30),
+    )
+    .await;
+
+    node.detach("sb", "vol-grow", 0, &attached.metadata)
+        .await
+        .expect("detach");
+    controller.destroy("vol-grow").await.expect("destroy");
+    assert_eq!(mock.requests("NodeExpandVolume").len(), 1);
 }

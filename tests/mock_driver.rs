@@ -510,3 +510,212 @@ async fn csi_mock_snapshots_restores_and_clones() {
         assert_eq!(listed.trim(), "[]");
     }
 }
+/// csi-mock with `-enable-topology` gets the configured accessibility requirements, its
+/// answer is recorded and listed, and its node (which reports the same topology) attaches
+/// the volume; without topology, or for a mount group or a single-node writer mode it
+/// does not advertise, the bridge refuses to start and its hooks change nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_topology_mount_group_and_access_modes() {
+    use common::csi_mock::{MOCK_TOPOLOGY_KEY, MOCK_TOPOLOGY_NODE};
+    let bin = require_csi_mock!();
+    let requirements = format!(
+        "[volume.accessibility_requirements]\nrequisite = [{{ \"{MOCK_TOPOLOGY_KEY}\" = \
+         \"{MOCK_TOPOLOGY_NODE}\" }}]\n"
+    );
+    let topology = serde_json::json!([{ MOCK_TOPOLOGY_KEY: MOCK_TOPOLOGY_NODE }]);
+    for mode in MODES {
+        let options = MockOptions {
+            enable_topology: true,
+            ..MockOptions::default()
+        };
+        let (w, mock) = mock_world(&bin, mode, &options, &requirements).await;
+        let created = w
+            .create("vol-t")
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: create: {e:?}\n{}", w.logs()));
+        let asked = &mock.requests("CreateVolume")[0]["accessibility_requirements"];
+        assert_eq!(
+            asked["requisite"][0]["segments"][MOCK_TOPOLOGY_KEY], MOCK_TOPOLOGY_NODE,
+            "{mode:?}: {asked}"
+        );
+        let handle: serde_json::Value = serde_json::from_str(&created.private_data).unwrap();
+        assert_eq!(handle["t"], topology, "{mode:?}: handed to the node");
+        assert_eq!(
+            controller_records(&w)[0]["accessible_topology"],
+            topology,
+            "{mode:?}"
+        );
+        let a = w
+            .attach("sb", "vol-t", 0, &created.private_data)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: attach: {e:?}\n{}", w.logs()));
+        w.detach("sb", "vol-t", 0, &a.metadata).await.unwrap();
+        w.destroy("vol-t").await.unwrap();
+        assert_nothing_left(&w, &mock, &format!("{mode:?} topology"));
+    }
+
+    for (options, extra, needle) in [
+        (
+            MockOptions::default(),
+            requirements.as_str(),
+            "VOLUME_ACCESSIBILITY_CONSTRAINTS",
+        ),
+        (
+            MockOptions::default(),
+            "[volume]\nmount_group = 1000\n",
+            "VOLUME_MOUNT_GROUP",
+        ),
+        (
+            MockOptions::default(),
+            "[volume]\naccess_mode = \"single_node_multi_writer\"\n",
+            "SINGLE_NODE_MULTI_WRITER controller capability",
+        ),
+    ] {
+        let (mut w, mock) = mock_world(&bin, Mode::Binary, &options, extra).await;
+        let out = std::process::Command::new(BRIDGE)
+            .args(["check", "--config"])
+            .arg(&w.config_path)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !out.status.success() && said.contains(needle),
+            "{needle}: {said}"
+        );
+        let refused = w.start_daemon().await.expect_err("serve refuses");
+        assert!(
+            refused.contains(needle) && refused.contains(MOCK_NAME),
+            "{refused}"
+        );
+        // The forked hooks refuse too, before any call that changes anything.
+        let created = w.create("vol-r").await;
+        if let Ok(created) = created {
+            let err = w
+                .attach("sb", "vol-r", 0, &created.private_data)
+                .await
+                .expect_err("attach refused");
+            assert!(err.message.contains(needle), "{needle}: {}", err.message);
+            assert_eq!(mock.mutating(), ["CreateVolume"], "{needle}");
+            w.destroy("vol-r").await.unwrap();
+        } else {
+            assert!(created.unwrap_err().message.contains(needle), "{needle}");
+            assert!(mock.mutating().is_empty(), "{needle}");
+        }
+        assert_nothing_left(&w, &mock, needle);
+    }
+}
+
+/// `expand` against csi-mock, which grows volumes online and, with
+/// `-node-expand-required`, asks for NodeExpandVolume: its log shows both calls with the
+/// right handle, size, path and secrets; the record follows; a smaller size and an
+/// unknown volume change nothing; with `-disable-controller-expansion` and no node
+/// expansion the driver is refused by name.
+#[tokio::test(flavor = "multi_thread")]
+async fn csi_mock_expands_a_volume_on_the_controller_and_the_node() {
+    let bin = require_csi_mock!();
+    const GI: i64 = 1 << 30;
+    let extra = format!(
+        "[volume]\ncapacity_bytes = {GI}\n[secrets]\ncontroller_expand = {{ secretKey = \"secretval-ce\" }}\nnode_expand = {{ secretKey = \"secretval-ne\" }}\n"
+    );
+    let expand = |w: &World, args: &[&str]| {
+        let out = std::process::Command::new(BRIDGE)
+            .arg("expand")
+            .args(args)
+            .arg("--config")
+            .arg(&w.config_path)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for mode in MODES {
+        let options = MockOptions {
+            flags: vec!["-node-expand-required"],
+            ..MockOptions::default()
+        };
+        let (w, mock) = mock_world(&bin, mode, &options, &extra).await;
+        let created = w.create("vol-x").await.expect("create");
+        let a = w
+            .attach("sb", "vol-x", 0, &created.private_data)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: attach: {e:?}\n{}", w.logs()));
+        let handle = mock.requests("CreateVolume").len();
+        assert_eq!(handle, 1);
+
+        let (code, out, err) = expand(&w, &["vol-x", "--size", "3Gi", "--output", "json"]);
+        assert_eq!(code, Some(0), "{mode:?}: {err}\n{}", mock.log_text());
+        let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(report["controller"]["capacity_bytes"], 3 * GI, "{out}");
+        assert_eq!(
+            report["controller"]["node_expansion_required"], true,
+            "{out}"
+        );
+        assert_eq!(report["node"]["outcome"], "expanded", "{out}");
+        let csi_volume_id = report["controller"]["csi_volume_id"].clone();
+
+        let controller = mock.requests("ControllerExpandVolume");
+        assert_eq!(controller.len(), 1, "{mode:?}");
+        assert_eq!(controller[0]["volume_id"], csi_volume_id);
+        assert_eq!(controller[0]["capacity_range"]["required_bytes"], 3 * GI);
+        assert_eq!(
+            controller[0]["secrets"],
+            serde_json::json!({"secretKey": "secretval-ce"})
+        );
+        let node = mock.requests("NodeExpandVolume");
+        assert_eq!(node.len(), 1, "{mode:?}");
+        assert_eq!(node[0]["volume_id"], csi_volume_id);
+        assert_eq!(node[0]["volume_path"], a.host_path.as_str());
+        assert_eq!(node[0]["capacity_range"]["required_bytes"], 3 * GI);
+        let records = controller_records(&w);
+        assert_eq!(records[0]["capacity_bytes"], 3 * GI, "{records:?}");
+
+        // Smaller than now, and an unknown volume: refused, nothing sent.
+        let (code, _, err) = expand(&w, &["vol-x", "--size", "2Gi"]);
+        assert_eq!(code, Some(1));
+        assert!(err.contains("smaller"), "{err}");
+        let (code, _, err) = expand(&w, &["vol-none", "--size", "4Gi"]);
+        assert_eq!(code, Some(1));
+        assert!(err.contains("unknown"), "{err}");
+        assert_eq!(mock.requests("ControllerExpandVolume").len(), 1);
+        assert_eq!(controller_records(&w)[0]["capacity_bytes"], 3 * GI);
+
+        // A later Create answers with the same handle and keeps the grown size (the
+        // mock's volume_context has since gained its node state, so only the id is
+        // compared).
+        let again = w.create("vol-x").await.expect("create again");
+        let id =
+            |data: &str| serde_json::from_str::<serde_json::Value>(data).unwrap()["id"].clone();
+        assert_eq!(id(&again.private_data), id(&created.private_data));
+        assert_eq!(id(&created.private_data), csi_volume_id);
+        assert_eq!(controller_records(&w)[0]["capacity_bytes"], 3 * GI);
+
+        w.detach("sb", "vol-x", 0, &a.metadata)
+            .await
+            .expect("detach");
+        w.destroy("vol-x").await.expect("destroy");
+        assert!(!w.logs().contains("secretval-ce") && !w.logs().contains("secretval-ne"));
+        // (assert_nothing_left would count the repeated Create as a second volume.)
+        assert_eq!(w.journal_records(), 0, "{mode:?}");
+        assert!(controller_records(&w).is_empty(), "{mode:?}");
+        assert_eq!(mock.requests("DeleteVolume").len(), 1, "{mode:?}");
+    }
+
+    // A mock that cannot expand at all.
+    let options = MockOptions {
+        flags: vec!["-disable-controller-expansion"],
+        ..MockOptions::default()
+    };
+    let (w, mock) = mock_world(&bin, Mode::Binary, &options, &extra).await;
+    w.create("vol-y").await.expect("create");
+    let (code, _, err) = expand(&w, &["vol-y", "--size", "3Gi"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("EXPAND_VOLUME") && err.contains(MOCK_NAME),
+        "{err}"
+    );
+    assert!(mock.requests("ControllerExpandVolume").is_empty());
+    assert_eq!(controller_records(&w)[0]["capacity_bytes"], GI);
+}

@@ -280,6 +280,8 @@ async fn forge(api: &ApiServer, volume_id: &str, handle: &str, key: Option<&Reco
         revision: None,
         integrity: None,
         content_source: None,
+        accessible_topology: Vec::new(),
+        node_expansion_required: false,
     };
     record.integrity = key.map(|k| k.sign(DRIVER, &record));
     attackers_store(api).put(&mut record).await.unwrap();

@@ -50,7 +50,7 @@ impl Row {
             ),
             Target::Plus(limit) => (
                 format!("{:+.2} {unit} ({ratio:.2}x)", value - base),
-                format!("≤ +{limit} {unit}"),
+                format!("≤ +{limit:.2} {unit}"),
                 Some(value - base <= limit),
             ),
             Target::Absolute(limit) => (

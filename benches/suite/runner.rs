@@ -74,6 +74,7 @@ impl Call {
             csi_volume_id: csi_volume_id.into(),
             volume_context: Default::default(),
             controller_publish: false,
+            ..Default::default()
         };
         Ok(Call {
             private_data: Some(handle.encode().map_err(anyhow::Error::msg)?),

@@ -28,9 +28,9 @@ use super::handoff::VolumeHandle;
 use super::integrity::{KeyFit, RecordKey, RecordKeySource, Verdict};
 use super::naming::csi_volume_name;
 use super::ports::{
-    Clock, ControllerCaps, ControllerStore, CreatedVolume, DriverIdentity, LockScope, NewVolume,
-    Recorder, SecretUse, Secrets, SnapshotStore, StoreError, VolumeLocks, VolumeSettings,
-    VolumeSpec,
+    Clock, ControllerCaps, ControllerExpand, ControllerExpanded, ControllerStore, CreatedVolume,
+    DriverIdentity, LockScope, NewVolume, Recorder, SecretUse, Secrets, SnapshotStore, StoreError,
+    VolumeLocks, VolumeSettings, VolumeSpec,
 };
 use super::records::{ContentSource, DeletionPolicy, VolumeRecord, VolumeState};
 use super::{
@@ -158,6 +158,14 @@ impl ControllerSide {
                     "controller side: CSI driver found"
                 );
                 require_create_delete(&identity, caps.as_ref())?;
+                // The access mode comes from the settings source, which may not answer yet
+                // (a StorageClass): checked below with the other settings.
+                super::fit::controller_fits(
+                    &identity,
+                    caps.as_ref(),
+                    Default::default(),
+                    self.config.accessibility.as_ref(),
+                )?;
             }
             Err(e) if e.is_uncertain_driver_error() => {
                 tracing::warn!(error = %e, "controller side: CSI driver not reachable yet; will connect on first use");
@@ -168,6 +176,16 @@ impl ControllerSide {
         let outcome = async {
             if let Some(line) = self.settings.check(known.as_deref()).await? {
                 tracing::info!("{line}");
+            }
+            if known.is_some() {
+                let (identity, caps) = self.driver.controller_view(deadline).await?;
+                let spec = self.settings.spec(&identity.name).await?;
+                super::fit::controller_fits(
+                    &identity,
+                    caps.as_ref(),
+                    spec.capability.access_mode,
+                    self.config.accessibility.as_ref(),
+                )?;
             }
             if self.config.shared_store {
                 let count = self.store.list().await?.len();
@@ -418,6 +436,15 @@ impl ControllerSide {
     /// Refuses a record whose MAC does not verify: it may have been pointed at someone
     /// else's volume.
     async fn check_integrity(&self, record: &VolumeRecord) -> Result<(), BridgeError> {
+        self.check_integrity_before(record, "delete anything").await
+    }
+
+    /// `check_integrity`, refusing to do `action` for the volume.
+    async fn check_integrity_before(
+        &self,
+        record: &VolumeRecord,
+        action: &str,
+    ) -> Result<(), BridgeError> {
         let key = self.record_key().await?;
         let fields = || {
             format!(
@@ -432,7 +459,7 @@ impl ControllerSide {
         match key.verify(&self.config.driver, record) {
             Verdict::Valid => Ok(()),
             Verdict::Mismatch => Err(BridgeError::Precondition(format!(
-                "refusing to delete anything for this volume: {place} fails its integrity \
+                "refusing to {action} for this volume: {place} fails its integrity \
                  check. {}, but those fields are not what the bridge recorded: the record \
                  was edited after the bridge wrote it (or signed with another record key \
                  than the {} one). Compare it with the storage backend and restore the \
@@ -441,7 +468,7 @@ impl ControllerSide {
                 self.record_key_source.describe()
             ))),
             Verdict::Unsigned => Err(BridgeError::Precondition(format!(
-                "refusing to delete anything for this volume: {place} carries no integrity \
+                "refusing to {action} for this volume: {place} carries no integrity \
                  MAC. {}. The bridge signs every record it writes; this one was written \
                  before records were signed, restored from an old backup, or forged (its \
                  MAC removed?). If it is right (compare it with the storage backend), name \
@@ -469,13 +496,29 @@ impl ControllerSide {
         content_source: Option<&ContentSource>,
         deadline: &Deadline,
     ) -> Result<CreatedVolume, BridgeError> {
+        self.create_volume_of_at_least(hook, csi_name, spec, content_source, 0, deadline)
+            .await
+    }
+
+    /// CreateVolume asking for at least `recorded` bytes, or the configured capacity if
+    /// more: a volume `expand` grew is asked for with its grown size, which it satisfies.
+    async fn create_volume_of_at_least(
+        &self,
+        hook: HookKind,
+        csi_name: &str,
+        spec: &VolumeSpec,
+        content_source: Option<&ContentSource>,
+        recorded: i64,
+        deadline: &Deadline,
+    ) -> Result<CreatedVolume, BridgeError> {
         let volume = NewVolume {
             name: csi_name.to_string(),
-            required_bytes: self.config.capacity_bytes,
+            required_bytes: self.config.capacity_bytes.max(recorded.max(0) as u64),
             capability: spec.capability.clone(),
             parameters: spec.parameters.clone(),
             secrets: self.settings.secrets(SecretUse::Provisioner).await?,
             content_source: content_source.cloned(),
+            accessibility: self.config.accessibility.clone(),
         };
         faults::point(hook, When::Before, "CreateVolume");
         let reply = self
@@ -551,6 +594,8 @@ impl ControllerSide {
                     revision: None,
                     integrity: None,
                     content_source: None,
+                    accessible_topology: Vec::new(),
+                    node_expansion_required: false,
                 },
             };
             match self.store_put(HookKind::Create, &mut record).await {
@@ -578,7 +623,9 @@ impl ControllerSide {
             record.deletion = deletion.cloned();
             record.csi_volume_id = Some(volume.csi_volume_id.clone());
             record.volume_context = volume.volume_context.clone();
-            record.capacity_bytes = volume.capacity_bytes;
+            // A volume `expand` grew keeps its grown size, whatever the driver reports.
+            record.capacity_bytes = volume.capacity_bytes.max(record.capacity_bytes);
+            record.accessible_topology = volume.accessible_topology.clone();
             record.updated_at = self.now_secs();
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
@@ -622,6 +669,12 @@ impl ControllerSide {
             require_create_delete(&identity, caps.as_ref())?;
             // Resolved before anything is written: a bad StorageClass changes nothing.
             let spec = self.settings.spec(&identity.name).await?;
+            super::fit::controller_fits(
+                &identity,
+                caps.as_ref(),
+                spec.capability.access_mode,
+                self.config.accessibility.as_ref(),
+            )?;
             let _guard = self
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
@@ -640,13 +693,18 @@ impl ControllerSide {
                 )
                 .await?;
 
+            let recorded_capacity = match record.state {
+                VolumeState::Created => record.capacity_bytes,
+                _ => 0,
+            };
             // A volume `restore` or `clone` recorded is asked for as it was made.
             let volume = match self
-                .create_volume(
+                .create_volume_of_at_least(
                     HookKind::Create,
                     &csi_name,
                     &spec,
                     record.content_source.as_ref(),
+                    recorded_capacity,
                     &deadline,
                 )
                 .await
@@ -672,6 +730,7 @@ impl ControllerSide {
                 csi_volume_id: volume.csi_volume_id.clone(),
                 volume_context: volume.volume_context.clone(),
                 controller_publish: caps.is_some_and(|c| c.publish_unpublish_volume),
+                topology: volume.accessible_topology.clone(),
             };
             if volume.capacity_bytes != 0
                 && volume.capacity_bytes < required
@@ -942,6 +1001,186 @@ impl ControllerSide {
             .await?;
         Ok(true)
     }
+}
+
+impl ControllerSide {
+    /// `cube-csi-bridge expand`, the controller's part: grows the recorded volume to
+    /// `size` bytes with ControllerExpandVolume (or, for a driver that grows volumes on
+    /// nodes only, records the size for NodeExpandVolume), then records the new capacity
+    /// (re-signed). `attached` says where this process knows the volume to be staged or
+    /// published: an offline driver's volume is refused while it is anywhere. Nothing
+    /// changes on a refusal. Holds the volume's controller lock, so that no Create or
+    /// Destroy of it interleaves.
+    pub async fn expand(
+        &self,
+        volume_id: &str,
+        size: u64,
+        attached: &[String],
+    ) -> Result<ControllerExpansion, BridgeError> {
+        let deadline = Deadline::after(self.config.timeouts.create);
+        let _guard = self
+            .locks
+            .acquire(LockScope::Controller, volume_id, &deadline)
+            .await?;
+        // Loaded first: making the key signs records from before keys existed.
+        self.record_key().await?;
+        let Some(record) = self.controller_store().get(volume_id).await? else {
+            return Err(BridgeError::InvalidRequest(format!(
+                "volume {volume_id:?} is unknown: {} has no record of it (Cube never created \
+                 it through this bridge, or it was destroyed)",
+                self.controller_store().describe()
+            )));
+        };
+        if record.state != VolumeState::Created {
+            return Err(BridgeError::Precondition(format!(
+                "volume {volume_id:?} is still {} in {}: only a created volume can be expanded",
+                record.state.as_str(),
+                self.controller_store().locate(volume_id)
+            )));
+        }
+        self.check_integrity_before(&record, "expand anything")
+            .await?;
+        let (identity, caps) = self.driver.controller_view(&deadline).await?;
+        check_same_driver(&record, &identity.name)?;
+        let controller_expands = caps.is_some_and(|c| c.expand_volume);
+        let node_expands = !controller_expands
+            && self
+                .driver
+                .node_caps(&deadline)
+                .await
+                .is_ok_and(|c| c.expand_volume);
+        if !controller_expands && !node_expands {
+            return Err(BridgeError::Precondition(format!(
+                "CSI driver {} cannot expand volumes: it has neither the EXPAND_VOLUME \
+                 controller capability (ControllerExpandVolume) nor the EXPAND_VOLUME node \
+                 capability (NodeExpandVolume)",
+                identity.name
+            )));
+        }
+        let mode = identity
+            .volume_expansion
+            .unwrap_or(super::ports::ExpansionMode::Offline);
+        let current = record
+            .capacity_bytes
+            .max(self.config.capacity_bytes.min(i64::MAX as u64) as i64);
+        let wanted = size.min(i64::MAX as u64) as i64;
+        if wanted < current {
+            return Err(BridgeError::InvalidRequest(format!(
+                "volume {volume_id:?} has {current} bytes ({}); {wanted} bytes ({}) is smaller, \
+                 and CSI volumes only grow",
+                super::expansion::human_size(current),
+                super::expansion::human_size(wanted)
+            )));
+        }
+        if mode == super::ports::ExpansionMode::Offline && !attached.is_empty() {
+            return Err(BridgeError::Precondition(format!(
+                "CSI driver {} expands volumes offline only (its VolumeExpansion plugin \
+                 capability is {}), and volume {volume_id:?} is in use: {}. Expand it once \
+                 every sandbox using it has stopped (no holder left)",
+                identity.name,
+                if identity.volume_expansion.is_some() {
+                    "OFFLINE"
+                } else {
+                    "not advertised"
+                },
+                attached.join("; ")
+            )));
+        }
+        let csi_volume_id = record.csi_volume_id.clone().unwrap_or_default();
+        let previous_bytes = record.capacity_bytes;
+        // A repeated expand to the recorded size only finishes the nodes' part.
+        let already = record.capacity_bytes == wanted && wanted > 0;
+        let answer = if already || !controller_expands {
+            ControllerExpanded {
+                capacity_bytes: wanted,
+                node_expansion_required: if already {
+                    record.node_expansion_required
+                } else {
+                    true
+                },
+            }
+        } else {
+            let spec = self.settings.spec(&identity.name).await?;
+            let call = ControllerExpand {
+                csi_volume_id: csi_volume_id.clone(),
+                required_bytes: size,
+                capability: spec.capability,
+                secrets: self.settings.secrets(SecretUse::ControllerExpand).await?,
+            };
+            tracing::info!(%csi_volume_id, size, "expanding CSI volume");
+            let reply = self
+                .driver
+                .controller()
+                .expand_volume(&call, &deadline)
+                .await;
+            self.driver.driver(reply).await?
+        };
+        let capacity_bytes = answer.capacity_bytes.max(wanted);
+        if !already {
+            self.record_capacity(record, capacity_bytes, answer.node_expansion_required)
+                .await?;
+        }
+        Ok(ControllerExpansion {
+            csi_volume_id,
+            previous_bytes,
+            capacity_bytes,
+            controller_call: controller_expands && !already,
+            node_expansion_required: answer.node_expansion_required,
+            mode,
+        })
+    }
+
+    /// Records a volume's new capacity (re-signed); a replica that changed the record
+    /// meanwhile (another expand) is re-read, and a larger capacity it recorded stays.
+    async fn record_capacity(
+        &self,
+        mut record: VolumeRecord,
+        capacity_bytes: i64,
+        node_expansion_required: bool,
+    ) -> Result<(), BridgeError> {
+        for _ in 0..STORE_RACE_RETRIES {
+            if record.capacity_bytes > capacity_bytes {
+                return Ok(());
+            }
+            record.capacity_bytes = capacity_bytes;
+            record.node_expansion_required = node_expansion_required;
+            record.updated_at = self.now_secs();
+            match self.store_put(HookKind::Create, &mut record).await {
+                Ok(()) => return Ok(()),
+                Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
+                Err(e) => return Err(e),
+            }
+            match self.controller_store().get(&record.volume_id).await? {
+                Some(current) if current.csi_volume_id == record.csi_volume_id => record = current,
+                _ => {
+                    return Err(BridgeError::Precondition(format!(
+                        "the record of volume {:?} was deleted or replaced while it was being \
+                         expanded (a concurrent Destroy?)",
+                        record.volume_id
+                    )));
+                }
+            }
+        }
+        Err(StoreError::Conflict {
+            volume_id: record.volume_id,
+        }
+        .into())
+    }
+}
+
+/// What the controller's part of an expansion did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControllerExpansion {
+    pub csi_volume_id: String,
+    /// The capacity recorded before (0 = unknown).
+    pub previous_bytes: i64,
+    /// The capacity recorded now.
+    pub capacity_bytes: i64,
+    /// ControllerExpandVolume was called (false: the driver grows volumes on nodes only,
+    /// or the volume already had this size).
+    pub controller_call: bool,
+    pub node_expansion_required: bool,
+    pub mode: super::ports::ExpansionMode,
 }
 
 fn store_transient(error: &BridgeError) -> bool {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::ports::{
     ControllerCaps, ControllerDriver, DriverError, DriverIdentity, Finality, NodeCaps, NodeDriver,
+    Segments,
 };
 use super::{BridgeError, Deadline};
 
@@ -15,6 +16,8 @@ struct Discovered {
     node_caps: Option<NodeCaps>,
     controller: Option<(DriverIdentity, Option<ControllerCaps>)>,
     node_id: Option<String>,
+    /// NodeGetInfo's accessible_topology.
+    node_topology: Option<Segments>,
 }
 
 /// The driver's endpoints and what they said about themselves.
@@ -153,5 +156,18 @@ impl DriverView {
         let id = self.driver(self.node.node_id(deadline).await).await?;
         self.discovered.lock().await.node_id = Some(id.clone());
         Ok(id)
+    }
+
+    /// Where this node sits: NodeGetInfo's accessible_topology (empty when the driver
+    /// says nothing), asked once.
+    pub async fn node_topology(&self, deadline: &Deadline) -> Result<Segments, BridgeError> {
+        if let Some(topology) = &self.discovered.lock().await.node_topology {
+            return Ok(topology.clone());
+        }
+        let info = self.driver(self.node.node_info(deadline).await).await?;
+        let mut discovered = self.discovered.lock().await;
+        discovered.node_topology = Some(info.accessible_topology.clone());
+        discovered.node_id.get_or_insert(info.node_id);
+        Ok(info.accessible_topology)
     }
 }

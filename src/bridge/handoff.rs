@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::naming::VolumePaths;
+use super::ports::Segments;
 
 /// Cube stores private_data in a varchar(1024) and refuses anything longer.
 pub const MAX_PRIVATE_DATA_LEN: usize = 1024;
@@ -23,17 +24,21 @@ pub mod keys {
 }
 
 /// The CSI side of a Cube volume, as the node needs it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct VolumeHandle {
     pub csi_volume_id: String,
     pub volume_context: BTreeMap<String, String>,
     /// The driver had PUBLISH_UNPUBLISH_VOLUME when the volume was created, so the node
     /// must ControllerPublish before staging.
     pub controller_publish: bool,
+    /// CreateVolume's accessible_topology: the nodes the volume can be attached on (empty:
+    /// every node). Attach refuses a node whose NodeGetInfo topology matches none.
+    pub topology: Vec<Segments>,
 }
 
-/// Compact JSON: `{"v":1,"id":"…","ctx":{…},"cp":true,"d":"nfs"}`. `d`, the Cube driver
-/// the handle belongs to, came later within version 1: handles without it are accepted.
+/// Compact JSON: `{"v":1,"id":"…","ctx":{…},"cp":true,"t":[{…}],"d":"nfs"}`. `d`, the
+/// Cube driver the handle belongs to, and `t`, the accessible topology, came later within
+/// version 1: handles without them are accepted (a handle without `t` attaches anywhere).
 #[derive(Serialize, Deserialize)]
 struct WireHandle {
     v: u32,
@@ -42,6 +47,8 @@ struct WireHandle {
     ctx: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     cp: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    t: Vec<Segments>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     d: Option<String>,
 }
@@ -64,13 +71,14 @@ impl VolumeHandle {
             id: self.csi_volume_id.clone(),
             ctx: self.volume_context.clone(),
             cp: self.controller_publish,
+            t: self.topology.clone(),
             d: driver.map(str::to_string),
         })
         .map_err(|e| e.to_string())?;
         if text.len() > MAX_PRIVATE_DATA_LEN {
             return Err(format!(
-                "the driver's volume id and volume_context encode to {} bytes of private_data; \
-                 Cube stores at most {MAX_PRIVATE_DATA_LEN}",
+                "the driver's volume id, volume_context and accessible topology encode to {} \
+                 bytes of private_data; Cube stores at most {MAX_PRIVATE_DATA_LEN}",
                 text.len()
             ));
         }
@@ -125,6 +133,7 @@ impl VolumeHandle {
                 csi_volume_id: wire.id,
                 volume_context: wire.ctx,
                 controller_publish: wire.cp,
+                topology: wire.t,
             },
             wire.d,
         ))
@@ -210,7 +219,30 @@ mod tests {
             csi_volume_id: "10.0.0.5#exports#cube-v1##".into(),
             volume_context: BTreeMap::from([("server".into(), "10.0.0.5".into())]),
             controller_publish: false,
+            topology: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_handle_carries_its_accessible_topology_and_old_handles_attach_anywhere() {
+        let zone = |z: &str| Segments::from([("example.com/zone".to_string(), z.to_string())]);
+        let mut placed = handle();
+        placed.topology = vec![zone("a"), zone("b")];
+        let text = placed.encode_for("nfs").unwrap();
+        assert!(
+            text.contains(r#""t":[{"example.com/zone":"a"},{"example.com/zone":"b"}]"#),
+            "{text}"
+        );
+        assert_eq!(VolumeHandle::decode_for(&text, "nfs").unwrap(), placed);
+        let old = r#"{"v":1,"id":"10.0.0.5#exports#cube-v1##","ctx":{"server":"10.0.0.5"}}"#;
+        assert!(VolumeHandle::decode(old).unwrap().topology.is_empty());
+        // Topology counts against Cube's 1024 bytes like everything else.
+        placed.topology = (0..40).map(|i| zone(&format!("zone-{i:03}"))).collect();
+        let err = placed.encode().unwrap_err();
+        assert!(
+            err.contains("accessible topology") && err.contains("1024"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -130,9 +130,11 @@ pub enum Verdict {
 }
 
 /// The bytes a MAC covers: every field that decides what Destroy or the sweep deletes and
-/// how, each length-prefixed so that no two records share an input. `updated_at` (a
-/// timing hint) and `volume_context` (never used to delete) are left out; `revision` is
-/// the store's own.
+/// how, each length-prefixed so that no two records share an input, and the volume's
+/// accessible topology (what `list` tells an operator about where it may be attached),
+/// appended only when there is one so that records without it keep their MACs.
+/// `updated_at` (a timing hint) and `volume_context` (never used to delete) are left out;
+/// `revision` is the store's own.
 fn mac_input(driver: &str, r: &VolumeRecord) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     let mut field = |bytes: &[u8]| {
@@ -163,6 +165,17 @@ fn mac_input(driver: &str, r: &VolumeRecord) -> Vec<u8> {
             let secret = d.secret.as_ref();
             field(&optional(secret.map(|s| s.namespace.as_str())));
             field(&optional(secret.map(|s| s.name.as_str())));
+        }
+    }
+    if !r.accessible_topology.is_empty() {
+        field(b"accessible_topology");
+        field(&(r.accessible_topology.len() as u64).to_be_bytes());
+        for segments in &r.accessible_topology {
+            field(&(segments.len() as u64).to_be_bytes());
+            for (key, value) in segments {
+                field(key.as_bytes());
+                field(value.as_bytes());
+            }
         }
     }
     // Only present when set, so that the MACs of records from before content sources
@@ -317,6 +330,42 @@ mod tests {
             revision: None,
             integrity: None,
             content_source: None,
+            node_expansion_required: false,
+            accessible_topology: Vec::new(),
+        }
+    }
+
+    /// The accessible topology is covered once a record has one; a record without it signs
+    /// as it did before topology was recorded (its MAC is the one already stored).
+    #[test]
+    fn the_accessible_topology_is_covered_and_records_without_one_keep_their_mac() {
+        let key = RecordKey::from_bytes(&[7; KEY_LEN]).unwrap();
+        let plain = record();
+        // What the MAC of this record was before topology was recorded (the same HMAC over
+        // the same length-prefixed fields, computed apart from this code).
+        assert_eq!(
+            key.sign("nfs", &plain),
+            "hmac-sha256-v1:5dbce546c5162f45045987d8379310592642e758a4d1529f4a38342f60cc3341"
+        );
+        let zone =
+            |z: &str| crate::bridge::ports::Segments::from([("example.com/zone".into(), z.into())]);
+        let mut placed = record();
+        placed.accessible_topology = vec![zone("a")];
+        placed.integrity = Some(key.sign("nfs", &placed));
+        assert_eq!(key.verify("nfs", &placed), Verdict::Valid);
+        type Edit = fn(&mut VolumeRecord);
+        let edits: [Edit; 4] = [
+            |r| r.accessible_topology.clear(),
+            |r| r.accessible_topology[0] = Default::default(),
+            |r| {
+                r.accessible_topology[0].insert("example.com/zone".into(), "b".into());
+            },
+            |r| r.accessible_topology.push(Default::default()),
+        ];
+        for edit in edits {
+            let mut forged = placed.clone();
+            edit(&mut forged);
+            assert_eq!(key.verify("nfs", &forged), Verdict::Mismatch, "{forged:?}");
         }
     }
 

@@ -101,6 +101,10 @@ pub struct NodeVolume {
     /// Each holder with its age and whether it is stale (`staleness::judge_holders`
     /// fills it; empty until then).
     pub holder_ages: Vec<HolderAge>,
+    /// The nodes the volume can be attached on, from its handle (empty: every node).
+    pub accessible_topology: Vec<super::ports::Segments>,
+    /// The size NodeExpandVolume last grew it to on this node (`expand`; 0 = never).
+    pub expanded_bytes: i64,
 }
 
 /// Every volume in `journal`, with its mount state as `mounts` sees it.
@@ -140,6 +144,8 @@ pub async fn node_volumes(
                     error: None,
                     holder_times: r.holder_times,
                     holder_ages: Vec::new(),
+                    accessible_topology: r.accessible_topology,
+                    expanded_bytes: r.expanded_bytes,
                 }
             }
             Ok(None) => continue,
@@ -159,6 +165,8 @@ pub async fn node_volumes(
                 error: Some(e.to_string()),
                 holder_times: HolderTimes::default(),
                 holder_ages: Vec::new(),
+                accessible_topology: Vec::new(),
+                expanded_bytes: 0,
             },
         };
         out.push(entry);

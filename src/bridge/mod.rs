@@ -14,7 +14,9 @@ pub mod controller;
 mod deadline;
 pub mod discovery;
 pub mod error;
+pub mod expansion;
 pub mod faults;
+pub mod fit;
 pub mod handoff;
 pub mod integrity;
 pub mod inventory;
@@ -79,6 +81,10 @@ pub struct Settings {
     /// Holders whose namespace has made no hook for this long are reported stale (the
     /// inventory's metric); `None`: never.
     pub stale_holder_after: Option<Duration>,
+    /// CreateVolume's accessibility_requirements (`volume.accessibility_requirements`).
+    pub accessibility: Option<ports::TopologyRequirement>,
+    /// NodeStage's and NodePublish's volume_mount_group (`volume.mount_group`).
+    pub mount_group: Option<u32>,
 }
 
 /// The sides one process serves. A side this process does not serve, or one that could

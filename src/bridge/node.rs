@@ -149,10 +149,41 @@ impl NodeSide {
             if let Some(line) = self.settings.check(known.as_deref()).await? {
                 tracing::info!("{line}");
             }
+            if known.is_some() {
+                self.check_fits(deadline).await?;
+            }
             Ok(())
         }
         .await;
         super::controller::transient_is_a_warning(outcome)
+    }
+
+    /// Refuses, before anything is changed, settings the driver cannot honour now (a
+    /// mount group, a single-node writer mode): it may have been replaced since start.
+    async fn check_fits(&self, deadline: &Deadline) -> Result<(), BridgeError> {
+        let caps = self.driver.node_caps(deadline).await?;
+        let (identity, _) = self.driver.controller_view(deadline).await?;
+        let spec = self.settings.spec(&identity.name).await?;
+        super::fit::node_fits(
+            &identity.name,
+            &caps,
+            spec.capability.access_mode,
+            self.config.mount_group,
+        )
+    }
+
+    /// Refuses to attach a volume whose accessible topology (from its handle) does not
+    /// include this node's (NodeGetInfo), before anything is changed.
+    async fn check_topology(
+        &self,
+        handle: &VolumeHandle,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        if handle.topology.is_empty() {
+            return Ok(());
+        }
+        let node = self.driver.node_topology(deadline).await?;
+        super::fit::node_in_topology(&handle.csi_volume_id, &handle.topology, &node)
     }
 
     /// Whether `record` was written in an earlier boot of this host: its mounts and every
@@ -497,6 +528,11 @@ impl NodeSide {
                 }
                 return Ok(answer);
             }
+            // A volume is only ever mounted where its topology allows (the hot path above
+            // serves a mount made here before): a node outside it is refused before any
+            // call that changes anything.
+            self.check_topology(&req.handle, &deadline).await?;
+            self.check_fits(&deadline).await?;
             if let Some(dead) = dead {
                 tracing::warn!(
                     host_path = %paths.target.display(),
@@ -847,6 +883,12 @@ impl NodeSide {
         let plan = self.node_plan(handle.controller_publish, deadline).await?;
         // Everything that may fail to resolve is resolved before anything changes.
         let spec = self.settings.spec(&plan.driver_name).await?;
+        super::fit::node_fits(
+            &plan.driver_name,
+            &self.driver.node_caps(deadline).await?,
+            spec.capability.access_mode,
+            self.config.mount_group,
+        )?;
         let publish_secrets = if plan.controller_publish_node.is_some() {
             self.settings.secrets(SecretUse::ControllerPublish).await?
         } else {
@@ -859,6 +901,7 @@ impl NodeSide {
         };
         let node_publish_secrets = self.settings.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();
+        record.accessible_topology = handle.topology.clone();
         let base = base_of(&paths.target);
         // Cubelet creates the base dir before Attach; do it too, for other callers
         // (reconciliation comes here without Attach's check).
@@ -944,6 +987,7 @@ impl NodeSide {
                 volume_context: record.volume_context.clone(),
                 capability: spec.capability.clone(),
                 secrets: stage_secrets,
+                mount_group: self.config.mount_group,
             };
             faults::point(hook, When::Before, "NodeStageVolume");
             let reply = self.driver.node().stage(&call, deadline).await;
@@ -992,6 +1036,7 @@ impl NodeSide {
             volume_context: record.volume_context.clone(),
             capability: spec.capability.clone(),
             secrets: node_publish_secrets,
+            mount_group: self.config.mount_group,
         };
         faults::point(hook, When::Before, "NodePublishVolume");
         let reply = self.driver.node().publish(&call, deadline).await;

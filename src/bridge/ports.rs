@@ -40,7 +40,7 @@ impl From<BTreeMap<String, String>> for Secrets {
 }
 
 /// The one VolumeCapability every call for a volume carries (always a mount volume).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Default)]
 pub struct Capability {
     pub access_mode: AccessMode,
     /// Empty lets the driver choose.
@@ -63,13 +63,38 @@ impl fmt::Debug for Capability {
 }
 
 /// The driver's identity and plugin-level capabilities.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DriverIdentity {
     /// The GetPluginInfo name.
     pub name: String,
     pub vendor_version: String,
     /// The driver advertises the CONTROLLER_SERVICE plugin capability.
     pub controller_service: bool,
+    /// The driver advertises VOLUME_ACCESSIBILITY_CONSTRAINTS: its volumes may be
+    /// reachable from some nodes only, and CreateVolume takes accessibility requirements.
+    pub accessibility_constraints: bool,
+    /// The VolumeExpansion plugin capability: whether volumes grow while published
+    /// (None: not advertised, which a CO takes as offline).
+    pub volume_expansion: Option<ExpansionMode>,
+}
+
+/// When a driver can grow a volume (the VolumeExpansion plugin capability).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpansionMode {
+    /// While it is staged or published (ONLINE).
+    Online,
+    /// Only while no node has it staged or published (OFFLINE, or not advertised).
+    Offline,
+}
+
+impl ExpansionMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpansionMode::Online => "online",
+            ExpansionMode::Offline => "offline",
+        }
+    }
 }
 
 /// Controller capabilities the bridge acts on.
@@ -83,6 +108,11 @@ pub struct ControllerCaps {
     pub list_snapshots: bool,
     /// CLONE_VOLUME: `clone`.
     pub clone_volume: bool,
+    /// SINGLE_NODE_MULTI_WRITER: CreateVolume and ControllerPublish accept the access
+    /// modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
+    /// EXPAND_VOLUME: ControllerExpandVolume.
+    pub expand_volume: bool,
 }
 
 /// Node capabilities the bridge acts on.
@@ -92,10 +122,65 @@ pub struct NodeCaps {
     pub get_volume_stats: bool,
     /// VOLUME_CONDITION: NodeGetVolumeStats says whether a volume is abnormal.
     pub volume_condition: bool,
+    /// EXPAND_VOLUME: NodeExpandVolume.
+    pub expand_volume: bool,
+    /// SINGLE_NODE_MULTI_WRITER: NodeStage and NodePublish accept the access modes
+    /// SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
+    /// VOLUME_MOUNT_GROUP: NodeStage and NodePublish mount with the group id given in
+    /// `volume_mount_group`.
+    pub volume_mount_group: bool,
+}
+
+/// One CSI Topology: topological domains (keys such as `example.com/zone`) to segments
+/// (values such as `zone-a`).
+pub type Segments = BTreeMap<String, String>;
+
+/// CreateVolume's accessibility_requirements (CSI TopologyRequirement): the volume must be
+/// accessible from at least one `requisite` topology (when any is given), and the driver
+/// tries the `preferred` ones first, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TopologyRequirement {
+    pub requisite: Vec<Segments>,
+    pub preferred: Vec<Segments>,
+}
+
+/// Whether a volume whose accessible topology is `volume` can be used on a node whose
+/// NodeGetInfo says `node` (CSI: accessible when every segment of some one of the
+/// volume's topologies is present, with the same value, in the node's). A volume that
+/// names no topology is accessible from every node.
+pub fn accessible_from(volume: &[Segments], node: &Segments) -> bool {
+    volume.is_empty()
+        || volume
+            .iter()
+            .any(|topology| topology.iter().all(|(k, v)| node.get(k) == Some(v)))
+}
+
+/// Topologies as an operator reads them: `{zone=a,rack=1} or {zone=b}`; `any node` when
+/// there are none.
+pub fn describe_topologies(topologies: &[Segments]) -> String {
+    if topologies.is_empty() {
+        return "any node".to_string();
+    }
+    topologies
+        .iter()
+        .map(describe_segments)
+        .collect::<Vec<_>>()
+        .join(" or ")
+}
+
+/// One topology as `{zone=a,rack=1}`.
+pub fn describe_segments(segments: &Segments) -> String {
+    let inner = segments
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    format!("{{{inner}}}")
 }
 
 /// CreateVolume, as the core asks for it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct NewVolume {
     /// The idempotency key.
     pub name: String,
@@ -106,15 +191,28 @@ pub struct NewVolume {
     pub secrets: Secrets,
     /// VolumeContentSource: a snapshot or a volume the new volume is a copy of.
     pub content_source: Option<ContentSource>,
+    /// Where the volume must (or should) be accessible from; only sent to a driver with
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS.
+    pub accessibility: Option<TopologyRequirement>,
 }
 
 /// What CreateVolume returned.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CreatedVolume {
     pub csi_volume_id: String,
     pub volume_context: BTreeMap<String, String>,
     /// 0 = unknown.
     pub capacity_bytes: i64,
+    /// The nodes the volume is accessible from (empty: every node).
+    pub accessible_topology: Vec<Segments>,
+}
+
+/// What NodeGetInfo says of this node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeInfo {
+    pub node_id: String,
+    /// Where this node sits (empty when the driver says nothing).
+    pub accessible_topology: Segments,
 }
 
 /// ControllerPublishVolume.
@@ -136,6 +234,8 @@ pub struct Stage {
     pub volume_context: BTreeMap<String, String>,
     pub capability: Capability,
     pub secrets: Secrets,
+    /// `volume_mount_group`: the group id the driver mounts with (VOLUME_MOUNT_GROUP).
+    pub mount_group: Option<u32>,
 }
 
 /// NodePublishVolume.
@@ -149,6 +249,8 @@ pub struct Publish {
     pub volume_context: BTreeMap<String, String>,
     pub capability: Capability,
     pub secrets: Secrets,
+    /// `volume_mount_group`: the group id the driver mounts with (VOLUME_MOUNT_GROUP).
+    pub mount_group: Option<u32>,
 }
 
 /// How an unpublish or unstage ended.
@@ -169,6 +271,37 @@ pub struct VolumeStats {
     pub available_bytes: Option<i64>,
     /// The driver's VOLUME_CONDITION, when it reports one: `Some(message)` if abnormal.
     pub abnormal: Option<String>,
+}
+
+/// ControllerExpandVolume.
+#[derive(Debug, Clone)]
+pub struct ControllerExpand {
+    pub csi_volume_id: String,
+    pub required_bytes: u64,
+    pub capability: Capability,
+    pub secrets: Secrets,
+}
+
+/// What ControllerExpandVolume answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControllerExpanded {
+    /// 0 = not said.
+    pub capacity_bytes: i64,
+    /// NodeExpandVolume must follow on every node where the volume is staged or published.
+    pub node_expansion_required: bool,
+}
+
+/// NodeExpandVolume.
+#[derive(Debug, Clone)]
+pub struct NodeExpand {
+    pub csi_volume_id: String,
+    /// Where the volume is available: the target when published, else the staging path.
+    pub volume_path: PathBuf,
+    /// Set when the volume is staged.
+    pub staging_path: Option<PathBuf>,
+    pub required_bytes: u64,
+    pub capability: Capability,
+    pub secrets: Secrets,
 }
 
 /// Whether a failed driver call may still be in progress.
@@ -231,6 +364,22 @@ impl fmt::Display for DriverError {
 
 impl std::error::Error for DriverError {}
 
+impl DriverError {
+    /// The answer of an endpoint that does not serve `call` (what a port without it says).
+    pub fn unimplemented(call: &'static str, endpoint: &str) -> Self {
+        DriverError {
+            call,
+            endpoint: endpoint.to_string(),
+            status: "Unimplemented",
+            grpc_code: 12,
+            finality: Finality::Unimplemented,
+            message: format!("{call} is not served here"),
+            attempts: 1,
+            gave_up_after: None,
+        }
+    }
+}
+
 /// The controller side of a CSI driver (the endpoint in `csi.controller_endpoint`, else
 /// `csi.endpoint`). NOT_FOUND from deletes and unpublishes is success here.
 #[async_trait]
@@ -264,6 +413,18 @@ pub trait ControllerDriver: Send + Sync {
         secrets: &Secrets,
         deadline: &Deadline,
     ) -> Result<(), DriverError>;
+    /// ControllerExpandVolume (only asked of a driver with EXPAND_VOLUME).
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        deadline: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        let _ = (call, deadline);
+        Err(DriverError::unimplemented(
+            "ControllerExpandVolume",
+            self.endpoint(),
+        ))
+    }
     /// CreateSnapshot (idempotent by `name`).
     async fn create_snapshot(
         &self,
@@ -336,6 +497,21 @@ pub trait NodeDriver: Send + Sync {
         target_path: &Path,
         deadline: &Deadline,
     ) -> Result<VolumeStats, DriverError>;
+    /// NodeGetInfo: the node id and where the node sits.
+    async fn node_info(&self, deadline: &Deadline) -> Result<NodeInfo, DriverError>;
+    /// NodeExpandVolume (only asked of a driver with node EXPAND_VOLUME); returns the
+    /// capacity the driver reports (0 = not said).
+    async fn expand_volume(
+        &self,
+        call: &NodeExpand,
+        deadline: &Deadline,
+    ) -> Result<i64, DriverError> {
+        let _ = (call, deadline);
+        Err(DriverError::unimplemented(
+            "NodeExpandVolume",
+            self.endpoint(),
+        ))
+    }
 }
 
 /// What a mount-table query can say about a path, as Cubelet sees it.
@@ -403,8 +579,9 @@ pub enum SecretUse {
     ControllerPublish,
     NodeStage,
     NodePublish,
-    /// Volume expansion (not used by Cube; accepted and stripped from StorageClasses).
+    /// ControllerExpandVolume (`cube-csi-bridge expand`).
     ControllerExpand,
+    /// NodeExpandVolume.
     NodeExpand,
 }
 

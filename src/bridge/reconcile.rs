@@ -196,6 +196,7 @@ impl NodeSide {
             csi_volume_id: record.csi_volume_id.clone(),
             volume_context: record.volume_context.clone(),
             controller_publish: record.controller_publish != Step::Absent,
+            topology: record.accessible_topology.clone(),
         };
         let paths = VolumePaths::from_target(&record.target_path, &self.config.driver, volume_id)
             .map_err(BridgeError::Precondition)?;

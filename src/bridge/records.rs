@@ -7,6 +7,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::ports::Segments;
+
 /// A holder log longer than this is folded into its record at the next change: every hook
 /// reads the log, so it must stay short however long a volume stays mounted.
 pub const HOLDER_LOG_LIMIT: u64 = 4096;
@@ -241,6 +243,16 @@ pub struct NodeRecord {
     /// from records written before times were kept: ages unknown).
     #[serde(default, skip_serializing_if = "HolderTimes::is_empty")]
     pub holder_times: HolderTimes,
+    /// The nodes the volume can be attached on, from its handle (empty: every node).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<Segments>,
+    /// The capacity NodeExpandVolume last grew the volume to on this node (0: never).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub expanded_bytes: i64,
+}
+
+fn is_zero(value: &i64) -> bool {
+    *value == 0
 }
 
 impl NodeRecord {
@@ -262,6 +274,8 @@ impl NodeRecord {
             since: 0,
             holders_unknown: false,
             holder_times: HolderTimes::default(),
+            accessible_topology: Vec::new(),
+            expanded_bytes: 0,
         }
     }
 
@@ -287,11 +301,12 @@ impl NodeRecord {
 }
 
 /// Where a Cube volume's creation stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum VolumeState {
     /// CreateVolume was sent but its answer is not known: a CSI volume of `csi_name`
     /// may exist.
+    #[default]
     Creating,
     /// CreateVolume succeeded; `csi_volume_id` is the handle.
     Created,
@@ -328,7 +343,7 @@ pub struct DeletionPolicy {
 }
 
 /// One Cube volume.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct VolumeRecord {
     pub volume_id: String,
     /// The CreateVolume name (the idempotency key).
@@ -359,6 +374,15 @@ pub struct VolumeRecord {
     /// record written before records were signed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// CreateVolume's accessible_topology: the nodes the volume can be attached on (empty:
+    /// every node, or a driver without VOLUME_ACCESSIBILITY_CONSTRAINTS).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<Segments>,
+    /// The last ControllerExpandVolume (or a driver that expands on nodes only) asked for
+    /// NodeExpandVolume: every node where the volume is staged or published grows it to
+    /// `capacity_bytes` (kubelet's part in Kubernetes).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_required: bool,
     /// What the volume was made from (`restore`, `clone`); None: an empty volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<ContentSource>,

@@ -168,6 +168,8 @@ mod tests {
             holder_times: times,
             holder_ages: Vec::new(),
             condition: None,
+            accessible_topology: Vec::new(),
+            expanded_bytes: 0,
         }
     }
 

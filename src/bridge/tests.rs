@@ -179,6 +179,50 @@ struct Fake {
     /// The controller store's snapshot records, shared by every side built over this fake
     /// (a restarted process reads what the last one wrote).
     snapshot_records: Arc<MemoryStore>,
+    /// Topology, mount group and access mode: what the fake advertises and what it got.
+    placement: Arc<Mutex<Placement>>,
+    /// What the fake offers for expansion, and what it grew.
+    expansion: Arc<Mutex<FakeExpansion>>,
+}
+
+/// What the fake says of topology, mount groups and single-node writer modes, and what
+/// the bridge sent it of them.
+#[derive(Debug, Default)]
+struct Placement {
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS.
+    accessibility_constraints: bool,
+    /// NodeGetInfo's accessible_topology.
+    node_topology: Segments,
+    /// CreateVolume's accessible_topology.
+    created_topology: Vec<Segments>,
+    /// SINGLE_NODE_MULTI_WRITER, on the controller and on the node.
+    controller_multi_writer: bool,
+    node_multi_writer: bool,
+    /// Node VOLUME_MOUNT_GROUP.
+    volume_mount_group: bool,
+    /// CreateVolume's accessibility_requirements, one per call.
+    requirements: Vec<Option<TopologyRequirement>>,
+    /// (call, volume_mount_group, access mode) of every NodeStage and NodePublish.
+    node_calls: Vec<(&'static str, Option<u32>, AccessMode)>,
+}
+
+/// The fake's expansion capabilities and state.
+#[derive(Debug, Default)]
+struct FakeExpansion {
+    /// Controller EXPAND_VOLUME.
+    controller: bool,
+    /// Node EXPAND_VOLUME.
+    node: bool,
+    /// The VolumeExpansion plugin capability.
+    mode: Option<ExpansionMode>,
+    /// ControllerExpandVolume's node_expansion_required.
+    node_expansion_required: bool,
+    /// CSI volume id → capacity, once expanded.
+    capacity: BTreeMap<String, i64>,
+    /// NodeExpandVolume calls: (volume id, volume path, staging path, required bytes).
+    node_calls: Vec<(String, PathBuf, Option<PathBuf>, u64)>,
+    /// The secrets each expand call carried, by call name.
+    secrets: Vec<(&'static str, Secrets)>,
 }
 
 impl Fake {
@@ -196,7 +240,13 @@ impl Fake {
             condition: Default::default(),
             snapshots: true,
             snapshot_records: Default::default(),
+            placement: Default::default(),
+            expansion: Default::default(),
         }
+    }
+
+    fn placement(&self) -> std::sync::MutexGuard<'_, Placement> {
+        self.placement.lock().unwrap()
     }
 
     /// The filesystem mounted at `path` dies (its FUSE daemon or server is gone): a stat
@@ -326,6 +376,8 @@ impl ControllerDriver for Fake {
             name: "fake.csi".into(),
             vendor_version: "1".into(),
             controller_service: true,
+            accessibility_constraints: self.placement().accessibility_constraints,
+            volume_expansion: self.expansion.lock().unwrap().mode,
         })
     }
     async fn capabilities(&self, _: &Deadline) -> Result<ControllerCaps, DriverError> {
@@ -336,6 +388,8 @@ impl ControllerDriver for Fake {
             create_delete_snapshot: self.snapshots,
             list_snapshots: self.snapshots,
             clone_volume: self.snapshots,
+            single_node_multi_writer: self.placement().controller_multi_writer,
+            expand_volume: self.expansion.lock().unwrap().controller,
         })
     }
     async fn create_volume(
@@ -344,6 +398,11 @@ impl ControllerDriver for Fake {
         _: &Deadline,
     ) -> Result<CreatedVolume, DriverError> {
         self.enter("CreateVolume").await?;
+        let accessible_topology = {
+            let mut placement = self.placement();
+            placement.requirements.push(volume.accessibility.clone());
+            placement.created_topology.clone()
+        };
         let mut s = self.state.lock().unwrap();
         let source_missing = match &volume.content_source {
             Some(ContentSource::Snapshot {
@@ -386,10 +445,20 @@ impl ControllerDriver for Fake {
                 Finality::Uncertain,
             ));
         }
+        drop(s);
+        let capacity_bytes = self
+            .expansion
+            .lock()
+            .unwrap()
+            .capacity
+            .get(&id)
+            .copied()
+            .unwrap_or(0);
         Ok(CreatedVolume {
             csi_volume_id: id,
             volume_context: BTreeMap::from([("ctx".into(), "v".into())]),
-            capacity_bytes: 0,
+            capacity_bytes,
+            accessible_topology,
         })
     }
     async fn delete_volume(&self, id: &str, _: &Secrets, _: &Deadline) -> Result<(), DriverError> {
@@ -507,6 +576,27 @@ impl ControllerDriver for Fake {
                 ready_to_use: true,
             }))
     }
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        _: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        self.enter("ControllerExpandVolume").await?;
+        let mut expansion = self.expansion.lock().unwrap();
+        expansion
+            .secrets
+            .push(("ControllerExpandVolume", call.secrets.clone()));
+        let size = call.required_bytes as i64;
+        let grown = expansion
+            .capacity
+            .entry(call.csi_volume_id.clone())
+            .or_default();
+        *grown = (*grown).max(size);
+        Ok(ControllerExpanded {
+            capacity_bytes: *grown,
+            node_expansion_required: expansion.node_expansion_required,
+        })
+    }
 }
 
 #[async_trait]
@@ -519,10 +609,14 @@ impl NodeDriver for Fake {
     }
     async fn capabilities(&self, _: &Deadline) -> Result<NodeCaps, DriverError> {
         self.enter("NodeGetCapabilities").await?;
+        let placement = self.placement();
         Ok(NodeCaps {
             stage_unstage_volume: self.stage,
             get_volume_stats: true,
             volume_condition: true,
+            single_node_multi_writer: placement.node_multi_writer,
+            volume_mount_group: placement.volume_mount_group,
+            expand_volume: self.expansion.lock().unwrap().node,
         })
     }
     async fn node_id(&self, _: &Deadline) -> Result<String, DriverError> {
@@ -530,6 +624,11 @@ impl NodeDriver for Fake {
         Ok("node-1".into())
     }
     async fn stage(&self, call: &Stage, _: &Deadline) -> Result<(), DriverError> {
+        self.placement().node_calls.push((
+            "NodeStageVolume",
+            call.mount_group,
+            call.capability.access_mode,
+        ));
         if self.enter("NodeStageVolume").await? {
             self.state
                 .lock()
@@ -568,6 +667,11 @@ impl NodeDriver for Fake {
         Ok(Undone::Done)
     }
     async fn publish(&self, call: &Publish, _: &Deadline) -> Result<(), DriverError> {
+        self.placement().node_calls.push((
+            "NodePublishVolume",
+            call.mount_group,
+            call.capability.access_mode,
+        ));
         let entered = self.enter("NodePublishVolume").await;
         // An uncertain error may still have taken effect.
         if matches!(
@@ -623,6 +727,28 @@ impl NodeDriver for Fake {
             abnormal: self.condition.lock().unwrap().clone(),
             ..VolumeStats::default()
         })
+    }
+    async fn node_info(&self, _: &Deadline) -> Result<NodeInfo, DriverError> {
+        self.enter("NodeGetInfo").await?;
+        Ok(NodeInfo {
+            node_id: "node-1".into(),
+            accessible_topology: self.placement().node_topology.clone(),
+        })
+    }
+
+    async fn expand_volume(&self, call: &NodeExpand, _: &Deadline) -> Result<i64, DriverError> {
+        self.enter("NodeExpandVolume").await?;
+        let mut expansion = self.expansion.lock().unwrap();
+        expansion
+            .secrets
+            .push(("NodeExpandVolume", call.secrets.clone()));
+        expansion.node_calls.push((
+            call.csi_volume_id.clone(),
+            call.volume_path.clone(),
+            call.staging_path.clone(),
+            call.required_bytes,
+        ));
+        Ok(call.required_bytes as i64)
     }
 }
 
@@ -861,6 +987,7 @@ impl World {
             csi_volume_id: "h1".into(),
             volume_context: BTreeMap::new(),
             controller_publish: self.fake.controller_publish,
+            topology: Vec::new(),
         }
     }
 
@@ -2107,6 +2234,8 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         revision: Some("0".into()),
         integrity: None,
         content_source: None,
+        accessible_topology: Vec::new(),
+        node_expansion_required: false,
     };
     {
         let mut backend = w.fake.state.lock().unwrap();
@@ -2244,6 +2373,8 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
             revision: Some("0".into()),
             integrity: None,
             content_source: None,
+            accessible_topology: Vec::new(),
+            node_expansion_required: false,
         },
     );
     let destroy = || {
@@ -2785,6 +2916,8 @@ fn unsigned_record(volume: &str, handle: &str) -> VolumeRecord {
         revision: Some("0".into()),
         integrity: None,
         content_source: None,
+        accessible_topology: Vec::new(),
+        node_expansion_required: false,
     }
 }
 
@@ -3600,3 +3733,251 @@ async fn a_driver_without_snapshots_or_clones_is_refused_clearly() {
     assert!(error.to_string().contains("CLONE_VOLUME"), "{error}");
     assert_eq!(w.controller_state(), before);
 }
+
+// ---------------------------------------------------------------- topology, mount group, access modes
+
+fn zone(z: &str) -> Segments {
+    Segments::from([("example.com/zone".to_string(), z.to_string())])
+}
+
+/// A config that asks CreateVolume for zone a or b, preferring b.
+const IN_ZONES: &str = "[volume.accessibility_requirements]\n\
+    requisite = [{ \"example.com/zone\" = \"a\" }, { \"example.com/zone\" = \"b\" }]\n\
+    preferred = [{ \"example.com/zone\" = \"b\" }]\n";
+
+fn precondition(error: &HookError) -> &str {
+    match &error.error {
+        BridgeError::Precondition(message) => message,
+        other => panic!("not FAILED_PRECONDITION: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn create_asks_for_the_configured_topology_and_hands_on_where_the_volume_is() {
+    let fake = Fake::new(false, false);
+    fake.placement().accessibility_constraints = true;
+    fake.placement().created_topology = vec![zone("b")];
+    let w = World::with_config(fake, IN_ZONES);
+    w.bridge
+        .check(&Deadline::after(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let created = w.create("v").await.unwrap();
+    assert_eq!(
+        w.fake.placement().requirements,
+        [Some(TopologyRequirement {
+            requisite: vec![zone("a"), zone("b")],
+            preferred: vec![zone("b")],
+        })]
+    );
+    let handle = VolumeHandle::decode(&created.private_data).unwrap();
+    assert_eq!(handle.topology, [zone("b")]);
+    let record = w.stored("v").unwrap();
+    assert_eq!(record.accessible_topology, [zone("b")]);
+    // The record's MAC covers it: Destroy works on the record as written.
+    w.destroy("v").await.unwrap();
+    assert!(w.backend_volumes().is_empty());
+}
+
+#[tokio::test]
+async fn without_requirements_create_sends_none_and_the_volume_attaches_anywhere() {
+    let w = World::new(Fake::new(false, false));
+    let created = w.create("v").await.unwrap();
+    assert_eq!(w.fake.placement().requirements, [None]);
+    assert!(
+        VolumeHandle::decode(&created.private_data)
+            .unwrap()
+            .topology
+            .is_empty()
+    );
+    assert!(w.stored("v").unwrap().accessible_topology.is_empty());
+}
+
+#[tokio::test]
+async fn requirements_for_a_driver_without_topology_are_refused_at_start_and_at_create() {
+    let w = World::with_config(Fake::new(false, false), IN_ZONES);
+    let err = w
+        .bridge
+        .check(&Deadline::after(Duration::from_secs(5)))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("VOLUME_ACCESSIBILITY_CONSTRAINTS") && text.contains("fake.csi"),
+        "{text}"
+    );
+    let err = w.create("v").await.unwrap_err();
+    assert!(precondition(&err).contains("VOLUME_ACCESSIBILITY_CONSTRAINTS"));
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert!(w.stored("v").is_none(), "nothing recorded");
+}
+
+#[tokio::test]
+async fn an_attach_outside_the_volumes_topology_fails_before_any_change() {
+    let fake = Fake::new(true, true);
+    fake.placement().node_topology = zone("c");
+    let w = World::new(fake);
+    let mut req = w.attach_req("v", "ns1", "s1", 0);
+    req.handle.topology = vec![zone("a"), zone("b")];
+    let err = w
+        .bridge
+        .attach(req.clone(), &Caller::waiting())
+        .await
+        .unwrap_err();
+    let text = precondition(&err);
+    assert!(
+        text.contains("{example.com/zone=a} or {example.com/zone=b}")
+            && text.contains("{example.com/zone=c}"),
+        "{text}"
+    );
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    w.assert_clean("v");
+
+    // A node that reports no topology is outside any topology too.
+    let w2 = World::new(Fake::new(true, true));
+    let mut req2 = w2.attach_req("v", "ns1", "s1", 0);
+    req2.handle.topology = vec![zone("a")];
+    let err = w2
+        .bridge
+        .attach(req2, &Caller::waiting())
+        .await
+        .unwrap_err();
+    assert!(precondition(&err).contains("no topology at all"), "{err}");
+    assert!(w2.fake.mutating_calls().is_empty());
+    w2.assert_clean("v");
+}
+
+#[tokio::test]
+async fn an_attach_inside_the_volumes_topology_proceeds_and_records_it() {
+    let fake = Fake::new(true, false);
+    fake.placement().node_topology = Segments::from([
+        ("example.com/zone".into(), "b".into()),
+        ("rack".into(), "7".into()),
+    ]);
+    let w = World::new(fake);
+    let mut req = w.attach_req("v", "ns1", "s1", 0);
+    req.handle.topology = vec![zone("a"), zone("b")];
+    w.bridge.attach(req, &Caller::waiting()).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+    assert_eq!(
+        w.record("v").unwrap().accessible_topology,
+        [zone("a"), zone("b")]
+    );
+}
+
+#[tokio::test]
+async fn the_mount_group_reaches_stage_and_publish_when_the_driver_has_the_capability() {
+    let fake = Fake::new(true, false);
+    fake.placement().volume_mount_group = true;
+    let w = World::with_config(fake, "[volume]\nmount_group = 2000\n");
+    w.bridge
+        .check(&Deadline::after(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let groups: Vec<_> = w
+        .fake
+        .placement()
+        .node_calls
+        .iter()
+        .map(|(call, group, _)| (*call, *group))
+        .collect();
+    assert_eq!(
+        groups,
+        [
+            ("NodeStageVolume", Some(2000)),
+            ("NodePublishVolume", Some(2000))
+        ]
+    );
+    // Without a mount group, none is sent.
+    let plain = World::new(Fake::new(true, false));
+    plain.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert!(
+        plain
+            .fake
+            .placement()
+            .node_calls
+            .iter()
+            .all(|(_, group, _)| group.is_none())
+    );
+}
+
+#[tokio::test]
+async fn a_mount_group_the_driver_cannot_honour_is_refused_and_attach_changes_nothing() {
+    let w = World::with_config(Fake::new(true, false), "[volume]\nmount_group = 2000\n");
+    let err = w
+        .bridge
+        .check(&Deadline::after(Duration::from_secs(5)))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("VOLUME_MOUNT_GROUP") && text.contains("fake.csi") && text.contains("2000"),
+        "{text}"
+    );
+    let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert!(precondition(&err).contains("VOLUME_MOUNT_GROUP"));
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    w.assert_clean("v");
+}
+
+/// A world whose driver has SINGLE_NODE_MULTI_WRITER on the controller and the node as
+/// told, configured for access mode `mode`.
+fn multi_writer_world(mode: &str, controller: bool, node: bool) -> World {
+    let fake = Fake::new(true, false);
+    fake.placement().controller_multi_writer = controller;
+    fake.placement().node_multi_writer = node;
+    World::with_config(fake, &format!("[volume]\naccess_mode = \"{mode}\"\n"))
+}
+
+#[tokio::test]
+async fn single_node_writer_modes_need_the_multi_writer_capability_on_both_sides() {
+    let deadline = || Deadline::after(Duration::from_secs(5));
+    for (mode, wanted) in [
+        (
+            "single_node_single_writer",
+            AccessMode::SingleNodeSingleWriter,
+        ),
+        (
+            "single_node_multi_writer",
+            AccessMode::SingleNodeMultiWriter,
+        ),
+    ] {
+        let w = multi_writer_world(mode, false, false);
+        let err = w.bridge.check(&deadline()).await.unwrap_err().to_string();
+        assert!(
+            err.contains("SINGLE_NODE_MULTI_WRITER controller capability")
+                && err.contains(&mode.to_ascii_uppercase()),
+            "{err}"
+        );
+        let err = w.create("v").await.unwrap_err();
+        assert!(precondition(&err).contains("controller capability"));
+        assert!(w.stored("v").is_none() && w.fake.mutating_calls().is_empty());
+
+        let w = multi_writer_world(mode, true, false);
+        let err = w.bridge.check(&deadline()).await.unwrap_err().to_string();
+        assert!(
+            err.contains("SINGLE_NODE_MULTI_WRITER node capability"),
+            "{err}"
+        );
+        let err = w.attach("v", "ns1", "s1", 0).await.unwrap_err();
+        assert!(precondition(&err).contains("node capability"));
+        assert!(w.fake.mutating_calls().is_empty());
+        w.assert_clean("v");
+
+        let w = multi_writer_world(mode, true, true);
+        w.bridge.check(&deadline()).await.unwrap();
+        w.create("v").await.unwrap();
+        w.attach("v", "ns1", "s1", 0).await.unwrap();
+        let sent: Vec<_> = w.fake.placement().node_calls.iter().map(|c| c.2).collect();
+        assert_eq!(
+            sent,
+            [wanted, wanted],
+            "NodeStage and NodePublish carry the mode"
+        );
+    }
+}
+mod expansion;

@@ -7,8 +7,6 @@ use serde::Deserialize;
 
 use std::collections::BTreeMap;
 
-use super::AccessMode;
-
 // No `Debug` on the file forms: `[secrets]` and `volume.mount_flags` are only ever shown
 // redacted, by the checked settings.
 #[derive(Deserialize)]
@@ -156,14 +154,20 @@ pub(super) struct VolumeFile {
     pub name_prefix: String,
     #[serde(default)]
     pub capacity_bytes: u64,
+    /// Checked by name in mod.rs, so that a wrong one is refused naming the field.
     #[serde(default)]
-    pub access_mode: AccessMode,
+    pub access_mode: Option<String>,
     #[serde(default)]
     pub fs_type: String,
     #[serde(default)]
     pub mount_flags: Vec<String>,
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// A gid, as a number or a string of digits; anything else is refused by name.
+    #[serde(default)]
+    pub mount_group: Option<toml::Value>,
+    #[serde(default)]
+    pub accessibility_requirements: Option<AccessibilityFile>,
 }
 
 impl Default for VolumeFile {
@@ -171,12 +175,25 @@ impl Default for VolumeFile {
         Self {
             name_prefix: default_name_prefix(),
             capacity_bytes: 0,
-            access_mode: AccessMode::default(),
+            access_mode: None,
             fs_type: String::new(),
             mount_flags: Vec::new(),
             parameters: BTreeMap::new(),
+            mount_group: None,
+            accessibility_requirements: None,
         }
     }
+}
+
+/// `[volume.accessibility_requirements]`: CSI's TopologyRequirement, each topology an
+/// inline table of segments.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AccessibilityFile {
+    #[serde(default)]
+    pub requisite: Vec<BTreeMap<String, String>>,
+    #[serde(default)]
+    pub preferred: Vec<BTreeMap<String, String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -190,6 +207,10 @@ pub(super) struct SecretsFile {
     pub node_stage: BTreeMap<String, String>,
     #[serde(default)]
     pub node_publish: BTreeMap<String, String>,
+    #[serde(default)]
+    pub controller_expand: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_expand: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -19,6 +19,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use crate::bridge::ports::{Segments, TopologyRequirement};
 pub use crate::bridge::{AccessMode, Roles};
 use crate::csi::Endpoint;
 use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};
@@ -133,6 +134,12 @@ pub struct CsiVolumeSettings {
     pub mount_flags: Vec<String>,
     /// CreateVolume parameters (a StorageClass's `parameters`).
     pub parameters: BTreeMap<String, String>,
+    /// The group id NodeStage and NodePublish ask the driver to mount with
+    /// (`volume_mount_group`; needs the driver's VOLUME_MOUNT_GROUP).
+    pub mount_group: Option<u32>,
+    /// CreateVolume's accessibility_requirements (needs the driver's
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS).
+    pub accessibility: Option<TopologyRequirement>,
 }
 
 impl fmt::Debug for CsiVolumeSettings {
@@ -147,6 +154,8 @@ impl fmt::Debug for CsiVolumeSettings {
                 &format_args!("<{} redacted>", self.mount_flags.len()),
             )
             .field("parameters", &self.parameters)
+            .field("mount_group", &self.mount_group)
+            .field("accessibility", &self.accessibility)
             .finish()
     }
 }
@@ -162,6 +171,10 @@ pub struct SecretsSettings {
     pub node_stage: BTreeMap<String, String>,
     /// NodePublishVolume.
     pub node_publish: BTreeMap<String, String>,
+    /// ControllerExpandVolume (`cube-csi-bridge expand`).
+    pub controller_expand: BTreeMap<String, String>,
+    /// NodeExpandVolume.
+    pub node_expand: BTreeMap<String, String>,
 }
 
 impl SecretsSettings {
@@ -172,6 +185,8 @@ impl SecretsSettings {
             &self.controller_publish,
             &self.node_stage,
             &self.node_publish,
+            &self.controller_expand,
+            &self.node_expand,
         ]
         .into_iter()
         .flat_map(|m| m.values().map(String::as_str))
@@ -190,6 +205,8 @@ impl fmt::Debug for SecretsSettings {
             .field("controller_publish_keys", &keys(&self.controller_publish))
             .field("node_stage_keys", &keys(&self.node_stage))
             .field("node_publish_keys", &keys(&self.node_publish))
+            .field("controller_expand_keys", &keys(&self.controller_expand))
+            .field("node_expand_keys", &keys(&self.node_expand))
             .finish()
     }
 }
@@ -626,6 +643,8 @@ impl Checker<'_> {
                 controller_publish: raw.secrets.controller_publish,
                 node_stage: raw.secrets.node_stage,
                 node_publish: raw.secrets.node_publish,
+                controller_expand: raw.secrets.controller_expand,
+                node_expand: raw.secrets.node_expand,
             },
             state,
             node,
@@ -744,13 +763,33 @@ impl Checker<'_> {
                 format!("must be at most {}", i64::MAX),
             ));
         }
+        let mount_group = volume
+            .mount_group
+            .as_ref()
+            .map(mount_group)
+            .transpose()
+            .map_err(|m| self.invalid("volume.mount_group", m))?;
+        let accessibility = volume
+            .accessibility_requirements
+            .map(accessibility)
+            .transpose()
+            .map_err(|m| self.invalid("volume.accessibility_requirements", m))?;
+        let access_mode = volume
+            .access_mode
+            .as_deref()
+            .map(crate::bridge::fit::parse_mode)
+            .transpose()
+            .map_err(|m| self.invalid("volume.access_mode", m))?
+            .unwrap_or_default();
         Ok(CsiVolumeSettings {
             name_prefix: volume.name_prefix,
             capacity_bytes: volume.capacity_bytes,
-            access_mode: volume.access_mode,
+            access_mode,
             fs_type: volume.fs_type,
             mount_flags: volume.mount_flags,
             parameters: volume.parameters,
+            mount_group,
+            accessibility,
         })
     }
 
@@ -1079,6 +1118,137 @@ impl Checker<'_> {
         }
         Ok(())
     }
+}
+
+/// `volume.mount_group`: a gid, written as a number or a string of digits. Names are
+/// refused: the gid is the one the driver mounts with on every node, where a name may
+/// resolve differently (or not at all).
+fn mount_group(value: &toml::Value) -> Result<u32, String> {
+    let number = match value {
+        toml::Value::Integer(n) => Some(*n),
+        toml::Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
+            s.parse::<i64>().ok()
+        }
+        _ => None,
+    };
+    // 4294967295 is (gid_t)-1, which chown and mount options read as "no group".
+    match number {
+        Some(n) if (0..i64::from(u32::MAX)).contains(&n) => Ok(n as u32),
+        Some(_) => Err(format!("must be a group id from 0 to {}", u32::MAX - 1)),
+        None => Err(
+            "must be a numeric group id (e.g. mount_group = 1000), not a group name or any \
+             other value"
+                .to_string(),
+        ),
+    }
+}
+
+/// The longest key prefix and name, and segment value, CSI allows in a topology.
+const TOPOLOGY_PART_MAX: usize = 63;
+
+/// Checks one topology key as CSI defines it: an optional DNS-style prefix (lower-case
+/// alphanumerics, `-` and `.`) and `/`, then a name (alphanumerics, `-`, `_` and `.`), each
+/// at most 63 characters and beginning and ending with an alphanumeric.
+fn topology_key(key: &str) -> Result<(), String> {
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    let edges_ok = |s: &str, edge: fn(&u8) -> bool| {
+        s.as_bytes().first().is_some_and(edge) && s.as_bytes().last().is_some_and(edge)
+    };
+    if let Some(prefix) = prefix {
+        let lower = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+        if prefix.len() > TOPOLOGY_PART_MAX
+            || !edges_ok(prefix, lower)
+            || !prefix.bytes().all(|b| lower(&b) || b == b'-' || b == b'.')
+        {
+            return Err(format!(
+                "topology key {key:?}: its prefix must be at most {TOPOLOGY_PART_MAX} \
+                 lower-case letters, digits, '-' and '.', beginning and ending with a letter \
+                 or digit (a domain name such as example.com)"
+            ));
+        }
+    }
+    segment_chars(name).map_err(|m| format!("topology key {key:?}: its name {m}"))
+}
+
+/// A key name or a segment value: 1 to 63 alphanumerics, `-`, `_` and `.`, beginning and
+/// ending with an alphanumeric.
+fn segment_chars(value: &str) -> Result<(), String> {
+    let alnum = |b: &u8| b.is_ascii_alphanumeric();
+    let ok = !value.is_empty()
+        && value.len() <= TOPOLOGY_PART_MAX
+        && value.as_bytes().first().is_some_and(alnum)
+        && value.as_bytes().last().is_some_and(alnum)
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "must be 1 to {TOPOLOGY_PART_MAX} letters, digits, '-', '_' and '.', beginning and \
+             ending with a letter or digit"
+        ))
+    }
+}
+
+/// Checks one list of topologies (`requisite` or `preferred`).
+fn topologies(list: &[Segments], field: &str) -> Result<(), String> {
+    for (index, segments) in list.iter().enumerate() {
+        let at = format!("{field}[{index}]");
+        if segments.is_empty() {
+            return Err(format!(
+                "{at} is empty; a topology names at least one segment, e.g. \
+                 {{ \"example.com/zone\" = \"zone-a\" }}"
+            ));
+        }
+        let mut lower = std::collections::BTreeSet::new();
+        for (key, value) in segments {
+            topology_key(key).map_err(|m| format!("{at}: {m}"))?;
+            segment_chars(value)
+                .map_err(|m| format!("{at}: the segment of {key:?}, {value:?}, {m}"))?;
+            if !lower.insert(key.to_ascii_lowercase()) {
+                return Err(format!(
+                    "{at}: topology keys are case-insensitive, and {key:?} is given twice"
+                ));
+            }
+        }
+        if list[..index].contains(segments) {
+            return Err(format!("{at} repeats an earlier topology"));
+        }
+    }
+    Ok(())
+}
+
+/// `[volume.accessibility_requirements]` as CSI's TopologyRequirement allows it: at least
+/// one of `requisite` and `preferred`, and, when `requisite` is given, every `preferred`
+/// topology among them (a preference outside what is required cannot be met).
+fn accessibility(raw: file::AccessibilityFile) -> Result<TopologyRequirement, String> {
+    if raw.requisite.is_empty() && raw.preferred.is_empty() {
+        return Err(
+            "lists neither requisite nor preferred topologies; list at least one, or remove \
+             the table to let the driver choose"
+                .to_string(),
+        );
+    }
+    topologies(&raw.requisite, "requisite")?;
+    topologies(&raw.preferred, "preferred")?;
+    if !raw.requisite.is_empty()
+        && let Some(stray) = raw.preferred.iter().find(|p| !raw.requisite.contains(p))
+    {
+        return Err(format!(
+            "preferred topology {} is not among the requisite ones, so it can never be met \
+             (CSI: every preferred topology must also be requisite); add it to requisite or \
+             remove it from preferred",
+            crate::bridge::ports::describe_segments(stray)
+        ));
+    }
+    Ok(TopologyRequirement {
+        requisite: raw.requisite,
+        preferred: raw.preferred,
+    })
 }
 
 /// A group name or number as a gid.
@@ -1628,5 +1798,115 @@ access_mode = "single_node_writer"
             redact_literals("unknown field `bogus`, expected one of `a`"),
             "unknown field `bogus`, expected one of `a`"
         );
+    }
+
+    #[test]
+    fn mount_group_is_a_numeric_gid() {
+        for (value, gid) in [("2000", 2000), ("\"2000\"", 2000), ("0", 0)] {
+            let c = parse(&format!("{MINIMAL}[volume]\nmount_group = {value}\n")).unwrap();
+            assert_eq!(c.volume.mount_group, Some(gid), "{value}");
+        }
+        assert_eq!(parse(MINIMAL).unwrap().volume.mount_group, None);
+        for (value, needle) in [
+            ("\"staff\"", "numeric group id"),
+            ("\"\"", "numeric group id"),
+            ("true", "numeric group id"),
+            ("-5", "from 0 to 4294967294"),
+            ("4294967295", "from 0 to 4294967294"),
+        ] {
+            let err = parse(&format!("{MINIMAL}[volume]\nmount_group = {value}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("volume.mount_group") && err.contains(needle),
+                "{value}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_access_mode_is_accepted_by_its_csi_name_and_others_are_named() {
+        for mode in crate::bridge::fit::ALL_MODES {
+            let name = crate::bridge::fit::mode_name(mode).to_ascii_lowercase();
+            let c = parse(&format!("{MINIMAL}[volume]\naccess_mode = \"{name}\"\n")).unwrap();
+            assert_eq!(c.volume.access_mode, mode);
+        }
+        let err = parse(&format!("{MINIMAL}[volume]\naccess_mode = \"rwx\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("volume.access_mode")
+                && err.contains("\"rwx\" is not an access mode")
+                && err.contains("single_node_multi_writer"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn accessibility_requirements_follow_the_csi_rules() {
+        let table = |body: &str| format!("{MINIMAL}[volume.accessibility_requirements]\n{body}");
+        let c = parse(&table(
+            "requisite = [{ \"example.com/zone\" = \"a\" }, { \"example.com/zone\" = \"b\", rack = \"r.1\" }]\n\
+             preferred = [{ \"example.com/zone\" = \"a\" }]\n",
+        ))
+        .unwrap();
+        let r = c.volume.accessibility.unwrap();
+        assert_eq!(r.requisite.len(), 2);
+        assert_eq!(r.preferred[0]["example.com/zone"], "a");
+        // Preferred alone is allowed: the driver may choose any topology.
+        let c = parse(&table("preferred = [{ zone = \"a\" }]\n")).unwrap();
+        assert!(c.volume.accessibility.unwrap().requisite.is_empty());
+        assert!(parse(MINIMAL).unwrap().volume.accessibility.is_none());
+        for (body, needle) in [
+            ("", "neither requisite nor preferred"),
+            (
+                "requisite = []\npreferred = []\n",
+                "neither requisite nor preferred",
+            ),
+            ("requisite = [{}]\n", "requisite[0] is empty"),
+            (
+                "requisite = [{ zone = \"a\" }]\npreferred = [{ zone = \"b\" }]\n",
+                "preferred topology {zone=b} is not among the requisite ones",
+            ),
+            (
+                "requisite = [{ zone = \"a\" }, { zone = \"a\" }]\n",
+                "requisite[1] repeats an earlier topology",
+            ),
+            (
+                "requisite = [{ zone = \"a\", Zone = \"a\" }]\n",
+                "case-insensitive",
+            ),
+            (
+                "requisite = [{ zone = \"-a\" }]\n",
+                "the segment of \"zone\"",
+            ),
+            ("requisite = [{ zone = \"\" }]\n", "the segment of \"zone\""),
+            (
+                "requisite = [{ \"Example.com/zone\" = \"a\" }]\n",
+                "its prefix",
+            ),
+            ("requisite = [{ \"example.com/\" = \"a\" }]\n", "its name"),
+            ("requisite = [{ \"a/b/c\" = \"a\" }]\n", "its name"),
+            (
+                &format!("requisite = [{{ zone = \"{}\" }}]\n", "a".repeat(64)),
+                "1 to 63",
+            ),
+        ] {
+            let err = parse(&table(body)).unwrap_err().to_string();
+            assert!(
+                err.contains("volume.accessibility_requirements") && err.contains(needle),
+                "{body}: {err}"
+            );
+        }
+        for body in [
+            "requisite = [{ zone = 1 }]\n",
+            "other = []\n",
+            "requisite = \"a\"\n",
+        ] {
+            assert!(
+                matches!(parse(&table(body)), Err(ConfigError::Parse { .. })),
+                "{body}"
+            );
+        }
     }
 }

@@ -46,7 +46,8 @@ impl VolumeSettings for ConfigSettings {
             SecretUse::ControllerPublish => s.controller_publish.clone(),
             SecretUse::NodeStage => s.node_stage.clone(),
             SecretUse::NodePublish => s.node_publish.clone(),
-            SecretUse::ControllerExpand | SecretUse::NodeExpand => Default::default(),
+            SecretUse::ControllerExpand => s.controller_expand.clone(),
+            SecretUse::NodeExpand => s.node_expand.clone(),
         }))
     }
 

@@ -199,6 +199,8 @@ csi_calls! {
     create_snapshot: ControllerClient::create_snapshot(CreateSnapshotRequest) -> CreateSnapshotResponse;
     delete_snapshot: ControllerClient::delete_snapshot(DeleteSnapshotRequest) -> DeleteSnapshotResponse;
     list_snapshots: ControllerClient::list_snapshots(ListSnapshotsRequest) -> ListSnapshotsResponse;
+    controller_expand_volume: ControllerClient::controller_expand_volume(ControllerExpandVolumeRequest) -> ControllerExpandVolumeResponse;
+    node_expand_volume: NodeClient::node_expand_volume(NodeExpandVolumeRequest) -> NodeExpandVolumeResponse;
 }
 
 /// The status name as gRPC spells it in Go and Rust alike (`NotFound`, `Internal`, …).

@@ -15,9 +15,10 @@ use super::retry::finality;
 use crate::bridge::AccessMode;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
-    Capability, ControllerCaps, ControllerDriver, ControllerPublish, CreatedVolume, DriverError,
-    DriverIdentity, NewSnapshot, NewVolume, NodeCaps, NodeDriver, Publish, Secrets, SnapshotInfo,
-    Stage, Undone, VolumeStats,
+    Capability, ControllerCaps, ControllerDriver, ControllerExpand, ControllerExpanded,
+    ControllerPublish, CreatedVolume, DriverError, DriverIdentity, ExpansionMode, NewSnapshot,
+    NewVolume, NodeCaps, NodeDriver, NodeExpand, NodeInfo, Publish, Secrets, Segments,
+    SnapshotInfo, Stage, TopologyRequirement, Undone, VolumeStats,
 };
 use crate::bridge::records::ContentSource;
 use crate::proto::csi::v1 as csi;
@@ -82,7 +83,9 @@ fn not_found(error: &DriverError) -> bool {
     error.grpc_code == Code::NotFound as i32
 }
 
-fn capability(c: &Capability) -> csi::VolumeCapability {
+/// The VolumeCapability of `c`; `mount_group` (NodeStage and NodePublish only) becomes
+/// its `volume_mount_group`.
+fn capability(c: &Capability, mount_group: Option<u32>) -> csi::VolumeCapability {
     use csi::volume_capability::access_mode::Mode;
     let mode = match c.access_mode {
         AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
@@ -99,10 +102,36 @@ fn capability(c: &Capability) -> csi::VolumeCapability {
             csi::volume_capability::MountVolume {
                 fs_type: c.fs_type.clone(),
                 mount_flags: c.mount_flags.clone(),
-                volume_mount_group: String::new(),
+                volume_mount_group: mount_group.map(|gid| gid.to_string()).unwrap_or_default(),
             },
         )),
     }
+}
+
+/// The VolumeExpansion plugin capability: ONLINE, else OFFLINE; None when not advertised.
+fn volume_expansion(caps: &[csi::PluginCapability]) -> Option<ExpansionMode> {
+    use csi::plugin_capability::{Type, volume_expansion::Type as Expansion};
+    let modes: Vec<i32> = caps
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(Type::VolumeExpansion(e)) => Some(e.r#type),
+            _ => None,
+        })
+        .collect();
+    if modes.contains(&(Expansion::Online as i32)) {
+        Some(ExpansionMode::Online)
+    } else if modes.is_empty() {
+        None
+    } else {
+        Some(ExpansionMode::Offline)
+    }
+}
+
+fn capacity(required_bytes: u64) -> Option<csi::CapacityRange> {
+    (required_bytes > 0).then_some(csi::CapacityRange {
+        required_bytes: required_bytes.min(i64::MAX as u64) as i64,
+        limit_bytes: 0,
+    })
 }
 
 fn map<I: IntoIterator<Item = (String, String)>, M: FromIterator<(String, String)>>(m: I) -> M {
@@ -141,6 +170,19 @@ fn snapshot_info(snapshot: csi::Snapshot) -> SnapshotInfo {
     }
 }
 
+fn topology(segments: &Segments) -> csi::Topology {
+    csi::Topology {
+        segments: map(segments.clone()),
+    }
+}
+
+fn requirement(r: &TopologyRequirement) -> csi::TopologyRequirement {
+    csi::TopologyRequirement {
+        requisite: r.requisite.iter().map(topology).collect(),
+        preferred: r.preferred.iter().map(topology).collect(),
+    }
+}
+
 fn path_string(path: &Path) -> String {
     path.to_string_lossy().into_owned()
 }
@@ -168,17 +210,20 @@ impl ControllerDriver for GrpcDriver {
                 &Redactions::NONE,
             )
             .await?;
-        let controller_service = caps.capabilities.iter().any(|c| {
-            matches!(
-                &c.r#type,
-                Some(csi::plugin_capability::Type::Service(s))
-                    if s.r#type == PluginService::ControllerService as i32
-            )
-        });
+        let service = |wanted: PluginService| {
+            caps.capabilities.iter().any(|c| {
+                matches!(
+                    &c.r#type,
+                    Some(csi::plugin_capability::Type::Service(s)) if s.r#type == wanted as i32
+                )
+            })
+        };
         Ok(DriverIdentity {
             name: info.name,
             vendor_version: info.vendor_version,
-            controller_service,
+            controller_service: service(PluginService::ControllerService),
+            accessibility_constraints: service(PluginService::VolumeAccessibilityConstraints),
+            volume_expansion: volume_expansion(&caps.capabilities),
         })
     }
 
@@ -204,6 +249,8 @@ impl ControllerDriver for GrpcDriver {
             create_delete_snapshot: has(CtrlRpc::CreateDeleteSnapshot),
             list_snapshots: has(CtrlRpc::ListSnapshots),
             clone_volume: has(CtrlRpc::CloneVolume),
+            single_node_multi_writer: has(CtrlRpc::SingleNodeMultiWriter),
+            expand_volume: has(CtrlRpc::ExpandVolume),
         })
     }
 
@@ -218,10 +265,11 @@ impl ControllerDriver for GrpcDriver {
                 required_bytes: volume.required_bytes as i64,
                 limit_bytes: 0,
             }),
-            volume_capabilities: vec![capability(&volume.capability)],
+            volume_capabilities: vec![capability(&volume.capability, None)],
             parameters: map(volume.parameters.clone()),
             secrets: secrets(&volume.secrets),
             volume_content_source: volume.content_source.as_ref().map(content_source),
+            accessibility_requirements: volume.accessibility.as_ref().map(requirement),
             ..Default::default()
         };
         let redact = Redactions::of(&volume.secrets, Some(&volume.capability));
@@ -242,6 +290,11 @@ impl ControllerDriver for GrpcDriver {
             csi_volume_id: created.volume_id,
             volume_context: map(created.volume_context),
             capacity_bytes: created.capacity_bytes,
+            accessible_topology: created
+                .accessible_topology
+                .into_iter()
+                .map(|t| map(t.segments))
+                .collect(),
         })
     }
 
@@ -276,7 +329,7 @@ impl ControllerDriver for GrpcDriver {
         let request = csi::ControllerPublishVolumeRequest {
             volume_id: call.csi_volume_id.clone(),
             node_id: call.node_id.clone(),
-            volume_capability: Some(capability(&call.capability)),
+            volume_capability: Some(capability(&call.capability, None)),
             readonly: false,
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
@@ -392,6 +445,31 @@ impl ControllerDriver for GrpcDriver {
             Err(e) => Err(e),
         }
     }
+
+    async fn expand_volume(
+        &self,
+        call: &ControllerExpand,
+        deadline: &Deadline,
+    ) -> Result<ControllerExpanded, DriverError> {
+        let request = csi::ControllerExpandVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            capacity_range: capacity(call.required_bytes),
+            secrets: secrets(&call.secrets),
+            volume_capability: Some(capability(&call.capability, None)),
+        };
+        let reply = self
+            .client
+            .controller_expand_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
+            .await?;
+        Ok(ControllerExpanded {
+            capacity_bytes: reply.capacity_bytes,
+            node_expansion_required: reply.node_expansion_required,
+        })
+    }
 }
 
 #[async_trait]
@@ -423,6 +501,9 @@ impl NodeDriver for GrpcDriver {
             stage_unstage_volume: has(NodeRpc::StageUnstageVolume),
             get_volume_stats: has(NodeRpc::GetVolumeStats) || has(NodeRpc::VolumeCondition),
             volume_condition: has(NodeRpc::VolumeCondition),
+            single_node_multi_writer: has(NodeRpc::SingleNodeMultiWriter),
+            volume_mount_group: has(NodeRpc::VolumeMountGroup),
+            expand_volume: has(NodeRpc::ExpandVolume),
         })
     }
 
@@ -442,7 +523,7 @@ impl NodeDriver for GrpcDriver {
             volume_id: call.csi_volume_id.clone(),
             publish_context: map(call.publish_context.clone()),
             staging_target_path: path_string(&call.staging_path),
-            volume_capability: Some(capability(&call.capability)),
+            volume_capability: Some(capability(&call.capability, call.mount_group)),
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
         };
@@ -488,7 +569,7 @@ impl NodeDriver for GrpcDriver {
                 .map(path_string)
                 .unwrap_or_default(),
             target_path: path_string(&call.target_path),
-            volume_capability: Some(capability(&call.capability)),
+            volume_capability: Some(capability(&call.capability, call.mount_group)),
             readonly: false,
             secrets: secrets(&call.secrets),
             volume_context: map(call.volume_context.clone()),
@@ -552,6 +633,51 @@ impl NodeDriver for GrpcDriver {
             .map(|c| c.message);
         Ok(stats)
     }
+
+    async fn node_info(&self, deadline: &Deadline) -> Result<NodeInfo, DriverError> {
+        let info = self
+            .client
+            .node_get_info(csi::NodeGetInfoRequest {}, deadline, &Redactions::NONE)
+            .await?;
+        if info.node_id.is_empty() {
+            return Err(self.bad_answer("NodeGetInfo", "the driver returned an empty node_id"));
+        }
+        Ok(NodeInfo {
+            node_id: info.node_id,
+            accessible_topology: info
+                .accessible_topology
+                .map(|t| map(t.segments))
+                .unwrap_or_default(),
+        })
+    }
+
+    async fn expand_volume(
+        &self,
+        call: &NodeExpand,
+        deadline: &Deadline,
+    ) -> Result<i64, DriverError> {
+        let request = csi::NodeExpandVolumeRequest {
+            volume_id: call.csi_volume_id.clone(),
+            volume_path: path_string(&call.volume_path),
+            capacity_range: capacity(call.required_bytes),
+            staging_target_path: call
+                .staging_path
+                .as_deref()
+                .map(path_string)
+                .unwrap_or_default(),
+            volume_capability: Some(capability(&call.capability, None)),
+            secrets: secrets(&call.secrets),
+        };
+        let reply = self
+            .client
+            .node_expand_volume(
+                request,
+                deadline,
+                &Redactions::of(&call.secrets, Some(&call.capability)),
+            )
+            .await?;
+        Ok(reply.capacity_bytes)
+    }
 }
 
 #[cfg(test)]
@@ -560,11 +686,14 @@ mod tests {
 
     #[test]
     fn capability_is_a_mount_volume_with_the_mode_asked_for() {
-        let c = capability(&Capability {
-            access_mode: AccessMode::SingleNodeWriter,
-            fs_type: "ext4".into(),
-            mount_flags: vec!["ro".into()],
-        });
+        let c = capability(
+            &Capability {
+                access_mode: AccessMode::SingleNodeWriter,
+                fs_type: "ext4".into(),
+                mount_flags: vec!["ro".into()],
+            },
+            None,
+        );
         assert_eq!(
             c.access_mode.unwrap().mode,
             csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32
@@ -576,5 +705,63 @@ mod tests {
             (m.fs_type.as_str(), m.mount_flags),
             ("ext4", vec!["ro".into()])
         );
+        assert_eq!(
+            m.volume_mount_group, "",
+            "no group unless one is configured"
+        );
+    }
+
+    #[test]
+    fn a_mount_group_becomes_volume_mount_group_and_every_mode_maps_to_its_number() {
+        use csi::volume_capability::access_mode::Mode;
+        for (mode, wire) in [
+            (AccessMode::SingleNodeWriter, Mode::SingleNodeWriter),
+            (AccessMode::SingleNodeReaderOnly, Mode::SingleNodeReaderOnly),
+            (AccessMode::MultiNodeReaderOnly, Mode::MultiNodeReaderOnly),
+            (
+                AccessMode::MultiNodeSingleWriter,
+                Mode::MultiNodeSingleWriter,
+            ),
+            (AccessMode::MultiNodeMultiWriter, Mode::MultiNodeMultiWriter),
+            (
+                AccessMode::SingleNodeSingleWriter,
+                Mode::SingleNodeSingleWriter,
+            ),
+            (
+                AccessMode::SingleNodeMultiWriter,
+                Mode::SingleNodeMultiWriter,
+            ),
+        ] {
+            let c = capability(
+                &Capability {
+                    access_mode: mode,
+                    ..Default::default()
+                },
+                Some(2000),
+            );
+            assert_eq!(c.access_mode.unwrap().mode, wire as i32, "{mode:?}");
+            let Some(csi::volume_capability::AccessType::Mount(m)) = c.access_type else {
+                panic!("not a mount volume")
+            };
+            assert_eq!(m.volume_mount_group, "2000");
+        }
+        assert_eq!(Mode::SingleNodeSingleWriter as i32, 6);
+        assert_eq!(Mode::SingleNodeMultiWriter as i32, 7);
+    }
+
+    #[test]
+    fn accessibility_requirements_keep_their_order() {
+        let zone = |z: &str| Segments::from([("example.com/zone".to_string(), z.to_string())]);
+        let r = requirement(&TopologyRequirement {
+            requisite: vec![zone("b"), zone("a")],
+            preferred: vec![zone("a")],
+        });
+        let zones = |ts: &[csi::Topology]| {
+            ts.iter()
+                .map(|t| t.segments["example.com/zone"].clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(zones(&r.requisite), ["b", "a"]);
+        assert_eq!(zones(&r.preferred), ["a"]);
     }
 }

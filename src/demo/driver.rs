@@ -78,6 +78,33 @@ pub struct Profile {
     /// with FAILED_PRECONDITION while a volume restored from the snapshot exists, as
     /// drivers whose restored volumes share the snapshot's blocks answer.
     pub snapshots: bool,
+    /// Where this node sits: advertise VOLUME_ACCESSIBILITY_CONSTRAINTS, report these
+    /// segments in NodeGetInfo, and answer CreateVolume with one accessible topology: the
+    /// first preferred one asked for, else the first requisite one, else this node's.
+    pub topology: Option<BTreeMap<String, String>>,
+    /// Node VOLUME_MOUNT_GROUP (the group is recorded, not applied: bind mounts keep the
+    /// source's owners).
+    pub volume_mount_group: bool,
+    /// Controller and node SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
+    /// How it grows volumes (every volume is a directory, so growing only changes the
+    /// capacity it reports); the default grows none.
+    pub expansion: ExpansionProfile,
+}
+
+/// What the driver advertises for volume expansion.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExpansionProfile {
+    /// Controller EXPAND_VOLUME: ControllerExpandVolume.
+    pub controller: bool,
+    /// Node EXPAND_VOLUME: NodeExpandVolume.
+    pub node: bool,
+    /// The VolumeExpansion plugin capability: Some(true) ONLINE, Some(false) OFFLINE
+    /// (ControllerExpandVolume then refuses a volume that is staged or published, as
+    /// drivers of block devices do).
+    pub online: Option<bool>,
+    /// ControllerExpandVolume's node_expansion_required.
+    pub node_expansion_required: bool,
 }
 
 impl Profile {
@@ -100,6 +127,10 @@ impl Profile {
             latency: Duration::ZERO,
             volumes_on_first_use: false,
             snapshots: true,
+            topology: None,
+            volume_mount_group: false,
+            single_node_multi_writer: false,
+            expansion: ExpansionProfile::default(),
         }
     }
 }
@@ -163,6 +194,15 @@ pub struct Call {
     pub secrets: BTreeMap<String, String>,
     pub parameters: BTreeMap<String, String>,
     pub mount_flags: Vec<String>,
+    /// The VolumeCapability's volume_mount_group ("" when none).
+    pub volume_mount_group: String,
+    /// The VolumeCapability's access mode (its CSI number; 0 when absent).
+    pub access_mode: i32,
+    /// CreateVolume's accessibility_requirements: requisite and preferred segments.
+    pub requisite: Vec<BTreeMap<String, String>>,
+    pub preferred: Vec<BTreeMap<String, String>>,
+    /// CreateVolume's, ControllerExpandVolume's and NodeExpandVolume's required_bytes.
+    pub required_bytes: i64,
 }
 
 /// Calls that change state (discovery calls are recorded too but filtered here).
@@ -177,6 +217,8 @@ pub const MUTATING: &[&str] = &[
     "NodeUnstageVolume",
     "NodePublishVolume",
     "NodeUnpublishVolume",
+    "ControllerExpandVolume",
+    "NodeExpandVolume",
 ];
 
 #[derive(Debug, Default)]
@@ -195,6 +237,10 @@ struct State {
     snapshots: BTreeMap<String, (String, u64)>,
     /// CSI volume id → the CSI snapshot it was restored from.
     restored_from: HashMap<String, String>,
+    /// CSI volume id → its capacity (the most asked of CreateVolume or an expansion).
+    capacity: HashMap<String, i64>,
+    /// CSI volume id → the paths NodeStage or NodePublish made it available at.
+    node_paths: HashMap<String, BTreeSet<PathBuf>>,
 }
 
 #[derive(Debug)]
@@ -332,6 +378,11 @@ impl LocalDirDriver {
             Some(message) => state.abnormal.insert(id.to_string(), message.to_string()),
             None => state.abnormal.remove(id),
         };
+    }
+
+    /// The capacity CSI volume `id` has now (0 when it was never given one).
+    pub fn capacity(&self, id: &str) -> i64 {
+        self.state().capacity.get(id).copied().unwrap_or(0)
     }
 
     pub fn data_path(&self, id: &str) -> PathBuf {
@@ -481,6 +532,33 @@ impl LocalDirDriver {
         Ok(Some(dir))
     }
 
+    /// Where CreateVolume makes a volume accessible (a driver with topology only): the first
+    /// preferred topology, else the first requisite one, else this node's.
+    fn placed(&self, requirements: &csi::TopologyRequirement) -> Option<csi::Topology> {
+        let node = self.inner.profile.topology.as_ref()?;
+        Some(
+            requirements
+                .preferred
+                .first()
+                .or(requirements.requisite.first())
+                .cloned()
+                .unwrap_or_else(|| csi::Topology {
+                    segments: node.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                }),
+        )
+    }
+
+    /// Volume `id` is no longer available at `path` on this node.
+    fn forget_node_path(&self, id: &str, path: &Path) {
+        let mut state = self.state();
+        if let Some(paths) = state.node_paths.get_mut(id) {
+            paths.remove(path);
+            if paths.is_empty() {
+                state.node_paths.remove(id);
+            }
+        }
+    }
+
     fn controller_reachable(&self) -> Result<(), Status> {
         if self.inner.profile.controller_unreachable {
             return Err(Status::unimplemented("this endpoint serves the node only"));
@@ -602,6 +680,22 @@ fn map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
+fn volume_mount_group(cap: Option<&csi::VolumeCapability>) -> String {
+    match cap.and_then(|c| c.access_type.as_ref()) {
+        Some(csi::volume_capability::AccessType::Mount(m)) => m.volume_mount_group.clone(),
+        _ => String::new(),
+    }
+}
+
+fn access_mode(cap: Option<&csi::VolumeCapability>) -> i32 {
+    cap.and_then(|c| c.access_mode.as_ref())
+        .map_or(0, |m| m.mode)
+}
+
+fn segments_of(topologies: &[csi::Topology]) -> Vec<BTreeMap<String, String>> {
+    topologies.iter().map(|t| map(&t.segments)).collect()
+}
+
 fn mount_flags(cap: Option<&csi::VolumeCapability>) -> Vec<String> {
     match cap.and_then(|c| c.access_type.as_ref()) {
         Some(csi::volume_capability::AccessType::Mount(m)) => m.mount_flags.clone(),
@@ -637,12 +731,28 @@ impl Identity for LocalDirDriver {
             ..Default::default()
         })
         .await?;
-        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: vec![csi::PluginCapability {
+        use csi::plugin_capability::{VolumeExpansion, volume_expansion::Type as E};
+        let mut capabilities = vec![csi::PluginCapability {
+            r#type: Some(Type::Service(Service {
+                r#type: S::ControllerService as i32,
+            })),
+        }];
+        if self.inner.profile.topology.is_some() {
+            capabilities.push(csi::PluginCapability {
                 r#type: Some(Type::Service(Service {
-                    r#type: S::ControllerService as i32,
+                    r#type: S::VolumeAccessibilityConstraints as i32,
                 })),
-            }],
+            });
+        }
+        if let Some(online) = self.inner.profile.expansion.online {
+            capabilities.push(csi::PluginCapability {
+                r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                    r#type: if online { E::Online } else { E::Offline } as i32,
+                })),
+            });
+        }
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
+            capabilities,
         }))
     }
 
@@ -679,6 +789,13 @@ impl Controller for LocalDirDriver {
         if self.inner.profile.snapshots {
             caps.extend([R::CreateDeleteSnapshot, R::ListSnapshots, R::CloneVolume]);
         }
+
+        if self.inner.profile.single_node_multi_writer {
+            caps.push(R::SingleNodeMultiWriter);
+        }
+        if self.inner.profile.expansion.controller {
+            caps.push(R::ExpandVolume);
+        }
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -694,12 +811,17 @@ impl Controller for LocalDirDriver {
         request: Request<csi::CreateVolumeRequest>,
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let req = request.into_inner();
+        let requirements = req.accessibility_requirements.clone().unwrap_or_default();
         self.enter(Call {
             method: "CreateVolume",
             volume_id: req.name.clone(),
             secrets: map(&req.secrets),
             parameters: map(&req.parameters),
             mount_flags: mount_flags(req.volume_capabilities.first()),
+            access_mode: access_mode(req.volume_capabilities.first()),
+            requisite: segments_of(&requirements.requisite),
+            preferred: segments_of(&requirements.preferred),
+            required_bytes: req.capacity_range.as_ref().map_or(0, |r| r.required_bytes),
             ..Default::default()
         })
         .await?;
@@ -717,6 +839,13 @@ impl Controller for LocalDirDriver {
         self.through_share(&id, true).await?;
         self.fill_from_source(&id, req.volume_content_source.as_ref(), is_new)
             .await?;
+        let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        let capacity_bytes = {
+            let mut state = self.state();
+            let capacity = state.capacity.entry(id.clone()).or_default();
+            *capacity = (*capacity).max(required);
+            *capacity
+        };
         Ok(Response::new(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
                 volume_id: id,
@@ -727,7 +856,8 @@ impl Controller for LocalDirDriver {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
-                capacity_bytes: 0,
+                capacity_bytes,
+                accessible_topology: self.placed(&requirements).into_iter().collect(),
                 ..Default::default()
             }),
         }))
@@ -749,6 +879,7 @@ impl Controller for LocalDirDriver {
         self.volume_dir(id)?;
         self.through_share(id, false).await?;
         self.state().restored_from.remove(id);
+        self.state().capacity.remove(id);
         Ok(Response::new(csi::DeleteVolumeResponse {}))
     }
 
@@ -924,6 +1055,55 @@ impl Controller for LocalDirDriver {
             .remove(&(req.volume_id.clone(), req.node_id.clone()));
         Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
     }
+
+    async fn controller_expand_volume(
+        &self,
+        request: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let wanted = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        self.enter(Call {
+            method: "ControllerExpandVolume",
+            volume_id: req.volume_id.clone(),
+            secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
+            required_bytes: wanted,
+            ..Default::default()
+        })
+        .await?;
+        self.controller_reachable()?;
+        let expansion = self.inner.profile.expansion;
+        if !expansion.controller {
+            return Err(Status::unimplemented("no EXPAND_VOLUME"));
+        }
+        let id = required(&req.volume_id, "volume_id")?;
+        if !self.volume_dir(id)?.is_dir() {
+            return Err(Status::not_found(format!("no volume {id}")));
+        }
+        if wanted <= 0 {
+            return Err(Status::invalid_argument(
+                "capacity_range.required_bytes is required",
+            ));
+        }
+        let mut state = self.state();
+        if expansion.online != Some(true) && state.node_paths.get(id).is_some_and(|p| !p.is_empty())
+        {
+            return Err(Status::failed_precondition(format!(
+                "volume {id} is in use and this driver expands volumes offline only"
+            )));
+        }
+        let capacity = state.capacity.entry(id.to_string()).or_default();
+        if *capacity > wanted {
+            return Err(Status::invalid_argument(format!(
+                "volume {id} has {capacity} bytes; it cannot shrink to {wanted}"
+            )));
+        }
+        *capacity = wanted;
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: wanted,
+            node_expansion_required: expansion.node_expansion_required,
+        }))
+    }
 }
 
 #[tonic::async_trait]
@@ -940,6 +1120,8 @@ impl Node for LocalDirDriver {
             publish_context: map(&req.publish_context),
             secrets: map(&req.secrets),
             mount_flags: mount_flags(req.volume_capability.as_ref()),
+            volume_mount_group: volume_mount_group(req.volume_capability.as_ref()),
+            access_mode: access_mode(req.volume_capability.as_ref()),
             ..Default::default()
         })
         .await?;
@@ -951,6 +1133,11 @@ impl Node for LocalDirDriver {
             ));
         }
         self.existing_volume(&source, &req.volume_id).await?;
+        self.state()
+            .node_paths
+            .entry(req.volume_id.clone())
+            .or_default()
+            .insert(staging.clone());
         if !is_mounted(&staging)? {
             blocking(move || ops::bind_mount(&source, &staging, false)).await?;
         }
@@ -982,7 +1169,9 @@ impl Node for LocalDirDriver {
                 target.display()
             )));
         }
-        blocking(move || ops::unmount(&staging)).await?;
+        let unmounted = staging.clone();
+        blocking(move || ops::unmount(&unmounted)).await?;
+        self.forget_node_path(&req.volume_id, &staging);
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
     }
 
@@ -999,6 +1188,8 @@ impl Node for LocalDirDriver {
             publish_context: map(&req.publish_context),
             secrets: map(&req.secrets),
             mount_flags: mount_flags(req.volume_capability.as_ref()),
+            volume_mount_group: volume_mount_group(req.volume_capability.as_ref()),
+            access_mode: access_mode(req.volume_capability.as_ref()),
             ..Default::default()
         })
         .await?;
@@ -1026,6 +1217,11 @@ impl Node for LocalDirDriver {
             }
             return Ok(Response::new(csi::NodePublishVolumeResponse {}));
         }
+        self.state()
+            .node_paths
+            .entry(req.volume_id.clone())
+            .or_default()
+            .insert(target.clone());
         let read_only = req.readonly;
         let made = target.clone();
         blocking(move || {
@@ -1073,6 +1269,7 @@ impl Node for LocalDirDriver {
             ops::remove_dir_if_empty(&unmounted).map(|_| ())
         })
         .await?;
+        self.forget_node_path(&req.volume_id, &target);
         if self.inner.profile.counts_publishes {
             let mut state = self.state();
             if let Some(targets) = state.published.get_mut(&req.volume_id) {
@@ -1102,6 +1299,9 @@ impl Node for LocalDirDriver {
             (profile.stage, R::StageUnstageVolume),
             (profile.volume_stats, R::GetVolumeStats),
             (profile.volume_condition, R::VolumeCondition),
+            (profile.volume_mount_group, R::VolumeMountGroup),
+            (profile.single_node_multi_writer, R::SingleNodeMultiWriter),
+            (profile.expansion.node, R::ExpandVolume),
         ]
         .into_iter()
         .filter(|(offered, _)| *offered)
@@ -1160,6 +1360,40 @@ impl Node for LocalDirDriver {
         }))
     }
 
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let wanted = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        self.enter(Call {
+            method: "NodeExpandVolume",
+            volume_id: req.volume_id.clone(),
+            target_path: req.volume_path.clone(),
+            staging_target_path: req.staging_target_path.clone(),
+            secrets: map(&req.secrets),
+            mount_flags: mount_flags(req.volume_capability.as_ref()),
+            required_bytes: wanted,
+            ..Default::default()
+        })
+        .await?;
+        if !self.inner.profile.expansion.node {
+            return Err(Status::unimplemented("no EXPAND_VOLUME"));
+        }
+        let path = PathBuf::from(required(&req.volume_path, "volume_path")?);
+        if !is_mounted(&path)? {
+            return Err(Status::not_found(format!(
+                "volume {} is not available at {}",
+                req.volume_id,
+                path.display()
+            )));
+        }
+        let capacity_bytes = self.capacity(&req.volume_id).max(wanted);
+        Ok(Response::new(csi::NodeExpandVolumeResponse {
+            capacity_bytes,
+        }))
+    }
+
     async fn node_get_info(
         &self,
         _: Request<csi::NodeGetInfoRequest>,
@@ -1171,6 +1405,9 @@ impl Node for LocalDirDriver {
         .await?;
         Ok(Response::new(csi::NodeGetInfoResponse {
             node_id: self.inner.profile.node_id.clone(),
+            accessible_topology: self.inner.profile.topology.as_ref().map(|t| csi::Topology {
+                segments: t.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            }),
             ..Default::default()
         }))
     }

@@ -55,6 +55,14 @@ pub struct CubeVolumeSpec {
     /// The bridge's MAC over the fields above that Destroy acts on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// CreateVolume's accessible_topology: the nodes the volume can be attached on (absent:
+    /// every node).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<BTreeMap<String, String>>,
+    /// The last expansion asks every node where the volume is staged or published to
+    /// grow it to `capacityBytes` (NodeExpandVolume); node daemons watch for it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_expansion_required: bool,
     /// What `restore` or `clone` made the volume from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<SpecContentSource>,
@@ -316,6 +324,8 @@ impl CubeVolumeStore {
             provisioner_secret_ref: record.deletion.as_ref().and_then(|d| d.secret.clone()),
             integrity: record.integrity.clone(),
             content_source: record.content_source.as_ref().map(SpecContentSource::from),
+            accessible_topology: record.accessible_topology.clone(),
+            node_expansion_required: record.node_expansion_required,
         }
     }
 
@@ -354,6 +364,8 @@ impl CubeVolumeStore {
             revision: object.metadata.resource_version,
             integrity: spec.integrity,
             content_source: spec.content_source.map(ContentSource::from),
+            accessible_topology: spec.accessible_topology,
+            node_expansion_required: spec.node_expansion_required,
         })
     }
 }
@@ -484,6 +496,8 @@ mod tests {
                 id: "s1".into(),
                 csi_id: "cs1".into(),
             }),
+            accessible_topology: vec![BTreeMap::from([("example.com/zone".into(), "a".into())])],
+            node_expansion_required: true,
         };
         let json = serde_json::to_value(&spec).unwrap();
         assert_eq!(
@@ -494,7 +508,8 @@ mod tests {
                 "volumeContext": {"k": "v"}, "capacityBytes": 5, "updatedAt": 7,
                 "reclaimPolicy": "Retain",
                 "provisionerSecretRef": {"namespace": "default", "name": "creds"},
-                "integrity": "hmac-sha256-v1:00",
+                "integrity": "hmac-sha256-v1:00", "nodeExpansionRequired": true,
+                "accessibleTopology": [{"example.com/zone": "a"}],
                 "contentSource": {"kind": "Snapshot", "id": "s1", "csiId": "cs1"}
             })
         );

@@ -480,6 +480,8 @@ mod tests {
             revision: None,
             integrity: None,
             content_source: None,
+            accessible_topology: Vec::new(),
+            node_expansion_required: false,
         }
     }
 

@@ -50,37 +50,57 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: Option<&DirSync>) -> io:
 }
 
 /// Group commit of one directory's entries: threads that need their renames on disk at
-/// the same time share one fsync of the directory instead of each paying for their own
-/// (many first Attaches at once all rename a record in the journal directory).
+/// the same time share one fsync of the directory instead of each paying for their own.
 #[derive(Debug)]
 pub struct DirSync {
     dir: PathBuf,
-    state: Mutex<SyncState>,
-    done: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct SyncState {
-    /// Tickets handed out: each caller's renames happened before it took its ticket.
-    issued: u64,
-    /// Every ticket up to this one is covered by a completed fsync.
-    synced: u64,
-    /// An fsync is running (started after every ticket up to its own).
-    running: bool,
+    group: GroupCommit,
 }
 
 impl DirSync {
     pub fn new(dir: &Path) -> Self {
         Self {
             dir: dir.to_path_buf(),
-            state: Mutex::new(SyncState::default()),
-            done: Condvar::new(),
+            group: GroupCommit::default(),
         }
     }
 
     /// Returns once an fsync of the directory that started after this call has finished.
     pub fn sync(&self) -> io::Result<()> {
-        let mut state = self.state.lock().expect("directory sync poisoned");
+        self.group
+            .sync(|| File::open(&self.dir).and_then(|d| d.sync_all()))
+    }
+}
+
+/// Group commit: callers that need the same flush (an fsync of one file or directory) at
+/// the same time share one. A caller's writes happened before it asked; it returns once
+/// a flush that *started* after it asked has finished, so that flush covers its writes.
+/// While one flush runs, every caller that arrives waits for it to end and then one of
+/// them runs the next flush for all of them: n callers at once cost about two flushes.
+#[derive(Debug, Default)]
+pub struct GroupCommit {
+    state: Mutex<CommitState>,
+    done: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct CommitState {
+    /// Tickets handed out: each caller's writes happened before it took its ticket.
+    issued: u64,
+    /// Every ticket up to this one is covered by a completed flush.
+    synced: u64,
+    /// A flush is running (started after every ticket up to the one it covers).
+    running: bool,
+    /// Flushes run so far (each one by the leader of a group).
+    flushes: u64,
+}
+
+impl GroupCommit {
+    /// Returns once a `flush` that started after this call has succeeded; runs `flush`
+    /// itself when it is the one to lead the next group. A failed flush fails its leader
+    /// and leaves the others to try again.
+    pub fn sync(&self, flush: impl Fn() -> io::Result<()>) -> io::Result<()> {
+        let mut state = self.state.lock().expect("group commit poisoned");
         state.issued += 1;
         let ticket = state.issued;
         loop {
@@ -88,13 +108,14 @@ impl DirSync {
                 return Ok(());
             }
             if !state.running {
-                // Lead: one fsync for every ticket issued so far.
+                // Lead: one flush for every ticket issued so far.
                 state.running = true;
                 let covers = state.issued;
                 drop(state);
-                let result = File::open(&self.dir).and_then(|d| d.sync_all());
-                state = self.state.lock().expect("directory sync poisoned");
+                let result = flush();
+                state = self.state.lock().expect("group commit poisoned");
                 state.running = false;
+                state.flushes += 1;
                 if result.is_ok() {
                     state.synced = state.synced.max(covers);
                 }
@@ -102,8 +123,14 @@ impl DirSync {
                 result?;
                 continue;
             }
-            state = self.done.wait(state).expect("directory sync poisoned");
+            state = self.done.wait(state).expect("group commit poisoned");
         }
+    }
+
+    /// (callers so far, flushes run so far).
+    pub fn counts(&self) -> (u64, u64) {
+        let state = self.state.lock().expect("group commit poisoned");
+        (state.issued, state.flushes)
     }
 }
 
@@ -179,8 +206,62 @@ mod tests {
             let text = std::fs::read_to_string(tmp.path().join(format!("r{i}"))).unwrap();
             assert_eq!(text, i.to_string());
         }
-        let state = sync.state.lock().unwrap();
+        let state = sync.group.state.lock().unwrap();
         assert_eq!((state.issued, state.synced, state.running), (16, 16, false));
+    }
+
+    /// Callers that arrive while a flush runs share the next one: eleven callers, the
+    /// first held inside its flush until the ten others wait, cost two flushes; and a
+    /// caller never returns on a flush that started before it asked.
+    #[test]
+    fn callers_waiting_during_a_flush_share_the_next_one() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let group = Arc::new(GroupCommit::default());
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = Arc::new(Mutex::new(held));
+        let started = Arc::new(AtomicU64::new(0));
+        let flush = {
+            let (held, started) = (held.clone(), started.clone());
+            move || {
+                // The first flush waits until the test lets it go.
+                if started.fetch_add(1, Ordering::SeqCst) == 0 {
+                    held.lock().unwrap().recv().unwrap();
+                }
+                Ok(())
+            }
+        };
+        let first = {
+            let (group, flush) = (group.clone(), flush.clone());
+            std::thread::spawn(move || group.sync(flush).unwrap())
+        };
+        while started.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        let others: Vec<_> = (0..10)
+            .map(|_| {
+                let (group, flush) = (group.clone(), flush.clone());
+                std::thread::spawn(move || group.sync(flush).unwrap())
+            })
+            .collect();
+        while group.counts().0 < 11 {
+            std::thread::yield_now();
+        }
+        release.send(()).unwrap();
+        first.join().unwrap();
+        others.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(group.counts(), (11, 2));
+    }
+
+    #[test]
+    fn a_failed_flush_fails_its_leader_and_the_next_caller_flushes_again() {
+        let group = GroupCommit::default();
+        let error = group
+            .sync(|| Err(io::Error::other("disk gone")))
+            .unwrap_err();
+        assert_eq!(error.to_string(), "disk gone");
+        group.sync(|| Ok(())).unwrap();
+        assert_eq!(group.counts(), (2, 2));
     }
 
     /// A write that fails on a full file system leaves the old content and no temporary

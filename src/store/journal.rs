@@ -12,6 +12,10 @@
 //! of the process; only a power loss can drop the tail of the log, and a power loss is a
 //! reboot, after which no holder survives anyway (records carry the boot id).
 //!
+//! Records are written without `fsync`: a save that must survive a power loss (before a
+//! CSI call) waits instead for the node's intent log (`intents.rs`), whose one
+//! `fdatasync` covers every Attach and Detach saving at that moment.
+//!
 //! Each rewrite of a record starts its log afresh with a snapshot of the holders it
 //! folded (a `*` line giving the snapshot's size, then one line per holder). A load of a
 //! readable record skips the snapshot (the record has it) and applies the changes after
@@ -28,7 +32,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-use super::fsutil::{DirSync, write_atomic};
+use super::fsutil::write_atomic;
+use super::intents::{IntentError, IntentLog};
 use crate::bridge::ports::{JournalError, NodeJournal};
 use crate::bridge::records::{HolderChange, HolderTimes, Holders, JOURNAL_FORMAT, NodeRecord};
 
@@ -37,28 +42,42 @@ use crate::bridge::records::{HolderChange, HolderTimes, Holders, JOURNAL_FORMAT,
 pub struct FileJournal {
     dir: PathBuf,
     pending: PathBuf,
-    /// Durable writes of this process share the directory's fsyncs.
-    dir_sync: std::sync::Arc<DirSync>,
+    /// Durable saves of this process share the intent log's fdatasyncs.
+    intents: std::sync::Arc<IntentLog>,
 }
 
 impl FileJournal {
-    /// Opens the journal at `dir`, creating it (0700) if needed.
+    /// Opens the journal at `dir`, creating it (0700) if needed. After a reboot, the
+    /// first open puts back what a power loss took from its records (`intents.rs`).
     pub fn open(dir: &Path) -> io::Result<Self> {
+        Self::open_in_boot(dir, &boot_id())
+    }
+
+    /// `open`, for a process of the boot `boot_id`.
+    pub fn open_in_boot(dir: &Path, boot_id: &str) -> io::Result<Self> {
         let pending = dir.join("pending");
         crate::mount::ops::ensure_dir(&pending, 0o700)?;
+        let intents = IntentLog::open(dir, boot_id).map_err(|(path, e)| {
+            io::Error::new(e.kind(), format!("node intent log {}: {e}", path.display()))
+        })?;
         Ok(Self {
             dir: dir.to_path_buf(),
             pending,
-            dir_sync: std::sync::Arc::new(DirSync::new(dir)),
+            intents: std::sync::Arc::new(intents),
         })
     }
 
+    /// (durable saves, fdatasyncs of the intent log they needed) of this process.
+    pub fn commit_counts(&self) -> (u64, u64) {
+        self.intents.commit_counts()
+    }
+
     fn path(&self, volume_id: &str) -> PathBuf {
-        self.dir.join(format!("{volume_id}.json"))
+        record_path(&self.dir, volume_id)
     }
 
     fn holder_log(&self, volume_id: &str) -> PathBuf {
-        self.dir.join(format!("{volume_id}.holders"))
+        holder_log_path(&self.dir, volume_id)
     }
 
     /// Where the last hooks of namespaces whose volume records are gone are kept.
@@ -73,6 +92,10 @@ impl FileJournal {
         let digest = sha2::Sha256::digest(namespace.as_bytes());
         let name: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
         self.kept_hooks_dir().join(name)
+    }
+
+    fn intent_error((path, source): IntentError) -> JournalError {
+        JournalError::Io { path, source }
     }
 
     fn io(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
@@ -95,6 +118,29 @@ impl FileJournal {
         apply_lines(changes, &mut record.holders, &mut record.holder_times, &log);
         Ok(())
     }
+}
+
+/// The record file of `volume_id` in the journal at `dir`.
+pub(super) fn record_path(dir: &Path, volume_id: &str) -> PathBuf {
+    dir.join(format!("{volume_id}.json"))
+}
+
+fn holder_log_path(dir: &Path, volume_id: &str) -> PathBuf {
+    dir.join(format!("{volume_id}.holders"))
+}
+
+/// Removes the record and the holder log of `volume_id`. The holder log goes first: a
+/// log left behind by a crash between the two unlinks would be replayed onto the next,
+/// unrelated record of the volume.
+pub(super) fn remove_files(dir: &Path, volume_id: &str) -> Result<(), IntentError> {
+    for path in [holder_log_path(dir, volume_id), record_path(dir, volume_id)] {
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err((path, e)),
+        }
+    }
+    Ok(())
 }
 
 /// The log's text up to its last complete line (a torn last line is a change that never
@@ -173,14 +219,19 @@ impl NodeJournal for FileJournal {
     }
 
     /// Writes `record` (holders included) and starts its holder log afresh with their
-    /// snapshot; `durable` waits until the record is on disk (use before a CSI call).
+    /// snapshot; `durable` waits until the record is on disk (use before a CSI call): in
+    /// the intent log, whose fdatasync it shares with every save waiting at that moment.
     fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
         let path = self.path(&record.volume_id);
         let bytes = serde_json::to_vec(record).map_err(|e| JournalError::Corrupt {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        write_atomic(&path, &bytes, durable.then_some(&*self.dir_sync)).map_err(Self::io(&path))?;
+        self.intents
+            .append(&record.volume_id, Some(bytes.as_slice()), durable, || {
+                write_atomic(&path, &bytes, None).map_err(|e| (path.clone(), e))
+            })
+            .map_err(Self::intent_error)?;
         // The record now holds every change the log had; replaying them again after a
         // crash right here would change nothing (see HolderChange::apply). The snapshot
         // needs no fsync: holders do not outlive a power loss (a reboot).
@@ -280,18 +331,14 @@ impl NodeJournal for FileJournal {
 
     /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
     /// that comes back after a power loss is from an earlier boot, and tearing it down
-    /// again only repeats idempotent inverse calls.
-    /// The holder log goes first: a log left behind by a crash between the two unlinks
-    /// would be replayed onto the next, unrelated record of the volume.
+    /// again only repeats idempotent inverse calls. The intent log notes the removal, so
+    /// that a reboot does not bring the record back.
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
-        for path in [self.holder_log(volume_id), self.path(volume_id)] {
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Self::io(&path)(e)),
-            }
-        }
-        Ok(())
+        self.intents
+            .append(volume_id, None, false, || {
+                remove_files(&self.dir, volume_id)
+            })
+            .map_err(Self::intent_error)
     }
 
     /// Every volume id with a record (or only a holder log), for reconciliation and the

@@ -1,10 +1,11 @@
 //! Persistent state behind the core's ports: the controller store's embedded redb backend
 //! (the Kubernetes one is in `k8s/`), the node journal (what is staged and published on
-//! this node), the volume locks, the embedded store's record key, and the file helpers
-//! they rely on.
+//! this node) with its intent log, the volume locks, the embedded store's record key, and
+//! the file helpers they rely on.
 
 pub mod embedded;
 pub mod fsutil;
+pub mod intents;
 pub mod journal;
 pub mod locks;
 pub mod record_key;

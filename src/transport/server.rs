@@ -164,6 +164,21 @@ impl Daemon {
                     check_volume_conditions(node.clone()).in_current_span(),
                 ));
             }
+            // Kubernetes mode: node daemons grow what `expand` recorded in a CubeVolume.
+            if let (Ok(node), true) = (
+                &bridge.node,
+                config.state.controller_store == crate::config::ControllerStoreKind::Kubernetes,
+            ) {
+                let kube = Arc::new(crate::k8s::Kube::new(&config.kubernetes));
+                match crate::app::controller_store(&config, Some(&kube)) {
+                    Ok(store) => background.push(tokio::spawn(
+                        follow_recorded_expansions(node.clone(), store).in_current_span(),
+                    )),
+                    Err(error) => {
+                        tracing::warn!(%error, "not following recorded expansions: no store")
+                    }
+                }
+            }
             if let (Ok(node), true) = (&bridge.node, config.metrics.listen.is_some()) {
                 let stats_every = config.metrics.volume_stats_interval;
                 background.push(tokio::spawn(
@@ -417,6 +432,25 @@ async fn poll_volume_metrics(node: Arc<NodeSide>, stats_every: Option<Duration>)
         timer.tick().await;
         if let Err(error) = node.refresh_volume_metrics(stats_every.is_some()).await {
             tracing::warn!(%error, "refreshing volume metrics failed");
+        }
+    }
+}
+
+/// How often a node daemon in Kubernetes mode looks for expansions recorded in the
+/// CubeVolumes of its attached volumes.
+const EXPANSION_FOLLOW_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Grows this node's attached volumes whose CubeVolume records a larger capacity (see
+/// `NodeSide::follow_recorded_expansions`), off the hook path.
+async fn follow_recorded_expansions(
+    node: Arc<NodeSide>,
+    store: Arc<dyn crate::bridge::ports::ControllerStore>,
+) {
+    let mut timer = tokio::time::interval(EXPANSION_FOLLOW_INTERVAL);
+    loop {
+        timer.tick().await;
+        if let Err(error) = node.follow_recorded_expansions(store.as_ref()).await {
+            tracing::warn!(%error, "following recorded expansions failed");
         }
     }
 }

@@ -44,7 +44,16 @@ pub struct MockOptions {
     pub enable_creds: bool,
     /// `-hooks-file`: this YAML (JavaScript hooks that may fail a call).
     pub hooks: Option<String>,
+    /// `-enable-topology`: VOLUME_ACCESSIBILITY_CONSTRAINTS; NodeGetInfo and every volume
+    /// report the one topology [`MOCK_TOPOLOGY_KEY`] = [`MOCK_TOPOLOGY_NODE`].
+    pub enable_topology: bool,
+    /// More flags, e.g. `-node-expand-required`, `-disable-online-expansion`.
+    pub flags: Vec<&'static str>,
 }
+
+/// The mock's topology key and its node's segment (fixed in csi-test, whatever `-name`).
+pub const MOCK_TOPOLOGY_KEY: &str = "io.kubernetes.storage.mock/node";
+pub const MOCK_TOPOLOGY_NODE: &str = "some-mock-node";
 
 /// One running csi-mock; killed on drop.
 pub struct MockDriver {
@@ -72,6 +81,9 @@ impl MockDriver {
         if options.disable_attach {
             command.arg("-disable-attach");
         }
+        if options.enable_topology {
+            command.arg("-enable-topology");
+        }
         if let Some(hooks) = &options.hooks {
             let file = dir.join("mock-hooks.yaml");
             std::fs::write(&file, hooks).unwrap();
@@ -80,6 +92,7 @@ impl MockDriver {
         if options.enable_creds {
             command.env("CSI_ENABLE_CREDS", "true");
         }
+        command.args(&options.flags);
         let mut child = command
             .env("CSI_ENDPOINT", &socket)
             .stdout(std::process::Stdio::null())

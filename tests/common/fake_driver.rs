@@ -11,7 +11,7 @@ use std::time::Duration;
 use cube_csi_bridge::demo::driver::{LocalDirDriver, Profile};
 use tokio_stream::wrappers::UnixListenerStream;
 
-pub use cube_csi_bridge::demo::driver::{Behavior, Call, Gate, MUTATING};
+pub use cube_csi_bridge::demo::driver::{Behavior, Call, ExpansionProfile, Gate, MUTATING};
 
 pub const FAKE_NODE_ID: &str = "fake-node-1";
 
@@ -42,13 +42,29 @@ pub struct Caps {
     /// CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and CLONE_VOLUME (copies of the volume's
     /// directory; a snapshot volumes were restored from cannot be deleted while they exist).
     pub snapshots: bool,
+    /// This node sits in this zone (the segment [`ZONE_KEY`]): the fake has
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS and places each volume in the first preferred
+    /// zone asked for, else the first requisite one, else this node's.
+    pub zone: Option<&'static str>,
+    /// Node VOLUME_MOUNT_GROUP (recorded in each call's `volume_mount_group`).
+    pub volume_mount_group: bool,
+    /// Controller and node SINGLE_NODE_MULTI_WRITER.
+    pub single_node_multi_writer: bool,
+    /// What it offers for volume expansion (none by default).
+    pub expansion: ExpansionProfile,
 }
+
+/// The topology key of the fake's zones.
+pub const ZONE_KEY: &str = "topology.fake.csi.test/zone";
 
 impl Caps {
     /// A driver that stages (STAGE_UNSTAGE_VOLUME) and needs no ControllerPublish.
     pub fn staging() -> Self {
         Caps {
             stage: true,
+            // csi-driver-host-path advertises it, and the staging node's volumes ask for
+            // single_node_multi_writer.
+            single_node_multi_writer: true,
             ..Default::default()
         }
     }
@@ -136,6 +152,12 @@ impl FakeDriver {
             latency: Duration::ZERO,
             volumes_on_first_use: false,
             snapshots: caps.snapshots,
+            topology: caps
+                .zone
+                .map(|zone| BTreeMap::from([(ZONE_KEY.to_string(), zone.to_string())])),
+            volume_mount_group: caps.volume_mount_group,
+            single_node_multi_writer: caps.single_node_multi_writer,
+            expansion: caps.expansion,
         };
         Self {
             driver: LocalDirDriver::with_profile(data_dir, profile),
@@ -234,5 +256,10 @@ impl FakeDriver {
     /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
     pub fn controller_published(&self) -> Vec<(String, String)> {
         self.driver.controller_published()
+    }
+
+    /// The capacity CSI volume `id` has now (0 when it was never given one).
+    pub fn capacity(&self, id: &str) -> i64 {
+        self.driver.capacity(id)
     }
 }

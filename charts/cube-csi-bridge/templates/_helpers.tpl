@@ -173,6 +173,9 @@ record_key_sha256 = {{ . | toJson }}
 name_prefix = {{ $v.volume.namePrefix | toJson }}
 access_mode = {{ $v.volume.accessMode | toJson }}
 capacity_bytes = {{ int64 $v.volume.capacityBytes }}
+{{- if hasKey $v.volume "mountGroup" }}
+mount_group = {{ int64 $v.volume.mountGroup }}
+{{- end }}
 {{- if not $v.kubernetes.storageClass }}
 fs_type = {{ $v.volume.fsType | toJson }}
 mount_flags = [{{ range $i, $f := $v.volume.mountFlags }}{{ if $i }}, {{ end }}{{ $f | toJson }}{{ end }}]
@@ -181,6 +184,15 @@ mount_flags = [{{ range $i, $f := $v.volume.mountFlags }}{{ if $i }}, {{ end }}{
 [volume.parameters]
 {{- range $k, $p := $v.volume.parameters }}
 {{ $k | toJson }} = {{ $p | toString | toJson }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with $v.volume.accessibilityRequirements }}
+
+[volume.accessibility_requirements]
+{{- range $list := list "requisite" "preferred" }}
+{{- with index $v.volume.accessibilityRequirements $list }}
+{{ $list }} = [{{ range $i, $t := . }}{{ if $i }}, {{ end }}{ {{ range $j, $k := keys $t | sortAlpha }}{{ if $j }}, {{ end }}{{ $k | toJson }} = {{ index $t $k | toString | toJson }}{{ end }} }{{ end }}]
 {{- end }}
 {{- end }}
 {{- end }}

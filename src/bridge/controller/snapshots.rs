@@ -658,6 +658,8 @@ impl ControllerSide {
                         revision: None,
                         integrity: None,
                         content_source: Some(source.clone()),
+                        accessible_topology: Vec::new(),
+                        node_expansion_required: false,
                     },
                     true,
                 ),
@@ -698,6 +700,7 @@ impl ControllerSide {
             csi_volume_id: volume.csi_volume_id.clone(),
             volume_context: volume.volume_context.clone(),
             controller_publish: false,
+            topology: volume.accessible_topology.clone(),
         };
         // What Create would refuse to hand to Cube is undone now, not at Create.
         let problem = if volume.capacity_bytes != 0 && volume.capacity_bytes < required {

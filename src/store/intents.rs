@@ -1,0 +1,546 @@
+//! The node's intent log: one append-only file whose single `fdatasync` makes the journal
+//! records of every Attach and Detach waiting at that moment durable together.
+//!
+//! Every save of a node record (and every removal) appends the record's exact bytes (or a
+//! removal mark) to `<journal>/intents/log` besides writing the record's own file, which
+//! is never synced. A save that must survive a power loss (before a mutating CSI call)
+//! then waits for a group commit: one `fdatasync` of the log covers every entry appended
+//! before it started, whoever appended it. Within a boot the record files are the truth
+//! (a killed process loses nothing the page cache holds); the log only speaks after a
+//! reboot. Its first line names the boot that writes it: the first process of a new boot
+//! to open the journal puts each volume's last complete entry back into its record file
+//! (what a power loss may have lost or left torn) before anything reads them, makes the
+//! files durable, and starts the log afresh for its boot. A checkpoint (each record the
+//! log names synced, then the log emptied) keeps the log short.
+//!
+//! Why that is as durable as the old `fdatasync` + rename + directory fsync of each record:
+//! docs/reliability.md, "The node intent log".
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use nix::fcntl::{Flock, FlockArg};
+
+use super::fsutil::{GroupCommit, write_atomic};
+
+/// The log is checkpointed once it passes this size (about 1,500 saves of a typical
+/// record): a reboot then replays at most this much.
+pub const CHECKPOINT_BYTES: u64 = 1 << 20;
+
+/// The first line's fixed part; the boot id follows.
+const HEADER: &str = "cube-csi-bridge node intents 1\tboot\t";
+
+/// The payload of an entry that says the volume's record was removed.
+const REMOVED: &str = "-";
+
+/// An error of the log or of the record file it was writing, with its path.
+pub type IntentError = (PathBuf, io::Error);
+
+/// Each volume's last complete entry: its record's bytes, or None when it was removed.
+type LastEntries = BTreeMap<String, Option<Vec<u8>>>;
+
+/// The intent log of one journal directory, shared by the threads of one process.
+#[derive(Debug)]
+pub struct IntentLog {
+    /// `<journal>/intents`: the log and the lock file that orders checkpoints.
+    dir: PathBuf,
+    /// The journal directory, where the record files are.
+    records: PathBuf,
+    boot_id: String,
+    /// The log, opened for appending.
+    file: Mutex<Option<Arc<File>>>,
+    commit: GroupCommit,
+    checkpoint_bytes: u64,
+}
+
+impl IntentLog {
+    /// Opens the log of the journal at `records` for a process of boot `boot_id`; if the
+    /// log was written in another boot, first puts its last entries back into the record
+    /// files (see the module doc).
+    pub fn open(records: &Path, boot_id: &str) -> Result<Self, IntentError> {
+        Self::with_checkpoint(records, boot_id, CHECKPOINT_BYTES)
+    }
+
+    pub fn with_checkpoint(
+        records: &Path,
+        boot_id: &str,
+        checkpoint_bytes: u64,
+    ) -> Result<Self, IntentError> {
+        let log = Self {
+            dir: records.join("intents"),
+            records: records.to_path_buf(),
+            boot_id: boot_id.to_string(),
+            file: Mutex::new(None),
+            commit: GroupCommit::default(),
+            checkpoint_bytes,
+        };
+        let path = log.log_path();
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&path)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // Made now, while the disk has room for its first page: the first save of
+                // a nearly full disk then needs no more than the record did before.
+                log.file()?;
+                return Ok(log);
+            }
+            Err(e) => return Err((path, e)),
+        };
+        if !log.header_is_ours(&file)? {
+            let _exclusive = log.lock(FlockArg::LockExclusive)?;
+            if !log.header_is_ours(&file)? {
+                log.recover(&file)?;
+            }
+        }
+        *log.file.lock().expect("intent log poisoned") = Some(Arc::new(file));
+        Ok(log)
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("log")
+    }
+
+    fn record_path(&self, volume_id: &str) -> PathBuf {
+        super::journal::record_path(&self.records, volume_id)
+    }
+
+    fn header(&self) -> String {
+        format!("{HEADER}{}\n", self.boot_id)
+    }
+
+    /// Appends `volume_id`'s new record (None: its removal) and, under the same shared
+    /// lock (no checkpoint between them), lets `apply` write the record file itself; with
+    /// `durable`, returns once an `fdatasync` of the log covers the entry.
+    pub fn append(
+        &self,
+        volume_id: &str,
+        record: Option<&[u8]>,
+        durable: bool,
+        apply: impl FnOnce() -> Result<(), IntentError>,
+    ) -> Result<(), IntentError> {
+        let file = self.file()?;
+        let log = self.log_path();
+        {
+            let _shared = self.lock(FlockArg::LockShared)?;
+            // One write (O_APPEND: at the end, whoever else appends). It starts with a
+            // newline, so that a torn entry before it (a full disk) ends there and this one
+            // is read on its own line.
+            if let Err(error) = (&*file).write_all(entry(volume_id, record).as_bytes()) {
+                if durable {
+                    // Nothing written yet but what the log tore: the save changed nothing.
+                    return Err((log, error));
+                }
+                // A save without fsync is not owed to a power loss: the record file alone
+                // does what it always did, and a reboot replays the entry before it.
+                tracing::warn!(log = %log.display(), %error, volume_id, "could not append to the node intent log");
+            }
+            apply()?;
+        }
+        if durable {
+            self.commit
+                .sync(|| file.sync_data())
+                .map_err(|e| (log.clone(), e))?;
+        }
+        if let Err((path, error)) = self.checkpoint_if_long(&file) {
+            tracing::warn!(path = %path.display(), %error, "could not checkpoint the node intent log; it is tried again on a later save");
+        }
+        Ok(())
+    }
+
+    /// (durable saves so far, fdatasyncs of the log they needed), for tests.
+    pub fn commit_counts(&self) -> (u64, u64) {
+        self.commit.counts()
+    }
+
+    /// The open log, made (with its header on disk) on first use.
+    fn file(&self) -> Result<Arc<File>, IntentError> {
+        let mut slot = self.file.lock().expect("intent log poisoned");
+        if let Some(file) = &*slot {
+            return Ok(file.clone());
+        }
+        crate::mount::ops::ensure_dir(&self.dir, 0o700).map_err(|e| (self.dir.clone(), e))?;
+        let path = self.log_path();
+        let _exclusive = self.lock(FlockArg::LockExclusive)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| (path.clone(), e))?;
+        let size = file.metadata().map_err(|e| (path.clone(), e))?.len();
+        if size == 0 {
+            // The log, its name and its directory's name are on disk before any entry
+            // relies on them.
+            (&file)
+                .write_all(self.header().as_bytes())
+                .and_then(|()| file.sync_data())
+                .map_err(|e| (path.clone(), e))?;
+            for dir in [&self.dir, &self.records] {
+                sync_dir(dir)?;
+            }
+        } else if !self.header_is_ours(&file)? {
+            self.recover(&file)?;
+        }
+        let file = Arc::new(file);
+        *slot = Some(file.clone());
+        Ok(file)
+    }
+
+    /// Whether the log's first line names this boot.
+    fn header_is_ours(&self, file: &File) -> Result<bool, IntentError> {
+        let header = self.header();
+        let mut first = vec![0u8; header.len()];
+        let mut read = 0;
+        while read < first.len() {
+            match file.read_at(&mut first[read..], read as u64) {
+                Ok(0) => break,
+                Ok(n) => read += n,
+                Err(e) => return Err((self.log_path(), e)),
+            }
+        }
+        Ok(read == header.len() && first == header.as_bytes())
+    }
+
+    /// A takes of the lock that orders appends (shared) before checkpoints and recoveries
+    /// (exclusive). Each take opens the lock file anew: flock belongs to an open file, and
+    /// threads of one process must not share (and release) each other's.
+    fn lock(&self, arg: FlockArg) -> Result<Flock<File>, IntentError> {
+        self.try_lock(arg)?.ok_or_else(|| {
+            (
+                self.dir.join("lock"),
+                io::Error::from(io::ErrorKind::WouldBlock),
+            )
+        })
+    }
+
+    fn try_lock(&self, arg: FlockArg) -> Result<Option<Flock<File>>, IntentError> {
+        let path = self.dir.join("lock");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| (path.clone(), e))?;
+        match Flock::lock(file, arg) {
+            Ok(lock) => Ok(Some(lock)),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+            Err((_, errno)) => Err((path, io::Error::from(errno))),
+        }
+    }
+
+    /// After a reboot (the caller holds the exclusive lock): each volume's last entry back
+    /// into its record file where the file says otherwise, the files made durable, and the
+    /// log started afresh for this boot.
+    fn recover(&self, file: &File) -> Result<(), IntentError> {
+        let path = self.log_path();
+        let text = std::fs::read(&path).map_err(|e| (path.clone(), e))?;
+        let last = last_entries(&text);
+        let mut restored = 0;
+        for (volume_id, record) in &last {
+            let record_path = self.record_path(volume_id);
+            let on_disk = std::fs::read(&record_path).ok();
+            match record {
+                Some(bytes) if on_disk.as_deref() != Some(bytes.as_slice()) => {
+                    write_atomic(&record_path, bytes, None).map_err(|e| (record_path, e))?;
+                    restored += 1;
+                }
+                None if on_disk.is_some() => {
+                    super::journal::remove_files(&self.records, volume_id)?;
+                    restored += 1;
+                }
+                _ => {}
+            }
+        }
+        if restored > 0 {
+            tracing::warn!(
+                log = %path.display(),
+                restored,
+                "the node journal lost writes in a power loss; its records were restored from the intent log"
+            );
+        }
+        self.make_durable(last.keys())?;
+        self.start_afresh(file)
+    }
+
+    /// Checkpoints a log past its size: every record it names is synced, then the log is
+    /// emptied. Skipped when another save or checkpoint holds the lock (a later save
+    /// tries again).
+    fn checkpoint_if_long(&self, file: &File) -> Result<(), IntentError> {
+        let path = self.log_path();
+        let size = |file: &File| {
+            file.metadata()
+                .map(|m| m.len())
+                .map_err(|e| (path.clone(), e))
+        };
+        if size(file)? <= self.checkpoint_bytes {
+            return Ok(());
+        }
+        let Some(_exclusive) = self.try_lock(FlockArg::LockExclusiveNonblock)? else {
+            return Ok(());
+        };
+        if size(file)? <= self.checkpoint_bytes {
+            return Ok(());
+        }
+        let text = std::fs::read(&path).map_err(|e| (path.clone(), e))?;
+        self.make_durable(last_entries(&text).keys())?;
+        self.start_afresh(file)
+    }
+
+    /// Syncs the record files of `volume_ids` that exist, then the journal directory
+    /// (their names, and the removal of the others).
+    fn make_durable<'a>(
+        &self,
+        volume_ids: impl Iterator<Item = &'a String>,
+    ) -> Result<(), IntentError> {
+        for volume_id in volume_ids {
+            let path = self.record_path(volume_id);
+            match File::open(&path) {
+                Ok(record) => record.sync_data().map_err(|e| (path, e))?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err((path, e)),
+            }
+        }
+        sync_dir(&self.records)
+    }
+
+    /// Empties the log down to this boot's header, on disk before any new entry.
+    fn start_afresh(&self, file: &File) -> Result<(), IntentError> {
+        let path = self.log_path();
+        file.set_len(0)
+            .and_then(|()| {
+                let mut file = file;
+                file.write_all(self.header().as_bytes())
+            })
+            .and_then(|()| file.sync_data())
+            .map_err(|e| (path, e))
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), IntentError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| (dir.to_path_buf(), e))
+}
+
+/// One entry: `\n<check>\t<volume id>\t<record JSON, or "-">\n`. The check (16 hex digits
+/// of the SHA-256 of what follows it) tells a complete entry from one a power loss tore.
+fn entry(volume_id: &str, record: Option<&[u8]>) -> String {
+    let payload = record.map_or(REMOVED.into(), String::from_utf8_lossy);
+    let body = format!("{volume_id}\t{payload}");
+    format!("\n{}\t{body}\n", check(&body))
+}
+
+fn check(body: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(body.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The last complete entry of each volume; the header, torn and damaged lines are passed
+/// over.
+fn last_entries(text: &[u8]) -> LastEntries {
+    let mut last = LastEntries::new();
+    for line in text.split(|b| *b == b'\n') {
+        let Ok(line) = std::str::from_utf8(line) else {
+            continue;
+        };
+        let Some((sum, body)) = line.split_once('\t') else {
+            continue;
+        };
+        if sum != check(body) {
+            continue;
+        }
+        let Some((volume_id, payload)) = body.split_once('\t') else {
+            continue;
+        };
+        // Only names the journal itself makes become paths.
+        if volume_id.is_empty()
+            || volume_id.len() > 128
+            || !volume_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            continue;
+        }
+        let record = (payload != REMOVED).then(|| payload.as_bytes().to_vec());
+        last.insert(volume_id.to_string(), record);
+    }
+    last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn save(log: &IntentLog, id: &str, bytes: &[u8], durable: bool) {
+        let path = log.record_path(id);
+        log.append(id, Some(bytes), durable, || {
+            write_atomic(&path, bytes, None).map_err(|e| (path.clone(), e))
+        })
+        .unwrap();
+    }
+
+    fn remove(log: &IntentLog, id: &str) {
+        log.append(id, None, false, || {
+            super::super::journal::remove_files(&log.records, id)
+        })
+        .unwrap();
+    }
+
+    fn read(dir: &Path, id: &str) -> Option<String> {
+        std::fs::read_to_string(dir.join(format!("{id}.json"))).ok()
+    }
+
+    /// What a power loss may leave (each record file lost, stale or torn) is put back from
+    /// the log by the first open of the next boot: every volume's last entry, removals
+    /// included; a torn last entry is passed over; the log then starts afresh.
+    #[test]
+    fn the_next_boot_restores_what_a_power_loss_took_from_the_record_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let log = IntentLog::open(dir, "boot-1").unwrap();
+        save(&log, "lost", br#"{"v":1}"#, true);
+        save(&log, "stale", br#"{"v":1}"#, true);
+        save(&log, "stale", br#"{"v":2}"#, false);
+        save(&log, "torn", br#"{"v":1}"#, true);
+        save(&log, "gone", br#"{"v":1}"#, true);
+        remove(&log, "gone");
+        save(&log, "kept", br#"{"v":1}"#, true);
+        drop(log);
+        // The power loss: one file never reached the disk, one has its old content, one
+        // is torn, a removal was lost, and the log's own last entry is torn.
+        std::fs::remove_file(dir.join("lost.json")).unwrap();
+        std::fs::write(dir.join("stale.json"), br#"{"v":1}"#).unwrap();
+        std::fs::write(dir.join("torn.json"), b"").unwrap();
+        std::fs::write(dir.join("gone.json"), br#"{"v":1}"#).unwrap();
+        let log_path = dir.join("intents/log");
+        let mut torn = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log_path)
+            .unwrap();
+        let last = entry("kept", Some(br#"{"v":2}"#));
+        torn.write_all(&last.as_bytes()[..last.len() - 4]).unwrap();
+
+        // The same boot trusts its record files: nothing is replayed.
+        IntentLog::open(dir, "boot-1").unwrap();
+        assert_eq!(read(dir, "lost"), None);
+
+        let log = IntentLog::open(dir, "boot-2").unwrap();
+        assert_eq!(read(dir, "lost").as_deref(), Some(r#"{"v":1}"#));
+        assert_eq!(read(dir, "stale").as_deref(), Some(r#"{"v":2}"#));
+        assert_eq!(read(dir, "torn").as_deref(), Some(r#"{"v":1}"#));
+        assert_eq!(read(dir, "gone"), None);
+        assert_eq!(read(dir, "kept").as_deref(), Some(r#"{"v":1}"#));
+        assert_eq!(
+            std::fs::read_to_string(&log_path).unwrap(),
+            format!("{HEADER}boot-2\n")
+        );
+        // The new boot's saves go on in the fresh log.
+        save(&log, "new", br#"{"v":1}"#, true);
+        drop(log);
+        std::fs::remove_file(dir.join("new.json")).unwrap();
+        IntentLog::open(dir, "boot-3").unwrap();
+        assert_eq!(read(dir, "new").as_deref(), Some(r#"{"v":1}"#));
+    }
+
+    /// The first open makes the log, with its header; saves append to it.
+    #[test]
+    fn the_log_is_made_by_the_first_open() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = IntentLog::open(tmp.path(), "b").unwrap();
+        let path = tmp.path().join("intents/log");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            format!("{HEADER}b\n")
+        );
+        save(&log, "v", b"{}", false);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with(&format!("{HEADER}b\n")), "{text:?}");
+        assert_eq!(last_entries(text.as_bytes()).len(), 1);
+    }
+
+    /// Durable saves of many threads at once share the log's fdatasyncs; every one is in
+    /// the log.
+    #[test]
+    fn concurrent_durable_saves_share_fdatasyncs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = Arc::new(IntentLog::open(tmp.path(), "b").unwrap());
+        let threads: Vec<_> = (0..32)
+            .map(|i| {
+                let log = log.clone();
+                std::thread::spawn(move || save(&log, &format!("v{i}"), b"{}", true))
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let (saves, syncs) = log.commit_counts();
+        assert_eq!(saves, 32);
+        assert!((1..=32).contains(&syncs), "{syncs}");
+        let text = std::fs::read(tmp.path().join("intents/log")).unwrap();
+        assert_eq!(last_entries(&text).len(), 32);
+    }
+
+    /// A log past its size is emptied once the records it names are synced; what it held
+    /// is then in the record files, and a reboot changes nothing.
+    #[test]
+    fn a_long_log_is_checkpointed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let log = IntentLog::with_checkpoint(dir, "b", 600).unwrap();
+        let log_path = dir.join("intents/log");
+        for i in 0..40 {
+            save(
+                &log,
+                &format!("v{}", i % 5),
+                format!("{{\"n\":{i}}}").as_bytes(),
+                true,
+            );
+            assert!(std::fs::metadata(&log_path).unwrap().len() <= 600 + 80);
+        }
+        remove(&log, "v0");
+        drop(log);
+        IntentLog::open(dir, "b2").unwrap();
+        assert_eq!(read(dir, "v0"), None);
+        for i in 1..5 {
+            assert_eq!(
+                read(dir, &format!("v{i}")),
+                Some(format!("{{\"n\":{}}}", 35 + i))
+            );
+        }
+    }
+
+    /// Entries are read back exactly; a damaged one, or one whose volume id is not a
+    /// name the journal makes, is passed over.
+    #[test]
+    fn damaged_entries_and_foreign_names_are_passed_over() {
+        let good = entry("v-1_a", Some(br#"{"a":"b\tc"}"#));
+        let removed = entry("v", None);
+        let mut damaged = entry("w", Some(b"{}")).into_bytes();
+        damaged[5] ^= 1;
+        let foreign = {
+            let body = "../x\t{}";
+            format!("\n{}\t{body}\n", check(body))
+        };
+        let mut text = format!("{HEADER}b\n{good}{removed}").into_bytes();
+        text.extend_from_slice(&damaged);
+        text.extend_from_slice(foreign.as_bytes());
+        text.extend_from_slice(b"\0\0\0\0");
+        let last = last_entries(&text);
+        assert_eq!(
+            last,
+            LastEntries::from([
+                ("v-1_a".to_string(), Some(br#"{"a":"b\tc"}"#.to_vec())),
+                ("v".to_string(), None),
+            ])
+        );
+    }
+}
