@@ -322,7 +322,11 @@ async fn single_node_writer_modes_reach_the_driver_when_it_has_the_capability() 
         assert_eq!(modes, [wire, wire, wire], "{mode}");
         w.detach("s1", "v", 0, &attached.metadata).await.unwrap();
 
-        let mut w = World::start(Mode::Binary, Caps::staging(), &volume).await;
+        let without = Caps {
+            single_node_multi_writer: false,
+            ..Caps::staging()
+        };
+        let mut w = World::start(Mode::Binary, without, &volume).await;
         refused_at_start(
             &mut w,
             &[
