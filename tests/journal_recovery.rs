@@ -235,8 +235,15 @@ fn fill(dir: &Path, free_pages: u64) -> PathBuf {
 async fn an_attach_whose_last_save_fails_on_a_full_disk_is_rolled_back_before_it_answers() {
     require_root!();
     for mode in MODES {
-        // Started as a binary world so that the daemon (rpc) starts on the tmpfs.
-        let mut w = World::start(Mode::Binary, Caps::staging(), "").await;
+        // Started as a binary world so that the daemon (rpc) starts on the tmpfs. The
+        // forked workers log outside it: a line an earlier hook's worker writes after the
+        // disk is filled would take the one free page the test leaves (by default their
+        // log is a file of the state dir).
+        let mut w = World::start_with_config(Mode::Binary, Caps::staging(), "", |text| {
+            let outside = format!("{}/../worker.log", common::state_dir(&text));
+            common::with_worker_log_at(text, &outside)
+        })
+        .await;
         let state = w.dir.path().join("state");
         std::fs::create_dir_all(&state).unwrap();
         nix::mount::mount(

@@ -476,19 +476,28 @@ impl World {
 
 /// The World's config with the forked workers' log in a file of its state dir.
 pub fn with_worker_log(text: String) -> String {
-    let dir = text
-        .lines()
+    let file = format!("{}/worker.log", state_dir(&text));
+    with_worker_log_at(text, &file)
+}
+
+/// The World's config with the forked workers' log in `file`.
+pub fn with_worker_log_at(text: String, file: &str) -> String {
+    text.replacen(
+        "[state]\n",
+        &format!("[state]\nworker_log = \"{file}\"\n"),
+        1,
+    )
+}
+
+/// The state dir a World's config names.
+pub fn state_dir(text: &str) -> String {
+    text.lines()
         .find_map(|l| {
             l.strip_prefix("dir = \"")?
                 .strip_suffix('"')
                 .map(str::to_string)
         })
-        .expect("the World's config names its state dir");
-    text.replacen(
-        "[state]\n",
-        &format!("[state]\nworker_log = \"{dir}/worker.log\"\n"),
-        1,
-    )
+        .expect("the World's config names its state dir")
 }
 
 /// The children of process `pid` (a forked hook's front: its worker, once forked).
