@@ -83,6 +83,16 @@ fn not_found(error: &DriverError) -> bool {
     error.grpc_code == Code::NotFound as i32
 }
 
+/// The answer of a delete or an unpublish, where NOT_FOUND says there is nothing left to
+/// undo, which is the success the call was for (CSI spec).
+fn absent_is_done<T>(answer: Result<T, DriverError>) -> Result<(), DriverError> {
+    match answer {
+        Ok(_) => Ok(()),
+        Err(e) if not_found(&e) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// The VolumeCapability of `c`; `mount_group` (NodeStage and NodePublish only) becomes
 /// its `volume_mount_group`.
 fn capability(c: &Capability, mount_group: Option<u32>) -> csi::VolumeCapability {
@@ -308,17 +318,12 @@ impl ControllerDriver for GrpcDriver {
             volume_id: csi_volume_id.to_string(),
             secrets: secrets(secrets_),
         };
-        match self
-            .client
-            .delete_volume(request, deadline, &Redactions::of(secrets_, None))
-            .await
-        {
-            Ok(_) => Ok(()),
-            // DeleteVolume of an unknown volume must succeed (CSI spec); some drivers
-            // answer NOT_FOUND anyway.
-            Err(e) if not_found(&e) => Ok(()),
-            Err(e) => Err(e),
-        }
+        // DeleteVolume of an unknown volume must succeed; some drivers answer NOT_FOUND.
+        absent_is_done(
+            self.client
+                .delete_volume(request, deadline, &Redactions::of(secrets_, None))
+                .await,
+        )
     }
 
     async fn publish(
@@ -357,16 +362,12 @@ impl ControllerDriver for GrpcDriver {
             node_id: node_id.to_string(),
             secrets: secrets(secrets_),
         };
-        match self
-            .client
-            .controller_unpublish_volume(request, deadline, &Redactions::of(secrets_, None))
-            .await
-        {
-            Ok(_) => Ok(()),
-            // Not attached, or the volume is gone: nothing to undo (CSI spec).
-            Err(e) if not_found(&e) => Ok(()),
-            Err(e) => Err(e),
-        }
+        // Not attached, or the volume is gone: nothing to undo.
+        absent_is_done(
+            self.client
+                .controller_unpublish_volume(request, deadline, &Redactions::of(secrets_, None))
+                .await,
+        )
     }
 
     async fn create_snapshot(
@@ -406,16 +407,12 @@ impl ControllerDriver for GrpcDriver {
             snapshot_id: csi_snapshot_id.to_string(),
             secrets: secrets(secrets_),
         };
-        match self
-            .client
-            .delete_snapshot(request, deadline, &Redactions::of(secrets_, None))
-            .await
-        {
-            Ok(_) => Ok(()),
-            // Deleting an unknown snapshot must succeed (CSI spec).
-            Err(e) if not_found(&e) => Ok(()),
-            Err(e) => Err(e),
-        }
+        // Deleting an unknown snapshot must succeed.
+        absent_is_done(
+            self.client
+                .delete_snapshot(request, deadline, &Redactions::of(secrets_, None))
+                .await,
+        )
     }
 
     async fn get_snapshot(
