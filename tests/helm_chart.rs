@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use cube_csi_bridge::config::{Config, Roles};
+use cube_csi_bridge::config::{Config, ControllerStoreKind, Roles};
 use cube_csi_bridge::csi::Endpoint;
 
 const K8S_BIN_ENV: &str = "CUBE_CSI_BRIDGE_K8S_BIN";
@@ -654,9 +654,19 @@ fn only_the_bridge_gets_a_service_account_token() {
     let helm = require_helm!();
     let token_dir = "/var/run/secrets/kubernetes.io/serviceaccount";
     // (values, whether the node side uses the API)
-    let setups: [(&[&str], bool); 3] = [
+    let setups: [(&[&str], bool); 4] = [
         (&[], true),
-        (&["--set", "kubernetes.storageClass="], false),
+        // Following recorded expansions alone needs the API (CubeVolumes).
+        (&["--set", "kubernetes.storageClass="], true),
+        (
+            &[
+                "--set",
+                "kubernetes.storageClass=",
+                "--set",
+                "node.followExpansions=false",
+            ],
+            false,
+        ),
         (&["-f", &example("values-hostpath.yaml")], true),
     ];
     for (values, node_uses_api) in setups {
@@ -691,6 +701,81 @@ fn only_the_bridge_gets_a_service_account_token() {
                         .iter()
                         .any(|s| s["serviceAccountToken"]["path"] == "token"),
                     "{what}"
+                );
+            }
+        }
+    }
+}
+
+/// The node side grows what `cube-csi-bridge expand` recorded in a CubeVolume (issue 21,
+/// part 1): by default its config reads the CubeVolume store and its ServiceAccount may `get`
+/// CubeVolumes, nothing more (no list, no write, no Secret); with node.followExpansions=false
+/// it keeps the embedded store's (unused) default and gets no such Role.
+#[test]
+fn the_node_side_follows_recorded_expansions_with_get_only() {
+    let helm = require_helm!();
+    let node_sa = format!("{RELEASE}-node");
+    let role_name = format!("{RELEASE}-node-cubevolumes");
+    for (values, follows) in [
+        (vec![], true),
+        (vec!["--set", "kubernetes.storageClass="], true),
+        (vec!["--set", "node.followExpansions=false"], false),
+    ] {
+        let rendered = helm.render(&values);
+        let node_toml = block_scalar(&rendered, "node.toml").expect("node.toml");
+        let config = Config::parse(&node_toml, Path::new("node.toml")).unwrap();
+        assert_eq!(config.serve.roles, Roles::NODE, "{values:?}");
+        assert_eq!(
+            config.state.controller_store,
+            if follows {
+                ControllerStoreKind::Kubernetes
+            } else {
+                ControllerStoreKind::Embedded
+            },
+            "{values:?}: node.toml\n{node_toml}"
+        );
+        assert!(node_toml.contains("[kubernetes]") || !follows, "{values:?}");
+        // The key that signs records never reaches the node side.
+        assert!(!node_toml.contains("record_key"), "{values:?}\n{node_toml}");
+        let objects = manifests(&rendered);
+        let role = objects
+            .iter()
+            .find(|o| o["kind"] == "Role" && o["metadata"]["name"] == role_name.as_str());
+        let binding = objects
+            .iter()
+            .find(|o| o["kind"] == "RoleBinding" && o["metadata"]["name"] == role_name.as_str());
+        assert_eq!(role.is_some(), follows, "{values:?}");
+        assert_eq!(binding.is_some(), follows, "{values:?}");
+        if let (Some(role), Some(binding)) = (role, binding) {
+            assert_eq!(
+                role["rules"],
+                serde_json::json!([{
+                    "apiGroups": ["csibridge.cubesandbox.io"],
+                    "resources": ["cubevolumes"],
+                    "verbs": ["get"],
+                }]),
+                "{values:?}"
+            );
+            assert_eq!(binding["subjects"][0]["name"], node_sa.as_str());
+            assert_eq!(binding["roleRef"]["name"], role_name.as_str());
+        }
+        // No other Role or ClusterRole binds the node account to CubeVolumes.
+        for other in objects.iter().filter(|o| {
+            matches!(
+                o["kind"].as_str(),
+                Some("RoleBinding" | "ClusterRoleBinding")
+            ) && o["metadata"]["name"] != role_name.as_str()
+        }) {
+            let bound_to_node = other["subjects"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| s["name"] == node_sa.as_str());
+            if bound_to_node {
+                let role_ref = other["roleRef"]["name"].as_str().unwrap();
+                assert!(
+                    !role_ref.ends_with("-cubevolumes"),
+                    "{values:?}: {role_ref}"
                 );
             }
         }

@@ -1144,7 +1144,6 @@ async fn expand_records_the_capacity_and_the_node_daemon_follows_it() {
         NAMESPACE,
         &serde_json::json!({
             "driver": "mock",
-            "node": {"enabled": false},
             "kubernetes": {
                 "storageClass": "mock-expand",
                 "secrets": [{"namespace": "default", "names": ["prov-creds"]}],
@@ -1172,8 +1171,16 @@ async fn expand_records_the_capacity_and_the_node_daemon_follows_it() {
         ],
     )
     .await;
-    let account = chart_service_account(&admin, RELEASE, "controller").await;
-    let kubeconfig = api.service_account_kubeconfig(NAMESPACE, &account).await;
+    // Each bridge as the chart's ServiceAccount of its side: the node daemon reads the
+    // CubeVolume with the node account's `get`, the only CubeVolume access it has.
+    let mut kubeconfigs = BTreeMap::new();
+    for side in ["controller", "node"] {
+        let account = chart_service_account(&admin, RELEASE, side).await;
+        kubeconfigs.insert(
+            side,
+            api.service_account_kubeconfig(NAMESPACE, &account).await,
+        );
+    }
     let mock = MockDriver::start(
         &peers,
         api.dir.path(),
@@ -1184,7 +1191,7 @@ async fn expand_records_the_capacity_and_the_node_daemon_follows_it() {
         },
     );
     let bridge = |services: &'static str| {
-        let (kubeconfig, socket) = (kubeconfig.clone(), mock.socket.clone());
+        let (kubeconfig, socket) = (kubeconfigs[services].clone(), mock.socket.clone());
         World::start_with_config(Mode::Rpc, Caps::default(), "", move |text| {
             let text = text
                 .replacen("driver = \"fake\"", "driver = \"mock\"", 1)

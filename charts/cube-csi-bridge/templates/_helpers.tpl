@@ -69,9 +69,14 @@ csibridge.cubesandbox.io/driver: {{ regexReplaceAll "[-._]+$" .Values.driver "" 
 {{- if and .Values.node.enabled (eq .Values.node.services "both") }}true{{ end }}
 {{- end }}
 
+{{/* "true" when the node side reads CubeVolumes to grow what `expand` recorded. */}}
+{{- define "cube-csi-bridge.nodeFollowsExpansions" -}}
+{{- if and .Values.node.enabled .Values.node.followExpansions }}true{{ end }}
+{{- end }}
+
 {{/* "true" when the node side talks to the Kubernetes API. */}}
 {{- define "cube-csi-bridge.nodeUsesApi" -}}
-{{- if and .Values.node.enabled (or .Values.kubernetes.storageClass (include "cube-csi-bridge.nodeServesController" .)) }}true{{ end }}
+{{- if and .Values.node.enabled (or .Values.kubernetes.storageClass (include "cube-csi-bridge.nodeServesController" .) (include "cube-csi-bridge.nodeFollowsExpansions" .)) }}true{{ end }}
 {{- end }}
 
 {{/* The socket CubeMaster registers, or nothing when no side serves Create/Destroy. */}}
@@ -143,7 +148,7 @@ shutdown_grace_secs = {{ int64 $v.shutdownGraceSecs }}
 [state]
 dir = {{ printf "%s/%s" (trimSuffix "/" $v.stateDir) $instance | toJson }}
 lock_dir = {{ printf "%s/%s/locks" (trimSuffix "/" $v.socketDir) $instance | toJson }}
-{{- if $serveController }}
+{{- if or $serveController (and (eq $side "node") (include "cube-csi-bridge.nodeFollowsExpansions" .root)) }}
 controller_store = "kubernetes"
 {{- end }}
 
