@@ -275,7 +275,7 @@ pub struct KeyFit {
 }
 
 impl KeyFit {
-    /// Tallies `records` (each with where it is) against `key`.
+    /// Tallies volume `records` (each with where it is) against `key`.
     pub fn tally<'a>(
         key: &RecordKey,
         driver: &str,
@@ -283,18 +283,48 @@ impl KeyFit {
     ) -> Self {
         let mut fit = Self::default();
         for (record, place) in records {
-            match key.verify(driver, record) {
-                Verdict::Valid => fit.valid += 1,
-                Verdict::Unsigned => fit.unsigned += 1,
-                Verdict::Mismatch => {
-                    fit.mismatched_count += 1;
-                    if fit.mismatched.len() < 5 {
-                        fit.mismatched.push(place);
-                    }
+            fit.count(key.verify(driver, record), place);
+        }
+        fit
+    }
+
+    /// Tallies snapshot `records` (each with where it is) against `key`.
+    pub fn tally_snapshots<'a>(
+        key: &RecordKey,
+        driver: &str,
+        records: impl IntoIterator<Item = (&'a SnapshotRecord, String)>,
+    ) -> Self {
+        let mut fit = Self::default();
+        for (record, place) in records {
+            fit.count(key.verify_snapshot(driver, record), place);
+        }
+        fit
+    }
+
+    fn count(&mut self, verdict: Verdict, place: String) {
+        match verdict {
+            Verdict::Valid => self.valid += 1,
+            Verdict::Unsigned => self.unsigned += 1,
+            Verdict::Mismatch => {
+                self.mismatched_count += 1;
+                if self.mismatched.len() < 5 {
+                    self.mismatched.push(place);
                 }
             }
         }
-        fit
+    }
+
+    /// Both tallies as one: a key judged by every record it should have signed.
+    pub fn and(mut self, other: &Self) -> Self {
+        self.valid += other.valid;
+        self.unsigned += other.unsigned;
+        self.mismatched_count += other.mismatched_count;
+        for place in &other.mismatched {
+            if self.mismatched.len() < 5 {
+                self.mismatched.push(place.clone());
+            }
+        }
+        self
     }
 
     /// Signed records exist and the key made none of their MACs: it is not the key they
