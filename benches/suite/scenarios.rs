@@ -910,6 +910,8 @@ fn store_rows(store: &str, small: &Pairs, big: &Pairs) -> Vec<Row> {
 /// 10,000 volumes stored and 1,000 attached (first Attaches through the fake driver's
 /// bind mounts, detached again afterwards).
 fn store(world: &World) -> anyhow::Result<Vec<Row>> {
+    /// Creates at once in the create-storm figure.
+    const STORM: usize = 64;
     const SMALL: usize = 100;
     const BIG: usize = 10_000;
     const ATTACHED: usize = 1_000;
@@ -934,6 +936,43 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         "cd-small",
         s.create_destroy_pairs,
     )?);
+
+    // Issue 20: a Create against the same CreateVolume made directly, one at a time and
+    // as a storm of 64 at once (interleaved with the bridge's, round by round).
+    let direct = DirectCsi {
+        socket: socket.clone(),
+        access_mode: AccessMode::MultiNodeMultiWriter,
+        capacity_bytes: 0,
+        stage: true,
+    };
+    let (direct_create, _) = direct.create_delete("direct-cd", s.create_destroy_pairs)?;
+    let (mut storm_walls, mut direct_storm_walls) = (Vec::new(), Vec::new());
+    for round in 0..s.rounds {
+        let ids: Vec<String> = (0..STORM)
+            .map(|i| format!("storm-{round}-{i:02}"))
+            .collect();
+        storm_walls.push(
+            runner
+                .run(
+                    &format!("{STORM} creates round {round}"),
+                    &via,
+                    STORM,
+                    &creates(ids.clone()),
+                )?
+                .wall_ns,
+        );
+        let destroys: Vec<Call> = ids.iter().map(|id| Call::destroy(id)).collect();
+        runner.run(
+            &format!("{STORM} destroys round {round}"),
+            &via,
+            8,
+            &destroys,
+        )?;
+        let direct_ids: Vec<String> = (0..STORM)
+            .map(|i| format!("direct-storm-{round}-{i:02}"))
+            .collect();
+        direct_storm_walls.push(direct.creates_at_once(&direct_ids)?.as_nanos() as i64);
+    }
 
     // To 10,000 records (see seed.rs), plus one that the bridge then Destroys: proof
     // that it reads the added records.
@@ -977,6 +1016,42 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
     runner.run("detach 1,000", &via, 8, &detaches)?;
 
     let mut rows = store_rows("embedded", &small, &big);
+    let (one, one_direct) = (
+        Summary::of_ns(&small.attach),
+        Summary::of_ns(&direct_create),
+    );
+    rows.push(Row::judged(
+        "Create, embedded store (100 stored), one at a time, fake driver at 0 ms — median",
+        shown(&one),
+        format!("CreateVolume direct: {}", shown(&one_direct)),
+        ms(one.median),
+        ms(one_direct.median),
+        Target::Plus(1.0),
+        "ms",
+    ));
+    let (storm, storm_direct) = (
+        Summary::of_ns(&storm_walls),
+        Summary::of_ns(&direct_storm_walls),
+    );
+    let max = |v: &[i64]| Duration::from_nanos(v.iter().max().copied().unwrap_or_default() as u64);
+    rows.push(Row::judged(
+        format!("{STORM} Creates at once (CubeMaster create storm), embedded store: total wall"),
+        format!(
+            "{} (max {}, {} rounds)",
+            fmt_duration(storm.median),
+            fmt_duration(max(&storm_walls)),
+            storm_walls.len()
+        ),
+        format!(
+            "the same {STORM} CreateVolume directly on the driver at once: {} (max {})",
+            fmt_duration(storm_direct.median),
+            fmt_duration(max(&direct_storm_walls))
+        ),
+        ms(storm.median),
+        ms(storm_direct.median),
+        Target::Ratio(1.5),
+        "ms",
+    ));
     let mib = |kib: u64| kib as f64 / 1024.0;
     rows.push(Row::judged(
         "daemon resident memory, idle (VmRSS)",

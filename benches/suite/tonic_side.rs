@@ -282,6 +282,47 @@ impl DirectCsi {
         })
     }
 
+    /// `n` × (CreateVolume, DeleteVolume) of fresh names, each call timed on its own: the
+    /// driver's own cost of a Create and a Destroy. Returns (create, delete) samples in ns.
+    pub fn create_delete(&self, prefix: &str, n: usize) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+        client_runtime().block_on(async {
+            let channel = unix_channel(&self.socket).await?;
+            let (mut create, mut delete) = (Vec::with_capacity(n), Vec::with_capacity(n));
+            for i in 0..n {
+                let t = Instant::now();
+                let volume = self.create(&channel, &format!("{prefix}-{i:05}")).await?;
+                create.push(t.elapsed().as_nanos() as i64);
+                let t = Instant::now();
+                self.delete(&channel, volume).await?;
+                delete.push(t.elapsed().as_nanos() as i64);
+            }
+            Ok((create, delete))
+        })
+    }
+
+    /// CreateVolume of every name at once over one channel (a CubeMaster create storm made
+    /// directly on the driver): the wall time; the volumes are deleted afterwards, untimed.
+    pub fn creates_at_once(&self, names: &[String]) -> anyhow::Result<Duration> {
+        client_runtime().block_on(async {
+            let channel = unix_channel(&self.socket).await?;
+            let mut tasks = tokio::task::JoinSet::new();
+            let started = Instant::now();
+            for name in names {
+                let (this, channel, name) = (self.clone(), channel.clone(), name.clone());
+                tasks.spawn(async move { this.create(&channel, &name).await });
+            }
+            let mut volumes = Vec::with_capacity(names.len());
+            while let Some(done) = tasks.join_next().await {
+                volumes.push(done??);
+            }
+            let wall = started.elapsed();
+            for volume in volumes {
+                self.delete(&channel, volume).await?;
+            }
+            Ok(wall)
+        })
+    }
+
     /// The driver's own cost of the concurrent figure: NodeStage + NodePublish of every
     /// name at once over one channel (as the bridge's client multiplexes them), then the
     /// reverse. Returns the two wall times.
