@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::fsutil::lock_exclusive_within;
+use super::fsutil::{Turnstile, lock_exclusive_within};
 use crate::bridge::ports::{ControllerStore, SnapshotStore, StoreError};
 use crate::bridge::records::{SnapshotRecord, VolumeRecord};
 
@@ -36,6 +36,8 @@ const LOCK_WAIT: Duration = Duration::from_secs(10);
 pub struct EmbeddedStore {
     path: PathBuf,
     lock_path: PathBuf,
+    /// This process's callers queue here before the file lock (see `Turnstile`).
+    turnstile: Turnstile,
 }
 
 impl EmbeddedStore {
@@ -44,6 +46,7 @@ impl EmbeddedStore {
         let store = Self {
             path: path.to_path_buf(),
             lock_path: path.with_extension("lock"),
+            turnstile: Turnstile::default(),
         };
         if let Some(dir) = path.parent() {
             crate::mount::ops::ensure_dir(dir, 0o700).map_err(|e| store.err(e))?;
@@ -70,8 +73,22 @@ impl EmbeddedStore {
         &self,
         f: impl FnOnce(&redb::Database) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        let until = std::time::Instant::now() + LOCK_WAIT;
+        let _pass = self
+            .turnstile
+            .enter_within(LOCK_WAIT)
+            .map_err(|e| StoreError::Backend {
+                store: self.path.display().to_string(),
+                action: format!(
+                    "waiting for this process's other use of {}",
+                    self.path.display()
+                ),
+                transient: true,
+                source: e.into(),
+            })?;
+        let left = until.saturating_duration_since(std::time::Instant::now());
         let _lock =
-            lock_exclusive_within(&self.lock_path, LOCK_WAIT).map_err(|e| StoreError::Backend {
+            lock_exclusive_within(&self.lock_path, left).map_err(|e| StoreError::Backend {
                 store: self.path.display().to_string(),
                 action: format!("locking {}", self.lock_path.display()),
                 transient: e.kind() == std::io::ErrorKind::TimedOut,
