@@ -809,14 +809,6 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
         Summary::of_ns(&single.detach),
         Summary::of_ns(&detach_walls),
     );
-    let spread = |v: &[i64]| {
-        let max = v.iter().max().copied().unwrap_or_default();
-        format!(
-            "(max {}, {} rounds)",
-            fmt_duration(Duration::from_nanos(max as u64)),
-            v.len()
-        )
-    };
     Ok(vec![
         Row::judged(
             "256 first Attaches on 256 volumes at once, fake driver at 10 ms per call: total wall",
@@ -863,6 +855,16 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
             "ms",
         ),
     ])
+}
+
+/// "(max …, N rounds)" of a figure's wall times (ns), beside its median.
+fn spread(walls: &[i64]) -> String {
+    let max = walls.iter().max().copied().unwrap_or_default();
+    format!(
+        "(max {}, {} rounds)",
+        fmt_duration(Duration::from_nanos(max as u64)),
+        walls.len()
+    )
 }
 
 /// Create + Destroy pairs on fresh volumes; returns (create, destroy) samples.
@@ -1033,19 +1035,13 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         Summary::of_ns(&storm_walls),
         Summary::of_ns(&direct_storm_walls),
     );
-    let max = |v: &[i64]| Duration::from_nanos(v.iter().max().copied().unwrap_or_default() as u64);
     rows.push(Row::judged(
         format!("{STORM} Creates at once (CubeMaster create storm), embedded store: total wall"),
+        format!("{} {}", fmt_duration(storm.median), spread(&storm_walls)),
         format!(
-            "{} (max {}, {} rounds)",
-            fmt_duration(storm.median),
-            fmt_duration(max(&storm_walls)),
-            storm_walls.len()
-        ),
-        format!(
-            "the same {STORM} CreateVolume directly on the driver at once: {} (max {})",
+            "the same {STORM} CreateVolume directly on the driver at once: {} {}",
             fmt_duration(storm_direct.median),
-            fmt_duration(max(&direct_storm_walls))
+            spread(&direct_storm_walls)
         ),
         ms(storm.median),
         ms(storm_direct.median),

@@ -281,11 +281,11 @@ impl KeyFit {
         driver: &str,
         records: impl IntoIterator<Item = (&'a VolumeRecord, String)>,
     ) -> Self {
-        let mut fit = Self::default();
-        for (record, place) in records {
-            fit.count(key.verify(driver, record), place);
-        }
-        fit
+        Self::of(
+            records
+                .into_iter()
+                .map(|(record, place)| (key.verify(driver, record), place)),
+        )
     }
 
     /// Tallies snapshot `records` (each with where it is) against `key`.
@@ -294,24 +294,28 @@ impl KeyFit {
         driver: &str,
         records: impl IntoIterator<Item = (&'a SnapshotRecord, String)>,
     ) -> Self {
-        let mut fit = Self::default();
-        for (record, place) in records {
-            fit.count(key.verify_snapshot(driver, record), place);
-        }
-        fit
+        Self::of(
+            records
+                .into_iter()
+                .map(|(record, place)| (key.verify_snapshot(driver, record), place)),
+        )
     }
 
-    fn count(&mut self, verdict: Verdict, place: String) {
-        match verdict {
-            Verdict::Valid => self.valid += 1,
-            Verdict::Unsigned => self.unsigned += 1,
-            Verdict::Mismatch => {
-                self.mismatched_count += 1;
-                if self.mismatched.len() < 5 {
-                    self.mismatched.push(place);
+    fn of(verdicts: impl IntoIterator<Item = (Verdict, String)>) -> Self {
+        let mut fit = Self::default();
+        for (verdict, place) in verdicts {
+            match verdict {
+                Verdict::Valid => fit.valid += 1,
+                Verdict::Unsigned => fit.unsigned += 1,
+                Verdict::Mismatch => {
+                    fit.mismatched_count += 1;
+                    if fit.mismatched.len() < 5 {
+                        fit.mismatched.push(place);
+                    }
                 }
             }
         }
+        fit
     }
 
     /// Both tallies as one: a key judged by every record it should have signed.

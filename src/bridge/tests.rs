@@ -3006,12 +3006,7 @@ async fn a_lost_key_is_not_replaced_while_signed_records_exist() {
     );
     w.fake.clear_calls();
     // A fresh process (the running one keeps the key it read).
-    let restarted = sides(
-        &config_of(&w, ""),
-        &w.fake,
-        w.store.clone(),
-        Roles::CONTROLLER,
-    );
+    let restarted = restarted_controller(&w);
     for volume in ["planted", "mine"] {
         let err = restarted
             .destroy(destroy_req(volume))
@@ -3122,6 +3117,17 @@ async fn a_record_signed_under_another_key_is_never_re_signed() {
     assert!(w.backend_volumes().contains_key("cube-victim"));
 }
 
+/// The controller side of a daemon restarted over `w`'s store and state (its record key
+/// file included), with the default config.
+fn restarted_controller(w: &World) -> Bridge {
+    sides(
+        &config_of(w, ""),
+        &w.fake,
+        w.store.clone(),
+        Roles::CONTROLLER,
+    )
+}
+
 #[tokio::test]
 async fn a_key_that_made_none_of_the_signed_records_is_refused_at_start() {
     let w = World::new(Fake::new(false, false));
@@ -3130,12 +3136,7 @@ async fn a_key_that_made_none_of_the_signed_records_is_refused_at_start() {
     // The key file replaced (by whoever could): every signed record fails under it.
     let key_file = w.dir.path().join("state/record.key");
     std::fs::write(&key_file, format!("{}\n", "ab".repeat(32))).unwrap();
-    let restarted = sides(
-        &config_of(&w, ""),
-        &w.fake,
-        w.store.clone(),
-        Roles::CONTROLLER,
-    );
+    let restarted = restarted_controller(&w);
     let err = restarted
         .check(&Deadline::after(Duration::from_secs(10)))
         .await
@@ -3153,12 +3154,7 @@ async fn a_key_that_made_none_of_the_signed_records_is_refused_at_start() {
     w.create("a").await.unwrap();
     w.create("b").await.unwrap();
     w.edit_record("b", |r| r.csi_volume_id = Some("elsewhere".into()));
-    let restarted = sides(
-        &config_of(&w, ""),
-        &w.fake,
-        w.store.clone(),
-        Roles::CONTROLLER,
-    );
+    let restarted = restarted_controller(&w);
     restarted
         .check(&Deadline::after(Duration::from_secs(10)))
         .await
@@ -3178,12 +3174,7 @@ async fn a_key_that_made_none_of_the_snapshot_records_is_refused_at_start() {
     assert!(w.stored("v").is_none());
     let key_file = w.dir.path().join("state/record.key");
     std::fs::write(&key_file, format!("{}\n", "cd".repeat(32))).unwrap();
-    let restarted = sides(
-        &config_of(&w, ""),
-        &w.fake,
-        w.store.clone(),
-        Roles::CONTROLLER,
-    );
+    let restarted = restarted_controller(&w);
     let err = restarted
         .check(&Deadline::after(Duration::from_secs(10)))
         .await
@@ -3207,12 +3198,7 @@ async fn a_key_that_made_none_of_the_snapshot_records_is_refused_at_start() {
         .get_mut("s1")
         .unwrap()
         .csi_snapshot_id = Some("someone-elses".into());
-    let restarted = sides(
-        &config_of(&w, ""),
-        &w.fake,
-        w.store.clone(),
-        Roles::CONTROLLER,
-    );
+    let restarted = restarted_controller(&w);
     restarted
         .check(&Deadline::after(Duration::from_secs(10)))
         .await
