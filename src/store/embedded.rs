@@ -1,17 +1,24 @@
 //! The embedded controller store: one redb file on the controller host.
 //!
 //! redb allows one open handle per file, and the binary hook forks a process per call, so
-//! every operation takes an exclusive flock on a side lock file (waiting at most
-//! `LOCK_WAIT`), opens the database, does one transaction and closes it again.
+//! the file is opened under an exclusive flock on a side lock file (waited for at most
+//! `LOCK_WAIT`) and closed again when this process's callers are done with it. Callers of
+//! one process that overlap share the open file (`Shared`), and their writes share one
+//! durable commit: each write commits without a sync, and no caller returns before a
+//! durable commit that began after its own write (or after any write it could have read)
+//! has finished. docs/reliability.md, *The controller store's group commit*, says why
+//! that is as durable as a synced commit per write.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use nix::fcntl::Flock;
+use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::fsutil::{Turnstile, lock_exclusive_within};
+use super::fsutil::lock_exclusive_within;
 use crate::bridge::ports::{ControllerStore, SnapshotStore, StoreError};
 use crate::bridge::records::{SnapshotRecord, VolumeRecord};
 
@@ -31,32 +38,136 @@ const REVISION_KEY: &str = "revision";
 /// How long an operation waits for another process's transaction on the file.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
 
+/// How long one opening of the file admits new callers of this process. After that the
+/// callers still inside finish, the file is closed and the lock released, so that an
+/// unending stream of this process's calls cannot keep other processes (forked hooks, an
+/// operator's command) out for longer than this plus one call.
+const SHARE_SPAN: Duration = Duration::from_millis(50);
+
 /// One redb file, shared safely by any number of processes.
 #[derive(Debug)]
 pub struct EmbeddedStore {
     path: PathBuf,
-    lock_path: PathBuf,
-    /// This process's callers queue here before the file lock (see `Turnstile`).
-    turnstile: Turnstile,
+    /// What this process's callers of the file share (one per path in a process).
+    shared: Arc<Shared>,
 }
 
-impl EmbeddedStore {
-    /// Opens (creating if needed) the store at `path` and checks its format.
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let store = Self {
-            path: path.to_path_buf(),
-            lock_path: path.with_extension("lock"),
-            turnstile: Turnstile::default(),
-        };
-        if let Some(dir) = path.parent() {
-            crate::mount::ops::ensure_dir(dir, 0o700).map_err(|e| store.err(e))?;
-        }
-        store.with_db(|_| Ok(()))?;
-        Ok(store)
+/// This process's use of one store file: the file opened once for every caller that
+/// overlaps with another, and one durable commit for every write waiting for one.
+#[derive(Debug)]
+struct Shared {
+    path: PathBuf,
+    lock_path: PathBuf,
+    state: Mutex<SharedState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SharedState {
+    open: Option<Arc<OpenFile>>,
+    opened_at: Option<Instant>,
+    /// One caller is opening or closing the file; the others wait for it.
+    changing: bool,
+    /// Callers using `open` now; the last to leave closes it.
+    users: usize,
+    /// Commits under way: begun, and their ticket not yet taken. Their writes may already
+    /// be visible to a reader, who must then wait for a durable commit too.
+    committing: usize,
+    /// Tickets handed out: one per write committed without a sync.
+    issued: u64,
+    /// Every ticket up to this one is covered by a finished durable commit.
+    synced: u64,
+    /// A durable commit is running (begun after every ticket up to the one it covers).
+    flushing: bool,
+    /// Why the open file can no longer be trusted (a durable commit failed, redb
+    /// panicked): no one new joins it, and those waiting on it fail.
+    broken: Option<String>,
+    /// How long an opening admits new callers; `SHARE_SPAN` unless a test says otherwise.
+    share_span: Option<Duration>,
+    /// Counts since this process started, for the tests and the figures.
+    opens: u64,
+    durable_commits: u64,
+}
+
+/// The database open and the file lock held; closing it releases the lock.
+#[derive(Debug)]
+struct OpenFile {
+    // Field order is drop order: the database closes before the lock is released.
+    db: redb::Database,
+    _lock: Flock<File>,
+}
+
+/// One caller's use of the open file: the transactions it begins and commits.
+struct Session<'a> {
+    db: &'a redb::Database,
+    shared: &'a Shared,
+    /// The ticket of this caller's last write, if it wrote.
+    ticket: std::cell::Cell<Option<u64>>,
+}
+
+/// A write transaction of a session: it commits without a sync, through the session, so
+/// that its caller waits for the durable commit that covers it.
+struct Write<'s>(redb::WriteTransaction, std::marker::PhantomData<&'s ()>);
+
+impl std::ops::Deref for Write<'_> {
+    type Target = redb::WriteTransaction;
+    fn deref(&self) -> &redb::WriteTransaction {
+        &self.0
+    }
+}
+
+impl Session<'_> {
+    fn read(&self) -> Result<redb::ReadTransaction, StoreError> {
+        self.db.begin_read().map_err(|e| self.shared.err(e))
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
+    fn write(&self) -> Result<Write<'_>, StoreError> {
+        let mut txn = self.db.begin_write().map_err(|e| self.shared.err(e))?;
+        txn.set_durability(Durability::None)
+            .map_err(|e| self.shared.err(e))?;
+        Ok(Write(txn, std::marker::PhantomData))
+    }
+
+    fn commit(&self, txn: Write<'_>) -> Result<(), StoreError> {
+        self.shared.lock().committing += 1;
+        let result = txn.0.commit().map_err(|e| self.shared.err(e));
+        let mut state = self.shared.lock();
+        state.committing -= 1;
+        if result.is_ok() {
+            state.issued += 1;
+            self.ticket.set(Some(state.issued));
+        }
+        result
+    }
+}
+
+/// The process-wide registry of shared files, so that two stores opened on one path
+/// (the volume and the snapshot store of `serve`) queue on one lock and share commits.
+static SHARED: Mutex<Vec<(PathBuf, Weak<Shared>)>> = Mutex::new(Vec::new());
+
+impl Shared {
+    fn for_path(path: &Path) -> Arc<Shared> {
+        let mut all = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|(_, weak)| weak.strong_count() > 0);
+        if let Some(shared) = all
+            .iter()
+            .find(|(p, _)| p == path)
+            .and_then(|(_, weak)| weak.upgrade())
+        {
+            return shared;
+        }
+        let shared = Arc::new(Shared {
+            path: path.to_path_buf(),
+            lock_path: path.with_extension("lock"),
+            state: Mutex::default(),
+            changed: Condvar::new(),
+        });
+        all.push((path.to_path_buf(), Arc::downgrade(&shared)));
+        shared
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SharedState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn err(&self, e: impl std::fmt::Display) -> StoreError {
@@ -68,41 +179,110 @@ impl EmbeddedStore {
         }
     }
 
-    /// Runs `f` with the database open and exclusively locked against other processes.
-    fn with_db<T>(
+    fn waited_too_long(&self) -> StoreError {
+        StoreError::Backend {
+            store: self.path.display().to_string(),
+            action: format!(
+                "waiting for this process's other use of {}",
+                self.path.display()
+            ),
+            transient: true,
+            source: format!("it lasted more than {LOCK_WAIT:?}").into(),
+        }
+    }
+
+    /// Waits on `changed` until `until`; false when the time is up.
+    fn wait<'g>(
         &self,
-        f: impl FnOnce(&redb::Database) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
-        let until = std::time::Instant::now() + LOCK_WAIT;
-        let _pass = self
-            .turnstile
-            .enter_within(LOCK_WAIT)
-            .map_err(|e| StoreError::Backend {
-                store: self.path.display().to_string(),
-                action: format!(
-                    "waiting for this process's other use of {}",
-                    self.path.display()
-                ),
-                transient: true,
-                source: e.into(),
-            })?;
-        let left = until.saturating_duration_since(std::time::Instant::now());
-        let _lock =
+        state: MutexGuard<'g, SharedState>,
+        until: Instant,
+    ) -> Option<MutexGuard<'g, SharedState>> {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let (state, _) = self
+            .changed
+            .wait_timeout(state, left)
+            .unwrap_or_else(|p| p.into_inner());
+        Some(state)
+    }
+
+    /// Joins the open file, opening it (lock, database, format check) when none is.
+    fn join(&self, until: Instant) -> Result<Arc<OpenFile>, StoreError> {
+        let mut state = self.lock();
+        loop {
+            let joinable = state.broken.is_none()
+                && state
+                    .opened_at
+                    .is_some_and(|at| at.elapsed() < state.share_span.unwrap_or(SHARE_SPAN));
+            match &state.open {
+                Some(open) if !state.changing && joinable => {
+                    let open = open.clone();
+                    state.users += 1;
+                    return Ok(open);
+                }
+                None if !state.changing => {
+                    state.changing = true;
+                    drop(state);
+                    let opened = self.open_file(until);
+                    state = self.lock();
+                    state.changing = false;
+                    self.changed.notify_all();
+                    let open = Arc::new(opened?);
+                    state.open = Some(open.clone());
+                    state.opened_at = Some(Instant::now());
+                    state.users = 1;
+                    state.opens += 1;
+                    return Ok(open);
+                }
+                _ => {}
+            }
+            state = self
+                .wait(state, until)
+                .ok_or_else(|| self.waited_too_long())?;
+        }
+    }
+
+    /// Leaves the open file; the last caller to leave closes it and releases the lock.
+    fn leave(&self) {
+        let mut state = self.lock();
+        state.users -= 1;
+        if state.users > 0 {
+            return;
+        }
+        let closing = state.open.take();
+        state.opened_at = None;
+        state.broken = None;
+        state.changing = true;
+        drop(state);
+        drop(closing);
+        self.lock().changing = false;
+        self.changed.notify_all();
+    }
+
+    fn open_file(&self, until: Instant) -> Result<OpenFile, StoreError> {
+        let left = until.saturating_duration_since(Instant::now());
+        let lock =
             lock_exclusive_within(&self.lock_path, left).map_err(|e| StoreError::Backend {
                 store: self.path.display().to_string(),
                 action: format!("locking {}", self.lock_path.display()),
                 transient: e.kind() == std::io::ErrorKind::TimedOut,
                 source: e.into(),
             })?;
-        // redb panics on some damaged files (an invalid page type, a truncated region)
-        // instead of answering an error: a damaged store must fail its own calls, not
-        // the process that also serves Attach and Detach.
-        let work = std::panic::AssertUnwindSafe(|| {
+        let db = self.unpanicked(|| {
             let db = redb::Database::create(&self.path).map_err(|e| self.err(e))?;
             self.check_format(&db)?;
-            f(&db)
-        });
-        std::panic::catch_unwind(work).unwrap_or_else(|panic| {
+            Ok(db)
+        })?;
+        Ok(OpenFile { db, _lock: lock })
+    }
+
+    /// Runs `work`, turning a redb panic into an error. redb panics on some damaged files
+    /// (an invalid page type, a truncated region) instead of answering an error: a damaged
+    /// store must fail its own calls, not the process that also serves Attach and Detach.
+    fn unpanicked<T>(&self, work: impl FnOnce() -> Result<T, StoreError>) -> Result<T, StoreError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|panic| {
             let message = panic
                 .downcast_ref::<String>()
                 .map(String::as_str)
@@ -114,6 +294,78 @@ impl EmbeddedStore {
                 message: format!("{message}; restore it from a backup"),
             })
         })
+    }
+
+    /// The ticket a caller must see covered before it returns: its own last write, or,
+    /// for a caller that only read, every write it could have seen (any write committed
+    /// or being committed and not yet durable).
+    fn ticket_for(&self, session: &Session) -> Option<u64> {
+        let mut state = self.lock();
+        if let Some(own) = session.ticket.get() {
+            return Some(own);
+        }
+        if state.committing == 0 && state.synced >= state.issued {
+            return None;
+        }
+        // A fresh ticket: the durable commit that covers it begins after now, so after
+        // every commit this caller's reads could have seen.
+        state.issued += 1;
+        Some(state.issued)
+    }
+
+    /// Returns once a durable commit covering `ticket` has finished; runs it when no
+    /// other caller is running one. A failed durable commit breaks the open file: every
+    /// caller whose write it carried fails, and the file is closed when they have left.
+    fn make_durable(
+        &self,
+        db: &redb::Database,
+        ticket: u64,
+        until: Instant,
+    ) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        loop {
+            if state.synced >= ticket {
+                return Ok(());
+            }
+            if let Some(why) = &state.broken {
+                return Err(StoreError::Backend {
+                    store: self.path.display().to_string(),
+                    action: "committing durably".into(),
+                    transient: false,
+                    source: why.clone().into(),
+                });
+            }
+            if !state.flushing {
+                state.flushing = true;
+                let covers = state.issued;
+                drop(state);
+                let result = self.unpanicked(|| self.durable_commit(db));
+                state = self.lock();
+                state.flushing = false;
+                state.durable_commits += 1;
+                match result {
+                    Ok(()) => state.synced = state.synced.max(covers),
+                    Err(e) => state.broken = Some(e.to_string()),
+                }
+                self.changed.notify_all();
+                continue;
+            }
+            state = self
+                .wait(state, until)
+                .ok_or_else(|| self.waited_too_long())?;
+        }
+    }
+
+    /// An empty transaction committed with a sync: it makes every commit before it durable.
+    fn durable_commit(&self, db: &redb::Database) -> Result<(), StoreError> {
+        #[cfg(test)]
+        if let Some(why) = tests::failing_durable_commit(&self.path) {
+            return Err(self.err(why));
+        }
+        let mut txn = db.begin_write().map_err(|e| self.err(e))?;
+        txn.set_durability(Durability::Immediate)
+            .map_err(|e| self.err(e))?;
+        txn.commit().map_err(|e| self.err(e))
     }
 
     fn check_format(&self, db: &redb::Database) -> Result<(), StoreError> {
@@ -159,6 +411,65 @@ impl EmbeddedStore {
         }
         txn.commit().map_err(|e| self.err(e))
     }
+}
+
+impl EmbeddedStore {
+    /// Opens (creating if needed) the store at `path` and checks its format.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let store = Self {
+            path: path.to_path_buf(),
+            shared: Shared::for_path(path),
+        };
+        if let Some(dir) = path.parent() {
+            crate::mount::ops::ensure_dir(dir, 0o700).map_err(|e| store.err(e))?;
+        }
+        store.with_db(|_| Ok(()))?;
+        Ok(store)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> StoreError {
+        self.shared.err(e)
+    }
+
+    /// Runs `f` on the open file (opening it, or joining this process's other callers
+    /// on it) and returns once every write `f` made or could have read is durable.
+    fn with_db<T>(
+        &self,
+        f: impl FnOnce(&Session) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let until = Instant::now() + LOCK_WAIT;
+        let shared = &*self.shared;
+        let open = shared.join(until)?;
+        let session = Session {
+            db: &open.db,
+            shared,
+            ticket: std::cell::Cell::new(None),
+        };
+        let outcome = shared.unpanicked(|| f(&session));
+        if let Err(StoreError::Corrupt { message, .. }) = &outcome {
+            shared.lock().broken.get_or_insert_with(|| message.clone());
+        }
+        let durable = match shared.ticket_for(&session) {
+            Some(ticket) => shared.make_durable(&open.db, ticket, until),
+            None => Ok(()),
+        };
+        drop(open);
+        shared.leave();
+        let value = outcome?;
+        durable?;
+        Ok(value)
+    }
+
+    /// (openings of the file, durable commits) by this process so far.
+    #[cfg(test)]
+    fn activity(&self) -> (u64, u64) {
+        let state = self.shared.lock();
+        (state.opens, state.durable_commits)
+    }
 
     /// Reads a stored record; records written before revisions existed are at "0".
     fn decode(&self, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
@@ -170,7 +481,7 @@ impl EmbeddedStore {
 
     fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let txn = db.read()?;
             let table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
             match table.get(volume_id).map_err(|e| self.err(e))? {
                 Some(v) => self.decode(v.value()).map(Some),
@@ -216,7 +527,7 @@ impl EmbeddedStore {
     /// Writes `record` if the stored revision is `record.revision`; returns the new one.
     fn put(&self, record: &VolumeRecord) -> Result<String, StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            let txn = db.write()?;
             let revision = {
                 let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
                 let stored = self.stored_revision(&table, &record.volume_id)?;
@@ -236,7 +547,7 @@ impl EmbeddedStore {
                     .map_err(|e| self.err(e))?;
                 next.to_string()
             };
-            txn.commit().map_err(|e| self.err(e))?;
+            db.commit(txn)?;
             Ok(revision)
         })
     }
@@ -244,7 +555,7 @@ impl EmbeddedStore {
     /// Deletes the record if it is still at `record.revision` (any revision when None).
     fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            let txn = db.write()?;
             {
                 let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
                 let stored = self.stored_revision(&table, &record.volume_id)?;
@@ -266,13 +577,13 @@ impl EmbeddedStore {
                     .remove(record.volume_id.as_str())
                     .map_err(|e| self.err(e))?;
             }
-            txn.commit().map_err(|e| self.err(e))
+            db.commit(txn)
         })
     }
 
     fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let txn = db.read()?;
             let table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
             let mut out = Vec::new();
             for entry in table.iter().map_err(|e| self.err(e))? {
@@ -304,7 +615,7 @@ impl EmbeddedStore {
 
     fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotRecord>, StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let txn = db.read()?;
             let table = match txn.open_table(SNAPSHOTS) {
                 Ok(table) => table,
                 Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
@@ -334,7 +645,7 @@ impl EmbeddedStore {
 
     fn put_snapshot(&self, record: &SnapshotRecord) -> Result<String, StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            let txn = db.write()?;
             let revision = {
                 let mut table = txn.open_table(SNAPSHOTS).map_err(|e| self.err(e))?;
                 let stored = self.stored_snapshot_revision(&table, &record.snapshot_id)?;
@@ -355,14 +666,14 @@ impl EmbeddedStore {
                     .map_err(|e| self.err(e))?;
                 next.to_string()
             };
-            txn.commit().map_err(|e| self.err(e))?;
+            db.commit(txn)?;
             Ok(revision)
         })
     }
 
     fn delete_snapshot(&self, record: &SnapshotRecord) -> Result<(), StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_write().map_err(|e| self.err(e))?;
+            let txn = db.write()?;
             {
                 let mut table = txn.open_table(SNAPSHOTS).map_err(|e| self.err(e))?;
                 let stored = self.stored_snapshot_revision(&table, &record.snapshot_id)?;
@@ -379,13 +690,13 @@ impl EmbeddedStore {
                     .remove(record.snapshot_id.as_str())
                     .map_err(|e| self.err(e))?;
             }
-            txn.commit().map_err(|e| self.err(e))
+            db.commit(txn)
         })
     }
 
     fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
         self.with_db(|db| {
-            let txn = db.begin_read().map_err(|e| self.err(e))?;
+            let txn = db.read()?;
             let table = match txn.open_table(SNAPSHOTS) {
                 Ok(table) => table,
                 Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
@@ -482,6 +793,17 @@ mod tests {
     use crate::bridge::records::VolumeState;
     use crate::system::now_secs;
     use std::collections::BTreeMap;
+
+    /// Store files whose durable commits fail, for the tests of a failed group commit.
+    static FAILING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    pub(super) fn failing_durable_commit(path: &Path) -> Option<&'static str> {
+        let failing = FAILING.lock().unwrap_or_else(|p| p.into_inner());
+        failing
+            .iter()
+            .any(|p| p == path)
+            .then_some("injected: the durable commit failed")
+    }
 
     fn record(id: &str) -> VolumeRecord {
         VolumeRecord {
@@ -611,12 +933,12 @@ mod tests {
         store.put(&record("good")).unwrap();
         store
             .with_db(|db| {
-                let txn = db.begin_write().unwrap();
+                let txn = db.write().unwrap();
                 txn.open_table(VOLUMES)
                     .unwrap()
                     .insert("bad", b"not a record".as_slice())
                     .unwrap();
-                txn.commit().unwrap();
+                db.commit(txn).unwrap();
                 Ok(())
             })
             .unwrap();
@@ -691,12 +1013,12 @@ mod tests {
         let bytes = serde_json::to_vec(&old).unwrap();
         store
             .with_db(|db| {
-                let txn = db.begin_write().unwrap();
+                let txn = db.write().unwrap();
                 txn.open_table(VOLUMES)
                     .unwrap()
                     .insert("old", bytes.as_slice())
                     .unwrap();
-                txn.commit().unwrap();
+                db.commit(txn).unwrap();
                 Ok(())
             })
             .unwrap();
@@ -713,12 +1035,12 @@ mod tests {
         let legacy = serde_json::to_vec(&record("old")).unwrap();
         store
             .with_db(|db| {
-                let txn = db.begin_write().unwrap();
+                let txn = db.write().unwrap();
                 txn.open_table(VOLUMES)
                     .unwrap()
                     .insert("old", legacy.as_slice())
                     .unwrap();
-                txn.commit().unwrap();
+                db.commit(txn).unwrap();
                 Ok(())
             })
             .unwrap();
@@ -751,5 +1073,115 @@ mod tests {
             EmbeddedStore::open(&path).unwrap().list().unwrap().len(),
             80
         );
+    }
+
+    /// Runs `hold` inside one caller's use of the file, on its own thread, after that
+    /// caller wrote `first`; `hold` runs while the caller is still inside, so whoever
+    /// calls the store meanwhile joins its opening of the file.
+    fn inside_a_caller(
+        store: &Arc<EmbeddedStore>,
+        first: &str,
+        hold: impl FnOnce() + Send + 'static,
+    ) -> std::thread::JoinHandle<Result<(), StoreError>> {
+        store.shared.lock().share_span = Some(Duration::from_secs(600));
+        let (store, first) = (store.clone(), record(first));
+        let (entered, inside) = std::sync::mpsc::channel();
+        let handle = std::thread::spawn(move || {
+            store.with_db(|db| {
+                let txn = db.write()?;
+                txn.open_table(VOLUMES)
+                    .unwrap()
+                    .insert(
+                        first.volume_id.as_str(),
+                        serde_json::to_vec(&first).unwrap().as_slice(),
+                    )
+                    .unwrap();
+                db.commit(txn)?;
+                entered.send(()).unwrap();
+                hold();
+                Ok(())
+            })
+        });
+        inside.recv().unwrap();
+        handle
+    }
+
+    /// Callers that overlap share one opening of the file and one durable commit for
+    /// their writes (issue 20: a Create storm paid an open, commit and close per write).
+    #[test]
+    fn overlapping_callers_share_one_opening_and_one_durable_commit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        let (opens_before, commits_before) = store.activity();
+        let writers = 8;
+        let for_writers = store.clone();
+        let holder = inside_a_caller(&store, "first", move || {
+            let threads: Vec<_> = (0..writers)
+                .map(|i| {
+                    let store = for_writers.clone();
+                    std::thread::spawn(move || {
+                        EmbeddedStore::put(&store, &record(&format!("v{i}"))).map(drop)
+                    })
+                })
+                .collect();
+            for thread in threads {
+                thread.join().unwrap().unwrap();
+            }
+        });
+        holder.join().unwrap().unwrap();
+        let (opens, commits) = store.activity();
+        assert_eq!(opens - opens_before, 1, "one opening for all of them");
+        assert!(
+            commits - commits_before < writers,
+            "{} durable commits for {} writes",
+            commits - commits_before,
+            writers + 1
+        );
+        // And what they wrote is in the file for a process that opens it afresh.
+        drop(store);
+        let again = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        assert_eq!(again.list().unwrap().len(), writers as usize + 1);
+    }
+
+    /// A caller that read a write not yet durable does not answer with it before it is
+    /// durable: when that durable commit fails, the read fails too, and so does the write.
+    #[test]
+    fn a_read_of_a_write_not_yet_durable_waits_for_it_and_fails_with_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("c.redb");
+        let store = Arc::new(EmbeddedStore::open(&path).unwrap());
+        FAILING.lock().unwrap().push(path.clone());
+        let reader = store.clone();
+        let (read_tx, read_rx) = std::sync::mpsc::channel();
+        let holder = inside_a_caller(&store, "unsynced", move || {
+            read_tx
+                .send(EmbeddedStore::get(&reader, "unsynced"))
+                .unwrap();
+        });
+        let read = read_rx.recv().unwrap();
+        let written = holder.join().unwrap();
+        FAILING.lock().unwrap().retain(|p| p != &path);
+        assert!(read.is_err(), "answered {read:?} before it was durable");
+        assert!(
+            written.is_err(),
+            "the write the failed commit carried failed"
+        );
+        // The broken opening was closed; the next caller opens the file afresh and works.
+        let (opens_before, _) = store.activity();
+        EmbeddedStore::put(&store, &record("after")).unwrap();
+        assert_eq!(store.activity().0, opens_before + 1);
+        assert!(EmbeddedStore::get(&store, "after").unwrap().is_some());
+    }
+
+    /// A caller that reads while nothing is waiting to be made durable pays no commit.
+    #[test]
+    fn a_read_with_nothing_unsynced_makes_no_commit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        store.put(&record("a")).unwrap();
+        let (_, commits) = store.activity();
+        assert!(store.get("a").unwrap().is_some());
+        assert_eq!(store.list().unwrap().len(), 1);
+        assert_eq!(store.activity().1, commits);
     }
 }
