@@ -22,6 +22,11 @@ const EXIT_USAGE: u8 = 64;
 /// Exit code for a config the operator must fix (EX_CONFIG).
 const EXIT_CONFIG: u8 = 78;
 
+/// How long `serve` keeps the embedded store's file open after its last call: long enough
+/// for the calls of one Create against a fast driver, short enough that a forked hook or
+/// an operator's command waiting for the file lock hardly notices.
+const SERVE_STORE_LINGER: std::time::Duration = std::time::Duration::from_millis(5);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "cube-csi-bridge",
@@ -425,12 +430,16 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 }
             }
             let runtime = tokio::runtime::Runtime::new().expect("starting the async runtime");
+            // The daemon lives on: the embedded store's file stays open a moment after
+            // each call, so that a Create's second write and the next Create find it open.
+            crate::store::embedded::keep_open_when_idle(SERVE_STORE_LINGER);
             let served = runtime.block_on(async {
                 // Before anything is bound: a SIGTERM from then on stops the daemon cleanly.
                 let shutdown = crate::transport::server::shutdown_signal();
                 let daemon = crate::transport::server::Daemon::open(configs).await?;
                 daemon.run(shutdown).await
             });
+            crate::store::embedded::close_idle_files();
             match served {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

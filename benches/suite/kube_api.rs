@@ -198,6 +198,68 @@ pub async fn fill(
     Ok(())
 }
 
+/// The CubeVolume writes of `ids.len()` Creates made straight to the API at once, as the
+/// bridge makes them for each Create: a read that finds none, the object created in state
+/// Creating, then replaced in state Created (the CSI handle added). The wall time of all.
+pub async fn create_storm(
+    client: &kube::Client,
+    driver: &str,
+    csi_driver: &str,
+    ids: &[String],
+) -> anyhow::Result<Duration> {
+    let api = cube_volumes(client.clone());
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for id in ids {
+        let (api, id) = (api.clone(), id.clone());
+        let (driver, csi_driver) = (driver.to_string(), csi_driver.to_string());
+        tasks.spawn(async move {
+            let name = object_name(&driver, &id);
+            if api.get_opt(&name).await?.is_some() {
+                bail!("CubeVolume {name} exists already");
+            }
+            let object = |state: &str, handle: Option<String>, version: Option<String>| {
+                serde_json::from_value::<DynamicObject>(serde_json::json!({
+                    "apiVersion": format!("{CRD_GROUP}/{CRD_VERSION}"),
+                    "kind": CRD_KIND,
+                    "metadata": {
+                        "name": name,
+                        "labels": { "csibridge.cubesandbox.io/driver": driver },
+                        "resourceVersion": version,
+                    },
+                    "spec": {
+                        "driver": driver,
+                        "volumeId": id,
+                        "csiDriver": csi_driver,
+                        "csiName": format!("cube-{id}"),
+                        "state": state,
+                        "csiVolumeId": handle,
+                        "capacityBytes": 0,
+                        "updatedAt": 1,
+                    },
+                }))
+            };
+            let created = api
+                .create(&PostParams::default(), &object("Creating", None, None)?)
+                .await
+                .with_context(|| format!("creating CubeVolume of {id}"))?;
+            let version = created.metadata.resource_version.clone();
+            api.replace(
+                &name,
+                &PostParams::default(),
+                &object("Created", Some(format!("cube-{id}")), version)?,
+            )
+            .await
+            .with_context(|| format!("updating CubeVolume of {id}"))?;
+            Ok::<_, anyhow::Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    Ok(started.elapsed())
+}
+
 /// How many CubeVolume objects the namespace holds.
 pub async fn count(client: &kube::Client) -> anyhow::Result<usize> {
     let list = cube_volumes(client.clone())

@@ -11,6 +11,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -84,6 +85,12 @@ struct SharedState {
     broken: Option<String>,
     /// How long an opening admits new callers; `SHARE_SPAN` unless a test says otherwise.
     share_span: Option<Duration>,
+    /// How long the file stays open with no caller (zero: closed by the last to leave).
+    linger: Duration,
+    /// Since when no caller uses the open file.
+    idle_since: Option<Instant>,
+    /// A thread is waiting to close the file once it has been idle for `linger`.
+    closer_running: bool,
     /// Counts since this process started, for the tests and the figures.
     opens: u64,
     durable_commits: u64,
@@ -141,6 +148,33 @@ impl Session<'_> {
     }
 }
 
+/// How long this process keeps a store file open after its last caller left, in µs
+/// (zero: not at all). Set by `keep_open_when_idle`.
+static LINGER_MICROS: AtomicU64 = AtomicU64::new(0);
+
+/// Makes this process keep each store file it opens from now on open for `linger` after
+/// its last caller left, so that the next call (the second write of a Create, a Create
+/// right after another) finds it open. Only a long-lived process should: the file stays
+/// locked against other processes meanwhile, and one that ends without
+/// `close_idle_files` leaves the file for redb to repair at its next opening.
+pub fn keep_open_when_idle(linger: Duration) {
+    let micros = u64::try_from(linger.as_micros()).unwrap_or(u64::MAX);
+    LINGER_MICROS.store(micros, Ordering::Relaxed);
+}
+
+/// Closes every store file this process keeps open (at the end of `serve`).
+pub fn close_idle_files() {
+    let all: Vec<Arc<Shared>> = SHARED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(|(_, weak)| weak.upgrade())
+        .collect();
+    for shared in all {
+        shared.close_now();
+    }
+}
+
 /// The process-wide registry of shared files, so that two stores opened on one path
 /// (the volume and the snapshot store of `serve`) queue on one lock and share commits.
 static SHARED: Mutex<Vec<(PathBuf, Weak<Shared>)>> = Mutex::new(Vec::new());
@@ -159,7 +193,10 @@ impl Shared {
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             lock_path: path.with_extension("lock"),
-            state: Mutex::default(),
+            state: Mutex::new(SharedState {
+                linger: Duration::from_micros(LINGER_MICROS.load(Ordering::Relaxed)),
+                ..SharedState::default()
+            }),
             changed: Condvar::new(),
         });
         all.push((path.to_path_buf(), Arc::downgrade(&shared)));
@@ -212,15 +249,19 @@ impl Shared {
     fn join(&self, until: Instant) -> Result<Arc<OpenFile>, StoreError> {
         let mut state = self.lock();
         loop {
-            let joinable = state.broken.is_none()
-                && state
-                    .opened_at
-                    .is_some_and(|at| at.elapsed() < state.share_span.unwrap_or(SHARE_SPAN));
+            let joinable = Self::joinable(&state);
             match &state.open {
                 Some(open) if !state.changing && joinable => {
                     let open = open.clone();
                     state.users += 1;
+                    state.idle_since = None;
                     return Ok(open);
+                }
+                // Kept open past its time with no one inside: close it, then open afresh.
+                Some(_) if !state.changing && state.users == 0 => {
+                    self.close(state);
+                    state = self.lock();
+                    continue;
                 }
                 None if !state.changing => {
                     state.changing = true;
@@ -244,21 +285,94 @@ impl Shared {
         }
     }
 
-    /// Leaves the open file; the last caller to leave closes it and releases the lock.
-    fn leave(&self) {
+    /// Whether callers may still join the open file (it is sound and not too old).
+    fn joinable(state: &SharedState) -> bool {
+        state.broken.is_none()
+            && state
+                .opened_at
+                .is_some_and(|at| at.elapsed() < state.share_span.unwrap_or(SHARE_SPAN))
+    }
+
+    /// Leaves the open file. The last caller to leave closes it and releases the lock,
+    /// unless this process keeps it open a while for the next caller (`serve` does).
+    fn leave(self: &Arc<Self>) {
         let mut state = self.lock();
         state.users -= 1;
         if state.users > 0 {
             return;
         }
+        if state.linger.is_zero() || !Self::joinable(&state) {
+            self.close(state);
+            return;
+        }
+        state.idle_since = Some(Instant::now());
+        if state.closer_running {
+            return;
+        }
+        let shared = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("store-closer".into())
+            .spawn(move || shared.close_when_idle());
+        match spawned {
+            Ok(_) => state.closer_running = true,
+            // No thread for it: close now rather than hold the lock with no one to let go.
+            Err(_) => self.close(state),
+        }
+    }
+
+    /// Closes the open file (no caller uses it) and releases the lock.
+    fn close(&self, mut state: MutexGuard<'_, SharedState>) {
         let closing = state.open.take();
         state.opened_at = None;
+        state.idle_since = None;
         state.broken = None;
         state.changing = true;
         drop(state);
         drop(closing);
         self.lock().changing = false;
         self.changed.notify_all();
+    }
+
+    /// The closer of a file kept open: closes it once it has been idle for the linger
+    /// time, or once it is too old to join.
+    fn close_when_idle(self: Arc<Self>) {
+        let mut state = self.lock();
+        loop {
+            if state.open.is_none() {
+                state.closer_running = false;
+                return;
+            }
+            let idle_for = state.idle_since.map(|at| at.elapsed());
+            if state.users == 0
+                && !state.changing
+                && (idle_for.is_some_and(|idle| idle >= state.linger) || !Self::joinable(&state))
+            {
+                state.closer_running = false;
+                self.close(state);
+                return;
+            }
+            let pause = state.linger - idle_for.unwrap_or_default().min(state.linger);
+            let (next, _) = self
+                .changed
+                .wait_timeout(state, pause.max(Duration::from_micros(100)))
+                .unwrap_or_else(|p| p.into_inner());
+            state = next;
+        }
+    }
+
+    /// Closes the file once no caller uses it, waiting at most `LOCK_WAIT` for them.
+    fn close_now(&self) {
+        let until = Instant::now() + LOCK_WAIT;
+        let mut state = self.lock();
+        while state.users > 0 || state.changing {
+            match self.wait(state, until) {
+                Some(next) => state = next,
+                None => return,
+            }
+        }
+        if state.open.is_some() {
+            self.close(state);
+        }
     }
 
     fn open_file(&self, until: Instant) -> Result<OpenFile, StoreError> {
@@ -458,7 +572,7 @@ impl EmbeddedStore {
             None => Ok(()),
         };
         drop(open);
-        shared.leave();
+        self.shared.leave();
         let value = outcome?;
         durable?;
         Ok(value)
@@ -1183,5 +1297,41 @@ mod tests {
         assert!(store.get("a").unwrap().is_some());
         assert_eq!(store.list().unwrap().len(), 1);
         assert_eq!(store.activity().1, commits);
+    }
+
+    /// A process that keeps the file open (`serve`) serves the next caller without
+    /// opening it again, and lets it go once idle: another process then gets the lock.
+    #[test]
+    fn a_file_kept_open_serves_the_next_caller_and_is_closed_when_idle() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("c.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        store.shared.lock().linger = Duration::from_millis(100);
+        let (opens, _) = store.activity();
+        store.put(&record("a")).unwrap();
+        assert!(
+            store.shared.lock().open.is_some(),
+            "kept open after its caller"
+        );
+        store.put(&record("b")).unwrap();
+        assert_eq!(
+            store.activity().0,
+            opens + 1,
+            "the second caller found it open"
+        );
+        // Another process waits for the lock until the file has been idle long enough.
+        let other = crate::store::fsutil::lock_exclusive_within(
+            &path.with_extension("lock"),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        assert!(store.shared.lock().open.is_none());
+        drop(other);
+        // And at the end of `serve`, a file kept open is closed at once.
+        store.shared.lock().linger = Duration::from_secs(600);
+        store.put(&record("c")).unwrap();
+        close_idle_files();
+        assert!(store.shared.lock().open.is_none());
+        assert_eq!(store.list().unwrap().len(), 3);
     }
 }
