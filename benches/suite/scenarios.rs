@@ -889,6 +889,11 @@ fn fill_ids(range: std::ops::Range<usize>) -> Vec<String> {
 
 /// Rows comparing Create and Destroy medians at 10,000 stored volumes with 100.
 fn store_rows(store: &str, small: &Pairs, big: &Pairs) -> Vec<Row> {
+    store_rows_at(store, small, big, "10,000")
+}
+
+/// Create and Destroy with `stored` records against the same pairs at 100.
+fn store_rows_at(store: &str, small: &Pairs, big: &Pairs, stored: &str) -> Vec<Row> {
     let mut rows = Vec::new();
     for (hook, s, b) in [
         ("Create", &small.attach, &big.attach),
@@ -896,8 +901,8 @@ fn store_rows(store: &str, small: &Pairs, big: &Pairs) -> Vec<Row> {
     ] {
         let (s, b) = (Summary::of_ns(s), Summary::of_ns(b));
         rows.push(Row::judged(
-            format!("{hook}, {store} store, 10,000 volumes stored vs 100 — median"),
-            format!("{} at 10,000", shown(&b)),
+            format!("{hook}, {store} store, {stored} volumes stored vs 100 — median"),
+            format!("{} at {stored}", shown(&b)),
             format!("{} at 100", shown(&s)),
             ms(b.median),
             ms(s.median),
@@ -916,6 +921,7 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
     const STORM: usize = 64;
     const SMALL: usize = 100;
     const BIG: usize = 10_000;
+    const HUGE: usize = 100_000;
     const ATTACHED: usize = 1_000;
     let s = world.sizes;
     let (_driver, socket) = world.fake_driver("store-driver", 0, true)?;
@@ -1017,7 +1023,33 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         .collect();
     runner.run("detach 1,000", &via, 8, &detaches)?;
 
+    // Issue 20: to 100,000 records the same way, and the same pairs and memory there
+    // (the id at 10,000 is free again: its record was the one destroyed above).
+    let extra = fill_ids(HUGE..HUGE + 1).remove(0);
+    crate::seed::fill(
+        &store_file,
+        world::DRIVER,
+        BIG as u64,
+        "fill-00000",
+        &fill_ids(BIG..HUGE + 1),
+    )?;
+    runner.run("destroy an added record", &via, 1, &[Call::destroy(&extra)])?;
+    let stored_records = crate::seed::count(&store_file)?;
+    if stored_records != HUGE as u64 {
+        bail!("the store holds {stored_records} records, expected {HUGE}");
+    }
+    let mut huge = Pairs::default();
+    huge.add(create_destroy(
+        &mut runner,
+        &via,
+        "cd-huge",
+        s.create_destroy_pairs,
+    )?);
+    let huge_rss = bridge.rss_kib()?;
+    let huge_peak = world::peak_kib(bridge.pid())?;
+
     let mut rows = store_rows("embedded", &small, &big);
+    rows.extend(store_rows_at("embedded", &small, &huge, "100,000"));
     let (one, one_direct) = (
         Summary::of_ns(&small.attach),
         Summary::of_ns(&direct_create),
@@ -1076,6 +1108,15 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         Target::Absolute(48.0),
         "MiB",
     ));
+    rows.push(Row::judged(
+        "daemon resident memory, 100,000 volumes stored (after Create/Destroy pairs there)",
+        format!("{} (peak VmHWM {})", fmt_kib(huge_rss), fmt_kib(huge_peak)),
+        format!("idle: {}", fmt_kib(idle)),
+        mib(huge_rss),
+        mib(idle),
+        Target::Absolute(64.0),
+        "MiB",
+    ));
     Ok(rows)
 }
 
@@ -1086,6 +1127,7 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
     const STORM: usize = 64;
     const SMALL: usize = 100;
     const BIG: usize = 10_000;
+    const HUGE: usize = 100_000;
     let Some(bin) = &world.k8s else {
         return Ok(vec![Row::not_measured(
             "Create/Destroy, Kubernetes store",
@@ -1102,7 +1144,7 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
         },
         ..BridgeSpec::new("kubernetes", &socket)
     };
-    let (_bridge, files) = world.bridge(&spec)?;
+    let (bridge, files) = world.bridge(&spec)?;
     let via = Via::Socket(files.socket.clone());
     let runtime = tokio::runtime::Runtime::new()?;
     let client = runtime.block_on(api.client())?;
@@ -1175,7 +1217,31 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
         ))?;
         direct_walls.push(wall.as_nanos() as i64);
     }
+    // To 100,000 CubeVolumes, and the same pairs there.
+    let took_huge = fill(BIG..HUGE, 64)?;
+    let stored = runtime.block_on(crate::kube_api::count(&client))?;
+    if stored < HUGE {
+        bail!("the API server holds {stored} CubeVolumes, expected at least {HUGE}");
+    }
+    let mut huge = Pairs::default();
+    huge.add(create_destroy(
+        &mut runner,
+        &via,
+        "cd-huge",
+        s.create_destroy_pairs,
+    )?);
+    let huge_rss = bridge.rss_kib()?;
     let mut rows = store_rows("Kubernetes", &small, &big);
+    rows.extend(store_rows_at("Kubernetes", &small, &huge, "100,000"));
+    rows.push(Row::judged(
+        "controller daemon resident memory, Kubernetes store, 100,000 CubeVolumes stored",
+        fmt_kib(huge_rss),
+        String::new(),
+        huge_rss as f64 / 1024.0,
+        0.0,
+        Target::Absolute(64.0),
+        "MiB",
+    ));
     let (storm, direct) = (Summary::of_ns(&storm_walls), Summary::of_ns(&direct_walls));
     rows.push(Row::judged(
         format!("{STORM} Creates at once (CubeMaster create storm), Kubernetes store (10,000 stored): total wall"),
@@ -1192,7 +1258,11 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
     ));
     rows.push(Row::judged(
         "filling the Kubernetes store: 9,900 CubeVolumes written straight to the API, 32 at a time",
-        format!("{:.0} objects/s", (BIG - SMALL) as f64 / took.as_secs_f64()),
+        format!(
+            "{:.0} objects/s (90,000 more, 64 at a time: {:.0} objects/s)",
+            (BIG - SMALL) as f64 / took.as_secs_f64(),
+            (HUGE - BIG) as f64 / took_huge.as_secs_f64()
+        ),
         String::new(),
         0.0,
         0.0,
