@@ -2,8 +2,9 @@
 //!
 //! redb allows one open handle per file, and the binary hook forks a process per call, so
 //! the file is opened under an exclusive flock on a side lock file (waited for at most
-//! `LOCK_WAIT`) and closed again when this process's callers are done with it. Callers of
-//! one process that overlap share the open file (`Shared`), and their writes share one
+//! `LOCK_WAIT`) and closed again when this process's callers are done with it (`serve`
+//! keeps it open a few ms longer, `keep_open_when_idle`). Callers of one process that
+//! overlap share the open file (`Shared`), and their writes share one
 //! durable commit: each write commits without a sync, and no caller returns before a
 //! durable commit that began after its own write (or after any write it could have read)
 //! has finished. docs/reliability.md, *The controller store's group commit*, says why
@@ -42,7 +43,7 @@ const LOCK_WAIT: Duration = Duration::from_secs(10);
 /// How long one opening of the file admits new callers of this process. After that the
 /// callers still inside finish, the file is closed and the lock released, so that an
 /// unending stream of this process's calls cannot keep other processes (forked hooks, an
-/// operator's command) out for longer than this plus one call.
+/// operator's command) out for longer than this plus one call (and the linger time).
 const SHARE_SPAN: Duration = Duration::from_millis(50);
 
 /// One redb file, shared safely by any number of processes.
@@ -69,7 +70,8 @@ struct SharedState {
     opened_at: Option<Instant>,
     /// One caller is opening or closing the file; the others wait for it.
     changing: bool,
-    /// Callers using `open` now; the last to leave closes it.
+    /// Callers using `open` now; the last to leave closes it (or leaves that to the
+    /// closer thread when the file lingers).
     users: usize,
     /// Commits under way: begun, and their ticket not yet taken. Their writes may already
     /// be visible to a reader, who must then wait for a durable commit too.
