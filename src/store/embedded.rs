@@ -82,11 +82,17 @@ struct SharedState {
     synced: u64,
     /// A durable commit is running (begun after every ticket up to the one it covers).
     flushing: bool,
+    /// A write transaction is open (redb allows one at a time). Callers queue for it here,
+    /// within their deadline, rather than inside redb, where a writer that hangs (a disk
+    /// that stopped answering) would hang every caller behind it with no time limit.
+    writer: bool,
     /// Why the open file can no longer be trusted (a durable commit failed, redb
     /// panicked): no one new joins it, and those waiting on it fail.
     broken: Option<String>,
     /// How long an opening admits new callers; `SHARE_SPAN` unless a test says otherwise.
     share_span: Option<Duration>,
+    /// How long a caller waits for the others; `LOCK_WAIT` unless a test says otherwise.
+    lock_wait: Option<Duration>,
     /// How long the file stays open with no caller (zero: closed by the last to leave).
     linger: Duration,
     /// Since when no caller uses the open file.
@@ -110,18 +116,35 @@ struct OpenFile {
 struct Session<'a> {
     db: &'a redb::Database,
     shared: &'a Shared,
+    /// When this caller stops waiting for the others.
+    until: Instant,
     /// The ticket of this caller's last write, if it wrote.
     ticket: std::cell::Cell<Option<u64>>,
 }
 
 /// A write transaction of a session: it commits without a sync, through the session, so
-/// that its caller waits for the durable commit that covers it.
-struct Write<'s>(redb::WriteTransaction, std::marker::PhantomData<&'s ()>);
+/// that its caller waits for the durable commit that covers it. Holds the writer's place
+/// until it is committed or dropped.
+struct Write<'s> {
+    txn: Option<redb::WriteTransaction>,
+    shared: &'s Shared,
+}
 
 impl std::ops::Deref for Write<'_> {
     type Target = redb::WriteTransaction;
     fn deref(&self) -> &redb::WriteTransaction {
-        &self.0
+        self.txn
+            .as_ref()
+            .expect("a write is open until it is committed")
+    }
+}
+
+impl Drop for Write<'_> {
+    fn drop(&mut self) {
+        // An uncommitted transaction aborts here, before the next writer goes.
+        drop(self.txn.take());
+        self.shared.lock().writer = false;
+        self.shared.changed.notify_all();
     }
 }
 
@@ -131,15 +154,19 @@ impl Session<'_> {
     }
 
     fn write(&self) -> Result<Write<'_>, StoreError> {
-        let mut txn = self.db.begin_write().map_err(|e| self.shared.err(e))?;
-        txn.set_durability(Durability::None)
-            .map_err(|e| self.shared.err(e))?;
-        Ok(Write(txn, std::marker::PhantomData))
+        let mut write = self.shared.begin_write(self.db, self.until)?;
+        if let Some(txn) = write.txn.as_mut() {
+            txn.set_durability(Durability::None)
+                .map_err(|e| self.shared.err(e))?;
+        }
+        Ok(write)
     }
 
-    fn commit(&self, txn: Write<'_>) -> Result<(), StoreError> {
+    fn commit(&self, mut write: Write<'_>) -> Result<(), StoreError> {
+        let txn = write.txn.take().expect("a write is committed once");
         self.shared.lock().committing += 1;
-        let result = txn.0.commit().map_err(|e| self.shared.err(e));
+        let result = txn.commit().map_err(|e| self.shared.err(e));
+        drop(write);
         let mut state = self.shared.lock();
         state.committing -= 1;
         if result.is_ok() {
@@ -218,15 +245,15 @@ impl Shared {
         }
     }
 
-    fn waited_too_long(&self) -> StoreError {
+    /// The error of a caller whose wait for `what` outlasted its deadline.
+    fn waited_too_long(&self, what: &str) -> StoreError {
         StoreError::Backend {
             store: self.path.display().to_string(),
-            action: format!(
-                "waiting for this process's other use of {}",
-                self.path.display()
-            ),
+            action: format!("waiting for {what} of {}", self.path.display()),
             transient: true,
-            source: format!("it lasted more than {LOCK_WAIT:?}").into(),
+            source: "another caller of this process held it past this call's time limit \
+                     (a disk that stopped answering?)"
+                .into(),
         }
     }
 
@@ -283,7 +310,7 @@ impl Shared {
             }
             state = self
                 .wait(state, until)
-                .ok_or_else(|| self.waited_too_long())?;
+                .ok_or_else(|| self.waited_too_long("the opening or closing"))?;
         }
     }
 
@@ -455,7 +482,7 @@ impl Shared {
                 state.flushing = true;
                 let covers = state.issued;
                 drop(state);
-                let result = self.unpanicked(|| self.durable_commit(db));
+                let result = self.unpanicked(|| self.durable_commit(db, until));
                 state = self.lock();
                 state.flushing = false;
                 state.durable_commits += 1;
@@ -468,20 +495,43 @@ impl Shared {
             }
             state = self
                 .wait(state, until)
-                .ok_or_else(|| self.waited_too_long())?;
+                .ok_or_else(|| self.waited_too_long("the durable commit"))?;
         }
     }
 
     /// An empty transaction committed with a sync: it makes every commit before it durable.
-    fn durable_commit(&self, db: &redb::Database) -> Result<(), StoreError> {
+    fn durable_commit(&self, db: &redb::Database, until: Instant) -> Result<(), StoreError> {
         #[cfg(test)]
         if let Some(why) = tests::failing_durable_commit(&self.path) {
             return Err(self.err(why));
         }
-        let mut txn = db.begin_write().map_err(|e| self.err(e))?;
+        let mut write = self.begin_write(db, until)?;
+        let mut txn = write.txn.take().expect("just begun");
         txn.set_durability(Durability::Immediate)
             .map_err(|e| self.err(e))?;
         txn.commit().map_err(|e| self.err(e))
+    }
+
+    /// Waits (until `until`) for the writer's place, then begins a write transaction.
+    fn begin_write<'s>(
+        &'s self,
+        db: &redb::Database,
+        until: Instant,
+    ) -> Result<Write<'s>, StoreError> {
+        let mut state = self.lock();
+        while state.writer {
+            state = self
+                .wait(state, until)
+                .ok_or_else(|| self.waited_too_long("the write transaction before this one"))?;
+        }
+        state.writer = true;
+        drop(state);
+        let mut write = Write {
+            txn: None,
+            shared: self,
+        };
+        write.txn = Some(db.begin_write().map_err(|e| self.err(e))?);
+        Ok(write)
     }
 
     fn check_format(&self, db: &redb::Database) -> Result<(), StoreError> {
@@ -557,12 +607,13 @@ impl EmbeddedStore {
         &self,
         f: impl FnOnce(&Session) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let until = Instant::now() + LOCK_WAIT;
         let shared = &*self.shared;
+        let until = Instant::now() + shared.lock().lock_wait.unwrap_or(LOCK_WAIT);
         let open = shared.join(until)?;
         let session = Session {
             db: &open.db,
             shared,
+            until,
             ticket: std::cell::Cell::new(None),
         };
         let outcome = shared.unpanicked(|| f(&session));
@@ -1335,5 +1386,56 @@ mod tests {
         close_idle_files();
         assert!(store.shared.lock().open.is_none());
         assert_eq!(store.list().unwrap().len(), 3);
+    }
+
+    /// A caller that hangs inside a write (a disk that stopped answering) holds up the
+    /// callers behind it only until their deadline: they get a timeout, not a hang.
+    #[test]
+    fn callers_behind_a_hung_writer_time_out_instead_of_hanging() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        {
+            let mut state = store.shared.lock();
+            state.share_span = Some(Duration::from_secs(600));
+            state.lock_wait = Some(Duration::from_millis(200));
+        }
+        let (entered, inside) = std::sync::mpsc::channel();
+        let (release, hung) = std::sync::mpsc::channel::<()>();
+        let holder = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                store.with_db(|db| {
+                    let _txn = db.write()?;
+                    entered.send(()).unwrap();
+                    let _ = hung.recv_timeout(Duration::from_secs(60));
+                    Ok(())
+                })
+            })
+        };
+        inside.recv().unwrap();
+        let (answer_tx, answer) = std::sync::mpsc::channel();
+        let behind = store.clone();
+        std::thread::spawn(move || {
+            answer_tx
+                .send(EmbeddedStore::put(&behind, &record("behind")))
+                .unwrap()
+        });
+        let outcome = answer.recv_timeout(Duration::from_secs(30));
+        release.send(()).unwrap();
+        holder.join().unwrap().unwrap();
+        match outcome {
+            Ok(Err(
+                error @ StoreError::Backend {
+                    transient: true, ..
+                },
+            )) => {
+                assert!(
+                    error.to_string().contains("write transaction before"),
+                    "{error}"
+                );
+            }
+            other => panic!("expected a timeout behind the hung writer, got {other:?}"),
+        }
+        assert!(EmbeddedStore::get(&store, "behind").unwrap().is_none());
     }
 }
