@@ -147,48 +147,6 @@ pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
     Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| io::Error::from(errno))
 }
 
-/// A queue in front of a file lock for the callers of one process: they wait here and are
-/// woken the moment the one before them is done, instead of each polling the file lock
-/// with pauses that grow to 50 ms (under which 64 concurrent Creates took longer than 64
-/// in a row). Only one caller of the process at a time then polls the file lock, against
-/// other processes.
-#[derive(Debug, Default)]
-pub struct Turnstile {
-    busy: Mutex<bool>,
-    freed: Condvar,
-}
-
-/// Being through a `Turnstile`; the next caller goes when it is dropped.
-#[derive(Debug)]
-pub struct TurnstilePass<'a>(&'a Turnstile);
-
-impl Turnstile {
-    /// Waits up to `wait` for the callers before this one; `ErrorKind::TimedOut` if one of
-    /// them is still inside then (a hung holder must not hang every caller behind it).
-    pub fn enter_within(&self, wait: Duration) -> io::Result<TurnstilePass<'_>> {
-        let busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
-        let (mut busy, _) = self
-            .freed
-            .wait_timeout_while(busy, wait, |busy| *busy)
-            .unwrap_or_else(|p| p.into_inner());
-        if *busy {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("another caller of this process held it for {wait:?}"),
-            ));
-        }
-        *busy = true;
-        Ok(TurnstilePass(self))
-    }
-}
-
-impl Drop for TurnstilePass<'_> {
-    fn drop(&mut self) {
-        *self.0.busy.lock().unwrap_or_else(|p| p.into_inner()) = false;
-        self.0.freed.notify_one();
-    }
-}
-
 /// Like `lock_exclusive`, but gives up with `ErrorKind::TimedOut` after `wait`, so that a
 /// holder that hangs cannot hang every caller behind it.
 pub fn lock_exclusive_within(path: &Path, wait: Duration) -> io::Result<Flock<File>> {
@@ -229,31 +187,6 @@ pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_turnstile_lets_one_caller_through_at_a_time_and_times_out_behind_a_hung_one() {
-        let gate = std::sync::Arc::new(Turnstile::default());
-        let pass = gate.enter_within(Duration::from_secs(1)).unwrap();
-        // Behind a holder that does not leave: a clear timeout, not a hang.
-        let err = gate.enter_within(Duration::from_millis(20)).unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
-        // A waiter goes through once the holder leaves, and only then.
-        let inside = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let waiter = {
-            let (gate, inside) = (gate.clone(), inside.clone());
-            std::thread::spawn(move || {
-                let _pass = gate.enter_within(Duration::from_secs(30)).unwrap();
-                inside.store(true, std::sync::atomic::Ordering::SeqCst);
-            })
-        };
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(!inside.load(std::sync::atomic::Ordering::SeqCst));
-        drop(pass);
-        waiter.join().unwrap();
-        assert!(inside.load(std::sync::atomic::Ordering::SeqCst));
-        // And the gate is free again.
-        drop(gate.enter_within(Duration::from_millis(20)).unwrap());
-    }
 
     #[test]
     fn concurrent_durable_writes_share_directory_syncs_and_all_land() {
