@@ -50,10 +50,14 @@ fuzz_target!(|data: &[u8]| {
     assert!(message.contains("/fuzz.toml"), "{message}");
     if let Ok(table) = text.parse::<toml::Table>() {
         for secret in secret_values(&table) {
+            // Without the quote characters the parser's messages put around a name they
+            // quote: a key the file also holds, quoted as `key`, must not pass for a
+            // secret that is that key plus a backtick (a seed in the corpus is one).
+            let core = secret.trim_matches(|c| matches!(c, '`' | '"' | '\''));
             // Long enough not to be a word of the message, and nowhere else in the file
-            // (other fields' values may be quoted).
-            if secret.len() >= 12 && text.matches(secret.as_str()).count() == 1 {
-                assert!(!message.contains(&secret), "{message}");
+            // (other fields' values and unknown keys may be quoted).
+            if core.len() >= 12 && text.matches(core).count() == 1 {
+                assert!(!message.contains(core), "{message}");
             }
         }
     }
