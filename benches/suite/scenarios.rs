@@ -916,9 +916,64 @@ fn store_rows_at(store: &str, small: &Pairs, big: &Pairs, stored: &str) -> Vec<R
 /// The embedded store from 100 to 10,000 volumes, and the daemon's memory idle and with
 /// 10,000 volumes stored and 1,000 attached (first Attaches through the fake driver's
 /// bind mounts, detached again afterwards).
+/// Creates at once in the create-storm figures.
+const STORM: usize = 64;
+
+/// One round of the create storm: `STORM` Creates on fresh ids released together (their
+/// wall time in ns), then their Destroys.
+fn create_storm(runner: &mut Runner, via: &Via, tag: &str, round: usize) -> anyhow::Result<i64> {
+    let ids: Vec<String> = (0..STORM)
+        .map(|i| format!("{tag}-{round}-{i:02}"))
+        .collect();
+    let creates: Vec<Call> = ids.iter().map(|id| Call::create(id)).collect();
+    let wall = runner
+        .run(
+            &format!("{STORM} creates round {round}"),
+            via,
+            STORM,
+            &creates,
+        )?
+        .wall_ns;
+    let destroys: Vec<Call> = ids.iter().map(|id| Call::destroy(id)).collect();
+    runner.run(
+        &format!("{STORM} destroys round {round}"),
+        via,
+        8,
+        &destroys,
+    )?;
+    Ok(wall)
+}
+
+/// Fills the embedded store from `from` records to `to` (see seed.rs) plus one that the
+/// bridge then Destroys: proof that it reads the added records. The id at `to` is the
+/// one destroyed, so the next fill may use it again.
+fn seed_to(
+    runner: &mut Runner,
+    via: &Via,
+    store_file: &Path,
+    from: usize,
+    to: usize,
+) -> anyhow::Result<()> {
+    let extra = fill_ids(to..to + 1).remove(0);
+    crate::seed::fill(
+        store_file,
+        world::DRIVER,
+        from as u64,
+        "fill-00000",
+        &fill_ids(from..to + 1),
+    )?;
+    runner.run("destroy an added record", via, 1, &[Call::destroy(&extra)])?;
+    if crate::seed::holds(store_file, &extra)? {
+        bail!("the bridge did not Destroy the added record of {extra}: seed.rs is out of date");
+    }
+    let stored_records = crate::seed::count(store_file)?;
+    if stored_records != to as u64 {
+        bail!("the store holds {stored_records} records, expected {to}");
+    }
+    Ok(())
+}
+
 fn store(world: &World) -> anyhow::Result<Vec<Row>> {
-    /// Creates at once in the create-storm figure.
-    const STORM: usize = 64;
     const SMALL: usize = 100;
     const BIG: usize = 10_000;
     const HUGE: usize = 100_000;
@@ -956,51 +1011,16 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
     let (direct_create, _) = direct.create_delete("direct-cd", s.create_destroy_pairs)?;
     let (mut storm_walls, mut direct_storm_walls) = (Vec::new(), Vec::new());
     for round in 0..s.rounds {
-        let ids: Vec<String> = (0..STORM)
-            .map(|i| format!("storm-{round}-{i:02}"))
-            .collect();
-        storm_walls.push(
-            runner
-                .run(
-                    &format!("{STORM} creates round {round}"),
-                    &via,
-                    STORM,
-                    &creates(ids.clone()),
-                )?
-                .wall_ns,
-        );
-        let destroys: Vec<Call> = ids.iter().map(|id| Call::destroy(id)).collect();
-        runner.run(
-            &format!("{STORM} destroys round {round}"),
-            &via,
-            8,
-            &destroys,
-        )?;
+        storm_walls.push(create_storm(&mut runner, &via, "storm", round)?);
         let direct_ids: Vec<String> = (0..STORM)
             .map(|i| format!("direct-storm-{round}-{i:02}"))
             .collect();
         direct_storm_walls.push(direct.creates_at_once(&direct_ids)?.as_nanos() as i64);
     }
 
-    // To 10,000 records (see seed.rs), plus one that the bridge then Destroys: proof
-    // that it reads the added records.
+    // To 10,000 records.
     let store_file = files.state_dir.join("controller.redb");
-    let extra = fill_ids(BIG..BIG + 1).remove(0);
-    crate::seed::fill(
-        &store_file,
-        world::DRIVER,
-        SMALL as u64,
-        "fill-00000",
-        &fill_ids(SMALL..BIG + 1),
-    )?;
-    runner.run("destroy an added record", &via, 1, &[Call::destroy(&extra)])?;
-    if crate::seed::holds(&store_file, &extra)? {
-        bail!("the bridge did not Destroy the added record of {extra}: seed.rs is out of date");
-    }
-    let stored_records = crate::seed::count(&store_file)?;
-    if stored_records != BIG as u64 {
-        bail!("the store holds {stored_records} records, expected {BIG}");
-    }
+    seed_to(&mut runner, &via, &store_file, SMALL, BIG)?;
     let mut big = Pairs::default();
     big.add(create_destroy(
         &mut runner,
@@ -1023,21 +1043,8 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         .collect();
     runner.run("detach 1,000", &via, 8, &detaches)?;
 
-    // Issue 20: to 100,000 records the same way, and the same pairs and memory there
-    // (the id at 10,000 is free again: its record was the one destroyed above).
-    let extra = fill_ids(HUGE..HUGE + 1).remove(0);
-    crate::seed::fill(
-        &store_file,
-        world::DRIVER,
-        BIG as u64,
-        "fill-00000",
-        &fill_ids(BIG..HUGE + 1),
-    )?;
-    runner.run("destroy an added record", &via, 1, &[Call::destroy(&extra)])?;
-    let stored_records = crate::seed::count(&store_file)?;
-    if stored_records != HUGE as u64 {
-        bail!("the store holds {stored_records} records, expected {HUGE}");
-    }
+    // Issue 20: to 100,000 records the same way, and the same pairs and memory there.
+    seed_to(&mut runner, &via, &store_file, BIG, HUGE)?;
     let mut huge = Pairs::default();
     huge.add(create_destroy(
         &mut runner,
@@ -1123,8 +1130,6 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
 /// The Kubernetes store (CubeVolume objects in a real kube-apiserver) from 100 to 10,000
 /// volumes; the store is filled straight through the API.
 fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
-    /// Creates at once in the create-storm figure.
-    const STORM: usize = 64;
     const SMALL: usize = 100;
     const BIG: usize = 10_000;
     const HUGE: usize = 100_000;
@@ -1185,27 +1190,7 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
     // the API at once, interleaved round by round (at 10,000 stored).
     let (mut storm_walls, mut direct_walls) = (Vec::new(), Vec::new());
     for round in 0..s.rounds {
-        let ids: Vec<String> = (0..STORM)
-            .map(|i| format!("k8s-storm-{round}-{i:02}"))
-            .collect();
-        let calls: Vec<Call> = ids.iter().map(|id| Call::create(id)).collect();
-        storm_walls.push(
-            runner
-                .run(
-                    &format!("{STORM} creates round {round}"),
-                    &via,
-                    STORM,
-                    &calls,
-                )?
-                .wall_ns,
-        );
-        let destroys: Vec<Call> = ids.iter().map(|id| Call::destroy(id)).collect();
-        runner.run(
-            &format!("{STORM} destroys round {round}"),
-            &via,
-            8,
-            &destroys,
-        )?;
+        storm_walls.push(create_storm(&mut runner, &via, "k8s-storm", round)?);
         let direct_ids: Vec<String> = (0..STORM)
             .map(|i| format!("k8s-direct-storm-{round}-{i:02}"))
             .collect();
