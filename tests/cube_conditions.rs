@@ -206,6 +206,9 @@ async fn start_up_reconciliation_never_acts_on_a_stale_copy() {
             json["publish"] = "uncertain".into();
             no_holders(json);
         });
+        // The holder log as the save before NodePublishVolume left it: nobody.
+        let log = w.dir.path().join(format!("state/node/{volume}.holders"));
+        std::fs::write(log, "*\t0\n").unwrap();
     }
     // Reconciling a-slow stays in NodeUnpublishVolume until released; meanwhile Cube
     // attaches b-live again.

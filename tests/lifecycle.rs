@@ -710,6 +710,8 @@ async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
     json["publish"] = "uncertain".into();
     json["holders"] = serde_json::json!({});
     std::fs::write(&record, json.to_string()).unwrap();
+    // The holder log as the save before the call left it: nobody.
+    std::fs::write(record.with_extension("holders"), "*\t0\n").unwrap();
     w.driver.clear_calls();
 
     w.start_daemon().await.unwrap();

@@ -11,7 +11,14 @@
 //! to open the journal puts each volume's last complete entry back into its record file
 //! (what a power loss may have lost or left torn) before anything reads them, makes the
 //! files durable, and starts the log afresh for its boot. A checkpoint (each record the
-//! log names synced, then the log emptied) keeps the log short.
+//! log names synced, then the log emptied) keeps the log short; the header counts the
+//! checkpoints of its boot.
+//!
+//! A record file is rewritten in place (`Overwrite::InPlace`), not replaced by a rename,
+//! only when the log on disk already holds a complete entry of that volume: one that an
+//! `fdatasync` of this process covered since the last checkpoint. A power loss that tears
+//! the file in the middle of that rewrite then finds the entry, and the next boot puts
+//! it back, as it would for a replaced file that lost its new content.
 //!
 //! Why that is as durable as the old `fdatasync` + rename + directory fsync of each record:
 //! docs/reliability.md, "The node intent log".
@@ -34,11 +41,24 @@ pub const CHECKPOINT_BYTES: u64 = 1 << 20;
 /// The first line's fixed part; the boot id follows.
 const HEADER: &str = "cube-csi-bridge node intents 1\tboot\t";
 
+/// What follows the boot id in the header of a log that was checkpointed.
+const CHECKPOINT_TAG: &str = "checkpoint\t";
+
 /// The payload of an entry that says the volume's record was removed.
 const REMOVED: &str = "-";
 
 /// An error of the log or of the record file it was writing, with its path.
 pub type IntentError = (PathBuf, io::Error);
+
+/// How a save may write its record file (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overwrite {
+    /// The log on disk has a complete entry of this volume: the file may be rewritten
+    /// where it is.
+    InPlace,
+    /// Write a new file and rename it over the old one.
+    Replace,
+}
 
 /// Each volume's last complete entry: its record's bytes, or None when it was removed.
 type LastEntries = BTreeMap<String, Option<Vec<u8>>>;
@@ -55,6 +75,9 @@ pub struct IntentLog {
     file: Mutex<Option<Arc<File>>>,
     commit: GroupCommit,
     checkpoint_bytes: u64,
+    /// Volumes whose entry an fdatasync of this process covered, with the checkpoint
+    /// count of the log it was in (a checkpoint of any process makes them stale).
+    synced: Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl IntentLog {
@@ -77,6 +100,7 @@ impl IntentLog {
             file: Mutex::new(None),
             commit: GroupCommit::default(),
             checkpoint_bytes,
+            synced: Mutex::new(std::collections::HashMap::new()),
         };
         let path = log.log_path();
         let file = match std::fs::OpenOptions::new()
@@ -111,24 +135,65 @@ impl IntentLog {
         super::journal::record_path(&self.records, volume_id)
     }
 
-    fn header(&self) -> String {
-        format!("{HEADER}{}\n", self.boot_id)
+    /// The first line of this boot's log after `checkpoints` checkpoints (the first has
+    /// no count: it is what builds before the count wrote).
+    fn header(&self, checkpoints: u64) -> String {
+        match checkpoints {
+            0 => format!("{HEADER}{}\n", self.boot_id),
+            n => format!("{HEADER}{}\t{CHECKPOINT_TAG}{n}\n", self.boot_id),
+        }
+    }
+
+    /// (boot id, checkpoints) of the log's first line; None when it is no header (a log
+    /// being made, or damaged).
+    fn read_header(file: &File) -> Result<Option<(String, u64)>, io::Error> {
+        let mut first = [0u8; 256];
+        let mut read = 0;
+        while read < first.len() {
+            match file.read_at(&mut first[read..], read as u64)? {
+                0 => break,
+                n => read += n,
+            }
+        }
+        let Some(end) = first[..read].iter().position(|b| *b == b'\n') else {
+            return Ok(None);
+        };
+        let Some(rest) = std::str::from_utf8(&first[..end])
+            .ok()
+            .and_then(|line| line.strip_prefix(HEADER))
+        else {
+            return Ok(None);
+        };
+        Ok(match rest.split_once('\t') {
+            None => Some((rest.to_string(), 0)),
+            Some((boot, count)) => count
+                .strip_prefix(CHECKPOINT_TAG)
+                .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|n| n.parse().ok())
+                .map(|n| (boot.to_string(), n)),
+        })
     }
 
     /// Appends `volume_id`'s new record (None: its removal) and, under the same shared
-    /// lock (no checkpoint between them), lets `apply` write the record file itself; with
-    /// `durable`, returns once an `fdatasync` of the log covers the entry.
+    /// lock (no checkpoint between them), lets `apply` write the record file itself, told
+    /// whether it may rewrite the file in place; with `durable`, returns once an
+    /// `fdatasync` of the log covers the entry.
     pub fn append(
         &self,
         volume_id: &str,
         record: Option<&[u8]>,
         durable: bool,
-        apply: impl FnOnce() -> Result<(), IntentError>,
+        apply: impl FnOnce(Overwrite) -> Result<(), IntentError>,
     ) -> Result<(), IntentError> {
         let file = self.file()?;
         let log = self.log_path();
-        {
+        let checkpoints = {
             let _shared = self.lock(FlockArg::LockShared)?;
+            // Read under the lock: no checkpoint moves it until the record is written.
+            let checkpoints = Self::read_header(&file)
+                .map_err(|e| (log.clone(), e))?
+                .filter(|(boot, _)| *boot == self.boot_id)
+                .map(|(_, n)| n);
             // One write (O_APPEND: at the end, whoever else appends). It starts with a
             // newline, so that a torn entry before it (a full disk) ends there and this one
             // is read on its own line.
@@ -141,12 +206,37 @@ impl IntentLog {
                 // does what it always did, and a reboot replays the entry before it.
                 tracing::warn!(log = %log.display(), %error, volume_id, "could not append to the node intent log");
             }
-            apply()?;
-        }
+            let synced = self
+                .synced
+                .lock()
+                .expect("intent log poisoned")
+                .get(volume_id)
+                .copied();
+            let overwrite = match checkpoints {
+                Some(n) if synced == Some(n) => Overwrite::InPlace,
+                _ => Overwrite::Replace,
+            };
+            apply(overwrite)?;
+            checkpoints
+        };
         if durable {
             self.commit
                 .sync(|| file.sync_data())
                 .map_err(|e| (log.clone(), e))?;
+        }
+        {
+            let mut synced = self.synced.lock().expect("intent log poisoned");
+            match (record, checkpoints) {
+                // Stale at once if a checkpoint came between the append and the sync: the
+                // count read above is then behind the log's.
+                (Some(_), Some(n)) if durable => {
+                    synced.insert(volume_id.to_string(), n);
+                }
+                (None, _) => {
+                    synced.remove(volume_id);
+                }
+                _ => {}
+            }
         }
         if let Err((path, error)) = self.checkpoint_if_long(&file) {
             tracing::warn!(path = %path.display(), %error, "could not checkpoint the node intent log; it is tried again on a later save");
@@ -180,7 +270,7 @@ impl IntentLog {
             // The log, its name and its directory's name are on disk before any entry
             // relies on them.
             (&file)
-                .write_all(self.header().as_bytes())
+                .write_all(self.header(0).as_bytes())
                 .and_then(|()| file.sync_data())
                 .map_err(|e| (path.clone(), e))?;
             for dir in [&self.dir, &self.records] {
@@ -196,17 +286,9 @@ impl IntentLog {
 
     /// Whether the log's first line names this boot.
     fn header_is_ours(&self, file: &File) -> Result<bool, IntentError> {
-        let header = self.header();
-        let mut first = vec![0u8; header.len()];
-        let mut read = 0;
-        while read < first.len() {
-            match file.read_at(&mut first[read..], read as u64) {
-                Ok(0) => break,
-                Ok(n) => read += n,
-                Err(e) => return Err((self.log_path(), e)),
-            }
-        }
-        Ok(read == header.len() && first == header.as_bytes())
+        Ok(Self::read_header(file)
+            .map_err(|e| (self.log_path(), e))?
+            .is_some_and(|(boot, _)| boot == self.boot_id))
     }
 
     /// A takes of the lock that orders appends (shared) before checkpoints and recoveries
@@ -249,8 +331,10 @@ impl IntentLog {
         for (volume_id, record) in &last {
             let record_path = self.record_path(volume_id);
             let on_disk = std::fs::read(&record_path).ok();
+            // A file rewritten in place ends in the spaces that padded it to its old size.
+            let content = on_disk.as_deref().map(|b| b.trim_ascii_end());
             match record {
-                Some(bytes) if on_disk.as_deref() != Some(bytes.as_slice()) => {
+                Some(bytes) if content != Some(bytes.as_slice()) => {
                     write_atomic(&record_path, bytes, None).map_err(|e| (record_path, e))?;
                     restored += 1;
                 }
@@ -313,13 +397,17 @@ impl IntentLog {
         sync_dir(&self.records)
     }
 
-    /// Empties the log down to this boot's header, on disk before any new entry.
+    /// Empties the log down to this boot's header, its checkpoint count one more than
+    /// before, on disk before any new entry.
     fn start_afresh(&self, file: &File) -> Result<(), IntentError> {
         let path = self.log_path();
+        let checkpoints = Self::read_header(file)
+            .map_err(|e| (path.clone(), e))?
+            .map_or(0, |(_, n)| n + 1);
         file.set_len(0)
             .and_then(|()| {
                 let mut file = file;
-                file.write_all(self.header().as_bytes())
+                file.write_all(self.header(checkpoints).as_bytes())
             })
             .and_then(|()| file.sync_data())
             .map_err(|e| (path, e))
@@ -384,14 +472,14 @@ mod tests {
 
     fn save(log: &IntentLog, id: &str, bytes: &[u8], durable: bool) {
         let path = log.record_path(id);
-        log.append(id, Some(bytes), durable, || {
+        log.append(id, Some(bytes), durable, |_| {
             write_atomic(&path, bytes, None).map_err(|e| (path.clone(), e))
         })
         .unwrap();
     }
 
     fn remove(log: &IntentLog, id: &str) {
-        log.append(id, None, false, || {
+        log.append(id, None, false, |_| {
             super::super::journal::remove_files(&log.records, id)
         })
         .unwrap();
@@ -443,7 +531,7 @@ mod tests {
         assert_eq!(read(dir, "kept").as_deref(), Some(r#"{"v":1}"#));
         assert_eq!(
             std::fs::read_to_string(&log_path).unwrap(),
-            format!("{HEADER}boot-2\n")
+            format!("{HEADER}boot-2\t{CHECKPOINT_TAG}1\n")
         );
         // The new boot's saves go on in the fresh log.
         save(&log, "new", br#"{"v":1}"#, true);
@@ -516,6 +604,81 @@ mod tests {
                 Some(format!("{{\"n\":{}}}", 35 + i))
             );
         }
+    }
+
+    /// The overwrite `append` offers for a save of `id`.
+    fn offered(log: &IntentLog, id: &str, durable: bool) -> Overwrite {
+        let mut offered = None;
+        log.append(id, Some(b"{}"), durable, |overwrite| {
+            offered = Some(overwrite);
+            Ok(())
+        })
+        .unwrap();
+        offered.unwrap()
+    }
+
+    /// A record may be rewritten in place only once an fdatasync of this process has put
+    /// an entry of it in the log on disk, and only until a checkpoint (of any process)
+    /// empties the log; a removal forgets it.
+    #[test]
+    fn a_record_is_rewritten_in_place_only_while_the_log_on_disk_holds_an_entry_of_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let ours = IntentLog::with_checkpoint(dir, "b", 2000).unwrap();
+        assert_eq!(
+            offered(&ours, "v", false),
+            Overwrite::Replace,
+            "nothing synced yet"
+        );
+        assert_eq!(
+            offered(&ours, "v", true),
+            Overwrite::Replace,
+            "synced after it"
+        );
+        assert_eq!(offered(&ours, "v", false), Overwrite::InPlace);
+        assert_eq!(offered(&ours, "v", true), Overwrite::InPlace);
+        assert_eq!(
+            offered(&ours, "w", false),
+            Overwrite::Replace,
+            "another volume"
+        );
+        // Another process's saves fill the log until it checkpoints.
+        let theirs = IntentLog::with_checkpoint(dir, "b", 2000).unwrap();
+        let log_path = dir.join("intents/log");
+        let header = |path: &Path| {
+            let text = std::fs::read_to_string(path).unwrap();
+            text.lines().next().unwrap().to_string()
+        };
+        assert_eq!(header(&log_path), format!("{HEADER}b"));
+        while header(&log_path) == format!("{HEADER}b") {
+            save(&theirs, "x", &[b'1'; 100], false);
+        }
+        assert_eq!(header(&log_path), format!("{HEADER}b\t{CHECKPOINT_TAG}1"));
+        assert_eq!(
+            offered(&ours, "v", false),
+            Overwrite::Replace,
+            "after a checkpoint"
+        );
+        assert_eq!(offered(&ours, "v", true), Overwrite::Replace);
+        assert_eq!(offered(&ours, "v", false), Overwrite::InPlace);
+        remove(&ours, "v");
+        assert_eq!(
+            offered(&ours, "v", false),
+            Overwrite::Replace,
+            "after a removal"
+        );
+        // A log of a build before the count (its header ends at the boot id) is this
+        // boot's, at count 0.
+        drop((ours, theirs));
+        std::fs::write(&log_path, format!("{HEADER}b\n")).unwrap();
+        let old = IntentLog::open(dir, "b").unwrap();
+        assert_eq!(offered(&old, "v", true), Overwrite::Replace);
+        assert_eq!(offered(&old, "v", false), Overwrite::InPlace);
+        assert!(
+            std::fs::read_to_string(&log_path)
+                .unwrap()
+                .starts_with(&format!("{HEADER}b\n"))
+        );
     }
 
     /// Entries are read back exactly; a damaged one, or one whose volume id is not a

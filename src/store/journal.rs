@@ -33,9 +33,11 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use super::fsutil::write_atomic;
-use super::intents::{IntentError, IntentLog};
+use super::intents::{IntentError, IntentLog, Overwrite};
 use crate::bridge::ports::{JournalError, NodeJournal};
-use crate::bridge::records::{HolderChange, HolderTimes, Holders, JOURNAL_FORMAT, NodeRecord};
+use crate::bridge::records::{
+    HOLDER_LOG_LIMIT, HolderChange, HolderTimes, Holders, JOURNAL_FORMAT, NodeRecord,
+};
 
 /// The journal directory.
 #[derive(Debug, Clone)]
@@ -105,6 +107,108 @@ impl FileJournal {
         }
     }
 
+    /// Brings the holder log to the holders `record` has, the cheapest way that leaves
+    /// the log saying exactly them: nothing when it already does, the changes appended
+    /// when a few lines make it so, else a fresh snapshot. A save must never leave an old
+    /// log to be replayed over a record with other holders: when neither write works,
+    /// the log goes.
+    fn sync_holder_log(&self, record: &NodeRecord) -> Result<(), JournalError> {
+        let log = self.holder_log(&record.volume_id);
+        if !record.holders_unknown {
+            if let Some((holders, times, changes)) = self.holders_in_log(&log)
+                && changes <= HOLDER_LOG_LIMIT / 2
+            {
+                if holders == record.holders && times.added == record.holder_times.added {
+                    return Ok(());
+                }
+                if let Some(lines) = changes_between(&holders, &times, record)
+                    && self.append_holder_lines(&record.volume_id, &lines).is_ok()
+                {
+                    return Ok(());
+                }
+            }
+            // The snapshot needs no fsync: holders do not outlive a power loss (a reboot).
+            match write_atomic(
+                &log,
+                snapshot_log(&record.holders, &record.holder_times).as_bytes(),
+                None,
+            ) {
+                Ok(()) => return Ok(()),
+                Err(error) => tracing::warn!(
+                    log = %log.display(),
+                    %error,
+                    "could not write the holder snapshot; the record alone keeps the holders"
+                ),
+            }
+        }
+        // A partial holder set is no snapshot; and an old log must not be replayed over
+        // the new record.
+        match std::fs::remove_file(&log) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Self::io(&log)(e)),
+        }
+    }
+
+    /// (holders, times, size of the changes after the snapshot) the log says, when it
+    /// starts with a whole snapshot; None when there is no such log or it cannot be read.
+    fn holders_in_log(&self, log: &Path) -> Option<(Holders, HolderTimes, u64)> {
+        let text = read_log(log).ok()??;
+        let (header, snapshot) = parse_snapshot_header(&text)?;
+        if text.len() < header + snapshot {
+            return None;
+        }
+        let (mut holders, mut times) = (Holders::new(), HolderTimes::default());
+        apply_lines(&text[header..], &mut holders, &mut times, log);
+        Some((holders, times, (text.len() - header - snapshot) as u64))
+    }
+
+    /// Appends `lines` (whole lines) to the holder log in one write, after cutting off a
+    /// torn last line; returns the size of the changes after the snapshot.
+    fn append_holder_lines(&self, volume_id: &str, lines: &str) -> Result<u64, JournalError> {
+        use std::os::unix::fs::FileExt;
+        let log = self.holder_log(volume_id);
+        let io = Self::io(&log);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&log)
+            .map_err(Self::io(&log))?;
+        let mut end = file.metadata().map_err(Self::io(&log))?.len();
+        // A torn last line (a write cut short by a full disk, or by a crash) is a change
+        // that never finished: cut it off, or the new line would be glued to it and read
+        // back as a holder nobody attached.
+        if end > 0 {
+            let mut last = [0u8];
+            file.read_exact_at(&mut last, end - 1)
+                .map_err(Self::io(&log))?;
+            if last[0] != b'\n' {
+                let mut text = vec![0u8; end as usize];
+                file.read_exact_at(&mut text, 0).map_err(Self::io(&log))?;
+                end = text
+                    .iter()
+                    .rposition(|b| *b == b'\n')
+                    .map_or(0, |i| i as u64 + 1);
+                file.set_len(end).map_err(Self::io(&log))?;
+            }
+        }
+        if let Err(e) = file.write_all_at(lines.as_bytes(), end) {
+            // Whatever part of the lines made it to the file goes again, so that the log
+            // ends where it did (best effort: the next append cuts a torn line anyway).
+            let _ = file.set_len(end);
+            return Err(io(e));
+        }
+        // The header is one short line: the first bytes say how long the snapshot is.
+        let mut head = [0u8; 32];
+        let read = file.read_at(&mut head, 0).map_err(Self::io(&log))?;
+        let snapshot = parse_snapshot_header(&String::from_utf8_lossy(&head[..read]))
+            .map_or(0, |(header, snapshot)| (header + snapshot) as u64);
+        Ok((end + lines.len() as u64).saturating_sub(snapshot))
+    }
+
     fn replay_holders(&self, record: &mut NodeRecord) -> Result<(), JournalError> {
         let log = self.holder_log(&record.volume_id);
         let Some(text) = read_log(&log)? else {
@@ -170,6 +274,89 @@ fn apply_lines(text: &str, holders: &mut Holders, times: &mut HolderTimes, log: 
     }
 }
 
+/// The most a record rewritten in place may be: one page, which one `pwrite` copies
+/// whole or not at all, whatever signal kills the process meanwhile.
+const IN_PLACE_MAX: usize = 4096;
+
+/// Rewrites the record at `path` with `bytes` in one write at offset 0, padded with
+/// spaces (which JSON ignores) to the file's old size, so that no truncation can leave
+/// half of the old record behind. `Ok(false)`: the file is not there, or either record is
+/// bigger than one page; the caller replaces the file instead.
+fn overwrite_in_place(path: &Path, bytes: &[u8]) -> io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let file = match std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let meta = file.metadata()?;
+    let old = usize::try_from(meta.len()).unwrap_or(usize::MAX);
+    if !meta.is_file() || old == 0 || old > IN_PLACE_MAX || bytes.len() > IN_PLACE_MAX {
+        return Ok(false);
+    }
+    let mut page = bytes.to_vec();
+    page.resize(old.max(bytes.len()), b' ');
+    let written = file.write_at(&page, 0)?;
+    if written != page.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            format!("wrote {written} of {} bytes", page.len()),
+        ));
+    }
+    Ok(true)
+}
+
+/// The holder-log lines that take the log from (`holders`, `times`) to `record`'s
+/// holders and times when only sandboxes came and went; None when lines cannot say it
+/// exactly (the caller writes a snapshot).
+fn changes_between(holders: &Holders, times: &HolderTimes, record: &NodeRecord) -> Option<String> {
+    let mut changes = Vec::new();
+    for (namespace, sandboxes) in holders {
+        for sandbox in sandboxes {
+            if !record
+                .holders
+                .get(namespace)
+                .is_some_and(|set| set.contains(sandbox))
+            {
+                changes.push(HolderChange::Detach {
+                    namespace: namespace.clone(),
+                    sandbox: sandbox.clone(),
+                    last: false,
+                    at: 0,
+                });
+            }
+        }
+    }
+    for (namespace, sandboxes) in &record.holders {
+        for sandbox in sandboxes {
+            if !holders
+                .get(namespace)
+                .is_some_and(|set| set.contains(sandbox))
+            {
+                changes.push(HolderChange::Attach {
+                    namespace: namespace.clone(),
+                    sandbox: sandbox.clone(),
+                    first: false,
+                    at: record
+                        .holder_times
+                        .added_at(namespace, sandbox)
+                        .unwrap_or(0),
+                });
+            }
+        }
+    }
+    let (mut after, mut after_times) = (holders.clone(), times.clone());
+    for change in &changes {
+        change.apply_timed(&mut after, &mut after_times);
+    }
+    (after == record.holders && after_times.added == record.holder_times.added)
+        .then(|| changes.iter().map(holder_line).collect())
+}
+
 /// The directory (under the journal's) of namespaces' last hooks kept past a teardown.
 const KEPT_HOOKS_DIR: &str = "namespaces";
 
@@ -213,14 +400,22 @@ impl NodeJournal for FileJournal {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Self::io(&path)(e)),
         };
-        let mut record = decode(&path, &bytes)?;
+        let mut record = match decode(&path, &bytes) {
+            Ok(record) => record,
+            // A record is rewritten in place under its volume's lock; a reader without it
+            // (the inventory) may catch the rewrite half done: the second read is whole.
+            Err(first) => match std::fs::read(&path) {
+                Ok(again) if again != bytes => decode(&path, &again)?,
+                _ => return Err(first),
+            },
+        };
         self.replay_holders(&mut record)?;
         Ok(Some(record))
     }
 
-    /// Writes `record` (holders included) and starts its holder log afresh with their
-    /// snapshot; `durable` waits until the record is on disk (use before a CSI call): in
-    /// the intent log, whose fdatasync it shares with every save waiting at that moment.
+    /// Writes `record` (holders included) and brings its holder log to the same holders;
+    /// `durable` waits until the record is on disk (use before a CSI call): in the intent
+    /// log, whose fdatasync it shares with every save waiting at that moment.
     fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
         let path = self.path(&record.volume_id);
         let bytes = serde_json::to_vec(record).map_err(|e| JournalError::Corrupt {
@@ -228,35 +423,19 @@ impl NodeJournal for FileJournal {
             message: e.to_string(),
         })?;
         self.intents
-            .append(&record.volume_id, Some(bytes.as_slice()), durable, || {
+            .append(&record.volume_id, Some(bytes.as_slice()), durable, |overwrite| {
+                if overwrite == Overwrite::InPlace {
+                    match overwrite_in_place(&path, &bytes) {
+                        Ok(true) => return Ok(()),
+                        Ok(false) => {}
+                        // Replaced below, which says what is wrong if it fails too.
+                        Err(error) => tracing::debug!(%error, path = %path.display(), "could not rewrite the record in place"),
+                    }
+                }
                 write_atomic(&path, &bytes, None).map_err(|e| (path.clone(), e))
             })
             .map_err(Self::intent_error)?;
-        // The record now holds every change the log had; replaying them again after a
-        // crash right here would change nothing (see HolderChange::apply). The snapshot
-        // needs no fsync: holders do not outlive a power loss (a reboot).
-        let log = self.holder_log(&record.volume_id);
-        if !record.holders_unknown {
-            match write_atomic(
-                &log,
-                snapshot_log(&record.holders, &record.holder_times).as_bytes(),
-                None,
-            ) {
-                Ok(()) => return Ok(()),
-                Err(error) => tracing::warn!(
-                    log = %log.display(),
-                    %error,
-                    "could not write the holder snapshot; the record alone keeps the holders"
-                ),
-            }
-        }
-        // A partial holder set is no snapshot; and an old log must not be replayed over
-        // the new record.
-        match std::fs::remove_file(&log) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Self::io(&log)(e)),
-        }
+        self.sync_holder_log(record)
     }
 
     /// The holders of a log that starts with its record's snapshot, from the log alone.
@@ -285,48 +464,7 @@ impl NodeJournal for FileJournal {
     /// fold a long log into the record (`save`) before reading it costs more than
     /// rewriting it (the snapshot does not count: it is as long as the holders are many).
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError> {
-        use std::os::unix::fs::FileExt;
-        let log = self.holder_log(volume_id);
-        let io = Self::io(&log);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&log)
-            .map_err(Self::io(&log))?;
-        let mut end = file.metadata().map_err(Self::io(&log))?.len();
-        // A torn last line (a write cut short by a full disk, or by a crash) is a change
-        // that never finished: cut it off, or the new line would be glued to it and read
-        // back as a holder nobody attached.
-        if end > 0 {
-            let mut last = [0u8];
-            file.read_exact_at(&mut last, end - 1)
-                .map_err(Self::io(&log))?;
-            if last[0] != b'\n' {
-                let mut text = vec![0u8; end as usize];
-                file.read_exact_at(&mut text, 0).map_err(Self::io(&log))?;
-                end = text
-                    .iter()
-                    .rposition(|b| *b == b'\n')
-                    .map_or(0, |i| i as u64 + 1);
-                file.set_len(end).map_err(Self::io(&log))?;
-            }
-        }
-        let line = holder_line(change);
-        if let Err(e) = file.write_all_at(line.as_bytes(), end) {
-            // Whatever part of the line made it to the file goes again, so that the log
-            // ends where it did (best effort: the next append cuts a torn line anyway).
-            let _ = file.set_len(end);
-            return Err(io(e));
-        }
-        // The header is one short line: the first bytes say how long the snapshot is.
-        let mut head = [0u8; 32];
-        let read = file.read_at(&mut head, 0).map_err(Self::io(&log))?;
-        let snapshot = parse_snapshot_header(&String::from_utf8_lossy(&head[..read]))
-            .map_or(0, |(header, snapshot)| (header + snapshot) as u64);
-        Ok((end + line.len() as u64).saturating_sub(snapshot))
+        self.append_holder_lines(volume_id, &holder_line(change))
     }
 
     /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
@@ -335,7 +473,7 @@ impl NodeJournal for FileJournal {
     /// that a reboot does not bring the record back.
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         self.intents
-            .append(volume_id, None, false, || {
+            .append(volume_id, None, false, |_| {
                 remove_files(&self.dir, volume_id)
             })
             .map_err(Self::intent_error)
@@ -653,7 +791,16 @@ mod tests {
         let mut twice = loaded.holders.clone();
         changes.iter().for_each(|c| c.apply(&mut twice));
         assert_eq!(twice, expected);
-        // Saving folds the log in and starts it afresh with a snapshot of the holders.
+        // A save of the holders the log already says leaves the log as it is.
+        let log_before = std::fs::read_to_string(journal.holder_log("v")).unwrap();
+        journal.save(&loaded, false).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(journal.holder_log("v")).unwrap(),
+            log_before
+        );
+        assert_eq!(journal.load("v").unwrap().unwrap().holders, expected);
+        // Without a log, a save starts one with a snapshot of the holders.
+        std::fs::remove_file(journal.holder_log("v")).unwrap();
         journal.save(&loaded, false).unwrap();
         assert_eq!(
             std::fs::read_to_string(journal.holder_log("v")).unwrap(),
@@ -665,6 +812,110 @@ mod tests {
             .append_holder("v", &detach("ns2", "c", true))
             .unwrap();
         assert_eq!(size, "0\tns2\tc\n".len() as u64);
+    }
+
+    fn inode(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).unwrap().ino()
+    }
+
+    /// After the durable save that starts an Attach, its later saves rewrite the record
+    /// where it is (no new file, no rename): padded with spaces when it got shorter, and
+    /// read back whole. A record bigger than a page is still replaced.
+    #[test]
+    fn saves_after_a_durable_one_rewrite_the_record_in_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let path = journal.path("v");
+        let mut rec = NodeRecord::new("v", "csi-with-a-long-handle", "/t".into());
+        rec.stage = Step::Uncertain;
+        journal.save(&rec, true).unwrap();
+        let first = inode(&path);
+        let long = std::fs::metadata(&path).unwrap().len();
+        rec.stage = Step::Done;
+        rec.csi_volume_id = "csi".into();
+        journal.save(&rec, false).unwrap();
+        assert_eq!(inode(&path), first, "rewritten in place");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), long, "padded");
+        assert_eq!(journal.load("v").unwrap(), Some(rec.clone()));
+        journal.save(&rec, true).unwrap();
+        assert_eq!(inode(&path), first);
+        // Past a page: replaced.
+        rec.csi_volume_id = "c".repeat(IN_PLACE_MAX);
+        journal.save(&rec, false).unwrap();
+        assert_ne!(inode(&path), first);
+        assert_eq!(journal.load("v").unwrap(), Some(rec.clone()));
+        // A reboot finds the padded record equal to its entry: nothing to put back.
+        rec.csi_volume_id = "csi".into();
+        journal.save(&rec, true).unwrap();
+        journal
+            .save(
+                &NodeRecord {
+                    stage: Step::Absent,
+                    ..rec.clone()
+                },
+                false,
+            )
+            .unwrap();
+        let padded = inode(&path);
+        drop(journal);
+        let after = FileJournal::open_in_boot(tmp.path(), "another-boot").unwrap();
+        assert_eq!(inode(&path), padded);
+        assert_eq!(after.load("v").unwrap().unwrap().stage, Step::Absent);
+    }
+
+    /// A save leaves the holder log alone when it already says the record's holders, and
+    /// appends the difference when sandboxes came or went; the log alone still says who
+    /// holds the volume if the record is lost.
+    #[test]
+    fn a_save_brings_the_holder_log_along_without_rewriting_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let log = journal.holder_log("v");
+        let mut rec = NodeRecord::new("v", "h", "/t".into());
+        journal.save(&rec, true).unwrap();
+        let first = inode(&log);
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "*\t0\n");
+        journal.save(&rec, false).unwrap();
+        assert_eq!(inode(&log), first);
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "*\t0\n");
+        // The Attach's last save: its holder arrives as one appended line.
+        attach_at("nsA", "a", true, 100).apply_timed(&mut rec.holders, &mut rec.holder_times);
+        journal.save(&rec, false).unwrap();
+        assert_eq!(inode(&log), first);
+        assert_eq!(
+            std::fs::read_to_string(&log).unwrap(),
+            "*\t0\n+\tnsA\ta\t100\n"
+        );
+        assert_eq!(journal.load("v").unwrap(), Some(rec.clone()));
+        // Another comes by the hot path, and the first leaves by a save.
+        journal
+            .append_holder("v", &attach_at("nsA", "b", false, 200))
+            .unwrap();
+        let mut loaded = journal.load("v").unwrap().unwrap();
+        detach_at("nsA", "a", false, 300)
+            .apply_timed(&mut loaded.holders, &mut loaded.holder_times);
+        journal.save(&loaded, false).unwrap();
+        assert_eq!(inode(&log), first);
+        assert_eq!(journal.load("v").unwrap().unwrap().holders, loaded.holders);
+        std::fs::write(journal.path("v"), b"").unwrap();
+        let (holders, times) = journal.load_holders("v").unwrap().unwrap();
+        assert_eq!(holders, loaded.holders);
+        assert_eq!(times.added, loaded.holder_times.added);
+        // What no change line can say (a holder's time moved): a snapshot.
+        journal.save(&loaded, false).unwrap();
+        loaded
+            .holder_times
+            .added
+            .get_mut("nsA")
+            .unwrap()
+            .insert("b".into(), 250);
+        journal.save(&loaded, false).unwrap();
+        assert_ne!(inode(&log), first);
+        assert_eq!(
+            std::fs::read_to_string(&log).unwrap(),
+            "*\t12\n=\tnsA\tb\t250\n"
+        );
     }
 
     /// The log alone rebuilds the holders of a record that is lost (emptied, truncated),
@@ -867,7 +1118,8 @@ mod tests {
             times.last_hook,
             BTreeMap::from([("nsA".to_string(), 300), ("nsB".to_string(), 500)])
         );
-        // A fold keeps them in the record and in the snapshot.
+        // A snapshot keeps them, as the record does.
+        std::fs::remove_file(journal.holder_log("v")).unwrap();
         journal.save(&loaded, false).unwrap();
         assert_eq!(
             std::fs::read_to_string(journal.holder_log("v")).unwrap(),
