@@ -316,19 +316,26 @@ fn overwrite_in_place(path: &Path, bytes: &[u8]) -> io::Result<bool> {
 fn changes_between(holders: &Holders, times: &HolderTimes, record: &NodeRecord) -> Option<String> {
     let mut changes = Vec::new();
     for (namespace, sandboxes) in holders {
-        for sandbox in sandboxes {
-            if !record
-                .holders
-                .get(namespace)
-                .is_some_and(|set| set.contains(sandbox))
-            {
+        let Some(kept) = record.holders.get(namespace) else {
+            // The namespace holds nothing any more (Cube's last Detach of it): one line
+            // with `last` says so, as the hook's own line would.
+            if let Some(sandbox) = sandboxes.iter().next() {
                 changes.push(HolderChange::Detach {
                     namespace: namespace.clone(),
                     sandbox: sandbox.clone(),
-                    last: false,
+                    last: true,
                     at: 0,
                 });
             }
+            continue;
+        };
+        for sandbox in sandboxes.difference(kept) {
+            changes.push(HolderChange::Detach {
+                namespace: namespace.clone(),
+                sandbox: sandbox.clone(),
+                last: false,
+                at: 0,
+            });
         }
     }
     for (namespace, sandboxes) in &record.holders {
@@ -902,6 +909,21 @@ mod tests {
         let (holders, times) = journal.load_holders("v").unwrap().unwrap();
         assert_eq!(holders, loaded.holders);
         assert_eq!(times.added, loaded.holder_times.added);
+        // The namespace's last sandbox leaves by a save: one `last` line.
+        let mut gone = loaded.clone();
+        gone.holders.remove("nsA");
+        gone.holder_times.added.remove("nsA");
+        journal.save(&gone, false).unwrap();
+        assert_eq!(inode(&log), first);
+        assert!(
+            std::fs::read_to_string(&log)
+                .unwrap()
+                .ends_with("0\tnsA\tb\n"),
+            "{:?}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        assert_eq!(journal.load("v").unwrap().unwrap().holders, gone.holders);
+        journal.save(&loaded, false).unwrap();
         // What no change line can say (a holder's time moved): a snapshot.
         journal.save(&loaded, false).unwrap();
         loaded
