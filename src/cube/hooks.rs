@@ -432,17 +432,6 @@ pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError
     })
 }
 
-/// Checks and runs `request` (the rpc path: the bridge is already open).
-pub async fn handle(
-    bridge: &Bridge,
-    config: &Config,
-    request: HookRequest,
-    caller: &Caller,
-) -> Result<HookReply, HookError> {
-    let checked = check(request, config)?;
-    run(bridge, checked, caller).await
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::Path;

@@ -1,9 +1,11 @@
 //! The gRPC services Cube dials: VolumeControllerService (CubeMaster) and
 //! VolumePluginService (Cubelet).
 //!
-//! Each hook runs as its own task, tracked for the drain on shutdown, so that it finishes
-//! (or undoes its work) even when the caller's deadline fires and tonic drops the
-//! handler: dropping the handler only tells the hook that its caller is gone. An
+//! A hot Attach or Detach (the volume mounted, other holders left) is answered in the
+//! handler itself (`run`). Every other hook runs as its own task, tracked for the drain
+//! on shutdown, so that it finishes (or undoes its work) even when the caller's deadline
+//! fires and tonic drops the handler: dropping the handler only tells the hook that its
+//! caller is gone. An
 //! Attach's or a Create's answer is handed to the handler while the hook still holds the
 //! volume, and counts only if the handler took it (see `ToHandler`).
 
@@ -80,16 +82,25 @@ impl CubeService {
     }
 
     async fn run(&self, request: HookRequest) -> Result<HookReply, Status> {
+        let checked = hooks::check(request, &self.config).map_err(|e| to_status(&e))?;
+        // A hot Attach or Detach is answered here, in the handler, with no task and no
+        // handoff: it changes at most one line of the holder log, and nothing is awaited
+        // after that line is written. A caller that goes away before then drops this
+        // future before anything changed; once it is written, the answer is returned in
+        // the same poll, as a handed-over answer is.
+        if let Some(result) = hooks::run_if_hot(&self.bridge, &checked).await {
+            return result.map_err(|e| to_status(&e));
+        }
         let (to_handler, mut handed) = oneshot::channel();
         let caller = Caller::confirming(Arc::new(ToHandler(tokio::sync::Mutex::new(
             Handoff::Waiting(to_handler),
         ))));
         let left = caller.leave_on_drop();
-        let (bridge, config) = (self.bridge.clone(), self.config.clone());
+        let bridge = self.bridge.clone();
         let hook_caller = caller.clone();
         let mut task = self
             .tasks
-            .spawn(async move { hooks::handle(&bridge, &config, request, &hook_caller).await });
+            .spawn(async move { hooks::run(&bridge, checked, &hook_caller).await });
         let result = tokio::select! {
             biased;
             Ok((reply, taken)) = &mut handed => {
