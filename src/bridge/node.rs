@@ -1419,28 +1419,36 @@ impl NodeSide {
     ) -> Result<(), BridgeError> {
         let base = base_of(&paths.target);
         let host_paths = self.host_paths.clone();
-        let dir = base.clone();
-        self.on_paths(&base, deadline, move || host_paths.ensure_base_dir(&dir))
-            .await?;
-        self.verify(&base, &[&paths.target, &paths.staging], deadline)
-            .await
+        let (dir, target, staging) = (base.clone(), paths.target.clone(), paths.staging.clone());
+        // One trip to a blocking thread for the three: each trip is two thread wake-ups.
+        self.on_paths(&base, deadline, move || {
+            host_paths.ensure_base_dir(&dir)?;
+            host_paths.verify(&dir, &target)?;
+            host_paths.verify(&dir, &staging).map(|_| ())
+        })
+        .await
     }
 
     /// Checks `paths` (under `base`) just before the driver gets them: each a real
-    /// directory or missing, reached without a symlink.
+    /// directory or missing, reached without a symlink. One trip to a blocking thread.
     pub(crate) async fn verify(
         &self,
         base: &Path,
         paths: &[&Path],
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        for path in paths {
-            let host_paths = self.host_paths.clone();
-            let (dir, owned) = (base.to_path_buf(), path.to_path_buf());
-            self.on_paths(path, deadline, move || host_paths.verify(&dir, &owned))
-                .await?;
-        }
-        Ok(())
+        let Some(first) = paths.first() else {
+            return Ok(());
+        };
+        let host_paths = self.host_paths.clone();
+        let dir = base.to_path_buf();
+        let owned: Vec<PathBuf> = paths.iter().map(|p| p.to_path_buf()).collect();
+        self.on_paths(first, deadline, move || {
+            owned
+                .iter()
+                .try_for_each(|path| host_paths.verify(&dir, path).map(|_| ()))
+        })
+        .await
     }
 
     /// Runs a `HostPaths` call on a blocking thread, bounded by the deadline: a stat of a
