@@ -107,6 +107,83 @@ pub fn is_mount_root(path: &Path) -> std::io::Result<Option<bool>> {
     Ok((stx.stx_attributes_mask & bit != 0).then_some(stx.stx_attributes & bit != 0))
 }
 
+/// The filesystems whose stat of a cached inode is answered from memory, never by a
+/// device, daemon or server: disk filesystems (ext2/3/4, XFS, btrfs, F2FS) and memory
+/// ones (tmpfs, ramfs). A mount of one of them can neither hang a stat nor answer one as a
+/// dead mount does. Cluster filesystems on shared disks (GFS2, OCFS2) take locks over the
+/// network to stat, and are not here.
+pub fn answers_from_memory(magic: u64) -> bool {
+    const EXT: u64 = 0xEF53;
+    const XFS: u64 = 0x5846_5342;
+    const BTRFS: u64 = 0x9123_683E;
+    const F2FS: u64 = 0xF2F5_2010;
+    const TMPFS: u64 = 0x0102_1994;
+    const RAMFS: u64 = 0x8584_58F6;
+    matches!(magic, EXT | XFS | BTRFS | F2FS | TMPFS | RAMFS)
+}
+
+/// The unique id (STATX_MNT_ID_UNIQUE, Linux 6.8+: never reused within a boot) of the
+/// mount `path` is on, asked without revalidating anything (a dead mount does not hang
+/// it); None when the kernel cannot say.
+pub fn unique_mount_id(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let flags =
+        nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
+    let unique = nix::libc::STATX_MNT_ID_UNIQUE;
+    let stx = statx(nix::libc::AT_FDCWD, &c_path, flags, unique).ok()?;
+    (stx.stx_mask & unique != 0).then_some(stx.stx_mnt_id)
+}
+
+/// The superblock magic of the mount with unique id `mount_id` in this process's
+/// namespace (`statmount`, Linux 6.8+): read from the kernel's mount table, no filesystem
+/// is asked. None when the kernel cannot say.
+pub fn mount_magic(mount_id: u64) -> Option<u64> {
+    // The uapi's struct mnt_id_req (its first version) and the head of struct statmount.
+    #[repr(C)]
+    struct MountIdRequest {
+        size: u32,
+        spare: u32,
+        mnt_id: u64,
+        param: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct StatMountHead {
+        size: u32,
+        spare: u32,
+        mask: u64,
+        sb_dev_major: u32,
+        sb_dev_minor: u32,
+        sb_magic: u64,
+        sb_flags: u32,
+        fs_type: u32,
+        mnt_id: u64,
+    }
+    const SYS_STATMOUNT: nix::libc::c_long = 457;
+    const STATMOUNT_SB_BASIC: u64 = 1;
+    let request = MountIdRequest {
+        size: std::mem::size_of::<MountIdRequest>() as u32,
+        spare: 0,
+        mnt_id: mount_id,
+        param: STATMOUNT_SB_BASIC,
+    };
+    let mut head = StatMountHead::default();
+    // SAFETY: both structs are repr(C) and live for the call; the kernel writes at most
+    // the size it is given into `head`.
+    let rc = unsafe {
+        nix::libc::syscall(
+            SYS_STATMOUNT,
+            &request as *const MountIdRequest,
+            &mut head as *mut StatMountHead,
+            std::mem::size_of::<StatMountHead>(),
+            0u32,
+        )
+    };
+    let whole = head.size as usize >= std::mem::offset_of!(StatMountHead, sb_flags);
+    (rc == 0 && whole && head.mask & STATMOUNT_SB_BASIC != 0).then_some(head.sb_magic)
+}
+
 /// The errors by which a mount whose filesystem is gone answers a stat that reaches it:
 /// a FUSE daemon that died (ENOTCONN), an NFS server that forgot the export's handles
 /// (ESTALE), a failed device or connection (EIO), an unreachable host (EHOSTDOWN). The
@@ -339,6 +416,40 @@ mod tests {
                 "a symlink is no mount"
             );
         }
+    }
+
+    /// The kernel's mount table names the filesystem under a path by its superblock
+    /// magic, the same magic statfs reports (which checks the struct layout); disk and
+    /// memory filesystems answer from memory, network, FUSE and cluster ones do not.
+    #[test]
+    fn the_mount_table_tells_disk_and_memory_filesystems_from_the_others() {
+        for path in ["/", "/proc"] {
+            let Some(id) = unique_mount_id(Path::new(path)) else {
+                return; // before Linux 6.8
+            };
+            let statfs = nix::sys::statfs::statfs(path).unwrap();
+            assert_eq!(
+                mount_magic(id),
+                Some(statfs.filesystem_type().0 as u64),
+                "{path}"
+            );
+        }
+        assert!(!answers_from_memory(0x9FA0), "proc");
+        for (magic, name) in [
+            (0x6969, "nfs"),
+            (0x6573_5546, "fuse"),
+            (0xFF53_4D42, "cifs"),
+        ] {
+            assert!(!answers_from_memory(magic), "{name}");
+        }
+        for (magic, name) in [
+            (0xEF53, "ext4"),
+            (0x5846_5342, "xfs"),
+            (0x0102_1994, "tmpfs"),
+        ] {
+            assert!(answers_from_memory(magic), "{name}");
+        }
+        assert_eq!(mount_magic(u64::MAX), None);
     }
 
     #[test]

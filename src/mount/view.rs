@@ -41,6 +41,12 @@ pub struct MountView {
     /// Resolved parents of checked paths (mountinfo lists resolved paths; base dirs may
     /// be symlinks). A miss is re-checked with a fresh resolution.
     resolved: Mutex<HashMap<PathBuf, PathBuf>>,
+    /// By unique mount id (never reused within a boot): whether that mount's filesystem
+    /// answers a stat from memory (`mountinfo::answers_from_memory`).
+    from_memory: Mutex<HashMap<u64, bool>>,
+    /// Health checks sent to a blocking thread, for tests.
+    #[cfg(test)]
+    health_trips: std::sync::atomic::AtomicUsize,
 }
 
 /// The view one check uses.
@@ -59,7 +65,32 @@ impl MountView {
             cubelet_file: PathBuf::from(CUBELET_MOUNT_NS),
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
+            from_memory: Mutex::new(HashMap::new()),
+            #[cfg(test)]
+            health_trips: Default::default(),
         }
+    }
+
+    /// Whether the filesystem at `path` answers a stat from memory, asked of the kernel's
+    /// mount table (one `statx`, and a `statmount` the first time a mount is met); false
+    /// when the kernel cannot say.
+    fn answers_from_memory(&self, path: &Path) -> bool {
+        let Some(mount_id) = mountinfo::unique_mount_id(path) else {
+            return false;
+        };
+        if let Some(known) = self.from_memory.lock().expect("poisoned").get(&mount_id) {
+            return *known;
+        }
+        let Some(magic) = mountinfo::mount_magic(mount_id) else {
+            return false;
+        };
+        let answers = mountinfo::answers_from_memory(magic);
+        let mut cache = self.from_memory.lock().expect("poisoned");
+        if cache.len() > 4096 {
+            cache.clear();
+        }
+        cache.insert(mount_id, answers);
+        answers
     }
 
     fn resolve(&self) -> Resolved<'_> {
@@ -231,11 +262,8 @@ impl MountCheck for MountView {
             return self.visibility_blocking(path, timeout);
         }
         let view = MountView {
-            setting: self.setting.clone(),
-            forked_by_cube: self.forked_by_cube,
             cubelet_file: self.cubelet_file.clone(),
-            cached_pid: AtomicU32::new(0),
-            resolved: Mutex::new(HashMap::new()),
+            ..MountView::new(&self.setting, self.forked_by_cube)
         };
         let owned = path.to_path_buf();
         let answer = tokio::task::spawn_blocking(move || {
@@ -270,6 +298,14 @@ impl MountCheck for MountView {
         if self.forked_by_cube {
             return mountinfo::mount_health(path);
         }
+        // A disk or memory filesystem answers that stat from its cached inode, as it
+        // answers the mount check: the stat can neither hang nor find it dead, and the
+        // trip to a blocking thread (two thread wake-ups on the hot path) buys nothing.
+        if self.answers_from_memory(path) {
+            return Ok(MountHealth::Answers);
+        }
+        #[cfg(test)]
+        self.health_trips.fetch_add(1, Ordering::Relaxed);
         let owned = path.to_path_buf();
         let asked = tokio::task::spawn_blocking(move || mountinfo::mount_health(&owned));
         match tokio::time::timeout_at(deadline.instant().into(), asked).await {
@@ -377,6 +413,39 @@ pub fn print_mountinfo_in_namespace(file: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The daemon asks a disk or memory filesystem's health without a trip to a blocking
+    /// thread (its stat is answered from memory); the kernel's mount table says which
+    /// filesystem a path is on. Where the kernel cannot say (before Linux 6.8), the trip is
+    /// made as before.
+    #[tokio::test]
+    async fn a_disk_or_memory_filesystem_is_asked_its_health_without_a_blocking_thread() {
+        let deadline = Deadline::after(Duration::from_secs(5));
+        let view = MountView::new(&MountViewSetting::Own, false);
+        let tmp = tempfile::tempdir().unwrap();
+        let kernel_says = mountinfo::unique_mount_id(tmp.path())
+            .and_then(mountinfo::mount_magic)
+            .map(mountinfo::answers_from_memory);
+        for _ in 0..2 {
+            assert_eq!(
+                view.health(tmp.path(), &deadline).await.unwrap(),
+                MountHealth::Answers
+            );
+        }
+        let trips = view.health_trips.load(Ordering::Relaxed);
+        match kernel_says {
+            Some(true) => assert_eq!(trips, 0, "{:?}", view.from_memory),
+            _ => assert_eq!(trips, 2),
+        }
+        // /proc is neither: its health goes to a blocking thread.
+        assert_eq!(
+            view.health(Path::new("/proc/self"), &deadline)
+                .await
+                .unwrap(),
+            MountHealth::Answers
+        );
+        assert_eq!(view.health_trips.load(Ordering::Relaxed), trips + 1);
+    }
 
     #[tokio::test]
     async fn own_view_sees_root_and_unchecked_sees_nothing() {
