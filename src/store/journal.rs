@@ -16,11 +16,17 @@
 //! CSI call) waits instead for the node's intent log (`intents.rs`), whose one
 //! `fdatasync` covers every Attach and Detach saving at that moment.
 //!
-//! Each rewrite of a record starts its log afresh with a snapshot of the holders it
-//! folded (a `*` line giving the snapshot's size, then one line per holder). A load of a
-//! readable record skips the snapshot (the record has it) and applies the changes after
-//! it; when the record itself is lost (emptied or truncated), the log alone still says who
-//! holds the volume (`load_holders`), so no namespace's holders are dropped with it.
+//! A log starts with a snapshot of the holders (a `*` line giving the snapshot's size, then
+//! one line per holder). A save leaves the log as it is when it already says the record's
+//! holders, appends the difference when a few lines say it, and otherwise (a long log: the
+//! fold) starts it afresh with a new snapshot. A load of a readable record skips the
+//! snapshot and applies the changes after it (which the record may already hold: replaying
+//! a change changes nothing); when the record itself is lost (emptied or truncated), the
+//! log alone still says who holds the volume (`load_holders`), so no namespace's holders
+//! are dropped with it.
+//!
+//! A record is rewritten in place (one write of at most a page, padded with spaces) once
+//! the intent log on disk holds an entry of it, else replaced by a rename (`intents.rs`).
 //!
 //! A volume whose attach or detach is under way has a marker in `pending/`. A marker whose
 //! volume lock is free belongs to an operation that died (a killed hook): whoever finds it
