@@ -92,20 +92,8 @@ impl Daemon {
             .map(|c| c.serve.shutdown_grace)
             .max()
             .unwrap_or_default();
-        let sole = configs.len() == 1;
-        let mut opening = tokio::task::JoinSet::new();
-        for (index, config) in configs.into_iter().enumerate() {
-            let span = instance_span(&config, sole);
-            opening
-                .spawn(async move { (index, Instance::open(config, sole).await) }.instrument(span));
-        }
-        let mut opened = Vec::new();
-        while let Some(joined) = opening.join_next().await {
-            let (index, instance) = joined.expect("opening an instance panicked");
-            opened.push((index, instance?));
-        }
-        opened.sort_by_key(|(index, _)| *index);
-        let instances = opened.into_iter().map(|(_, instance)| instance).collect();
+        // Bound before any instance binds its Cube socket: whoever finds the socket
+        // answering finds the metrics endpoint there too.
         let metrics = match metrics_addr {
             Some(addr) => {
                 let listener =
@@ -120,6 +108,20 @@ impl Daemon {
             }
             None => None,
         };
+        let sole = configs.len() == 1;
+        let mut opening = tokio::task::JoinSet::new();
+        for (index, config) in configs.into_iter().enumerate() {
+            let span = instance_span(&config, sole);
+            opening
+                .spawn(async move { (index, Instance::open(config, sole).await) }.instrument(span));
+        }
+        let mut opened = Vec::new();
+        while let Some(joined) = opening.join_next().await {
+            let (index, instance) = joined.expect("opening an instance panicked");
+            opened.push((index, instance?));
+        }
+        opened.sort_by_key(|(index, _)| *index);
+        let instances = opened.into_iter().map(|(_, instance)| instance).collect();
         Ok(Self {
             instances,
             metrics,
