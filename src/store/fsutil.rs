@@ -134,16 +134,22 @@ impl GroupCommit {
     }
 }
 
-/// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.
-/// The lock is released when the returned guard drops, or when the process dies.
-pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
-    let file = std::fs::OpenOptions::new()
+/// Opens `path` for reading and writing, keeping what it holds, or creates it 0600: a
+/// lock file, or a log the caller appends to itself.
+pub fn open_private(path: &Path) -> io::Result<File> {
+    std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .mode(0o600)
-        .open(path)?;
+        .open(path)
+}
+
+/// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.
+/// The lock is released when the returned guard drops, or when the process dies.
+pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
+    let file = open_private(path)?;
     Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| io::Error::from(errno))
 }
 
@@ -170,13 +176,7 @@ pub fn lock_exclusive_within(path: &Path, wait: Duration) -> io::Result<Flock<Fi
 
 /// Like `lock_exclusive`, but returns `Ok(None)` at once when another holder has it.
 pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(path)?;
+    let file = open_private(path)?;
     match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
         Ok(lock) => Ok(Some(lock)),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 
 use nix::fcntl::{Flock, FlockArg};
 
-use super::fsutil::{GroupCommit, write_atomic};
+use super::fsutil::{GroupCommit, open_private, write_atomic};
 
 /// The log is checkpointed once it passes this size (about 1,500 saves of a typical
 /// record): a reboot then replays at most this much.
@@ -305,14 +305,7 @@ impl IntentLog {
 
     fn try_lock(&self, arg: FlockArg) -> Result<Option<Flock<File>>, IntentError> {
         let path = self.dir.join("lock");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| (path.clone(), e))?;
+        let file = open_private(&path).map_err(|e| (path.clone(), e))?;
         match Flock::lock(file, arg) {
             Ok(lock) => Ok(Some(lock)),
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),

@@ -38,7 +38,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-use super::fsutil::write_atomic;
+use super::fsutil::{open_private, write_atomic};
 use super::intents::{IntentError, IntentLog, Overwrite};
 use crate::bridge::ports::{JournalError, NodeJournal};
 use crate::bridge::records::{
@@ -175,14 +175,7 @@ impl FileJournal {
         use std::os::unix::fs::FileExt;
         let log = self.holder_log(volume_id);
         let io = Self::io(&log);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&log)
-            .map_err(Self::io(&log))?;
+        let file = open_private(&log).map_err(Self::io(&log))?;
         let mut end = file.metadata().map_err(Self::io(&log))?.len();
         // A torn last line (a write cut short by a full disk, or by a crash) is a change
         // that never finished: cut it off, or the new line would be glued to it and read
