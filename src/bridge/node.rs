@@ -1418,32 +1418,42 @@ impl NodeSide {
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         let base = base_of(&paths.target);
-        let host_paths = self.host_paths.clone();
-        let (dir, target, staging) = (base.clone(), paths.target.clone(), paths.staging.clone());
-        // One trip to a blocking thread for the three: each trip is two thread wake-ups.
-        self.on_paths(&base, deadline, move || {
-            host_paths.ensure_base_dir(&dir)?;
-            host_paths.verify(&dir, &target)?;
-            host_paths.verify(&dir, &staging).map(|_| ())
-        })
-        .await
+        self.check_paths(&base, true, &[&paths.target, &paths.staging], deadline)
+            .await
     }
 
     /// Checks `paths` (under `base`) just before the driver gets them: each a real
-    /// directory or missing, reached without a symlink. One trip to a blocking thread.
+    /// directory or missing, reached without a symlink.
     pub(crate) async fn verify(
         &self,
         base: &Path,
         paths: &[&Path],
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        let Some(first) = paths.first() else {
-            return Ok(());
-        };
+        self.check_paths(base, false, paths, deadline).await
+    }
+
+    /// `verify`, after making the base dir when `make_base`, in one trip to a blocking
+    /// thread for all of it (each trip is two thread wake-ups).
+    async fn check_paths(
+        &self,
+        base: &Path,
+        make_base: bool,
+        paths: &[&Path],
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
         let host_paths = self.host_paths.clone();
         let dir = base.to_path_buf();
         let owned: Vec<PathBuf> = paths.iter().map(|p| p.to_path_buf()).collect();
-        self.on_paths(first, deadline, move || {
+        // What a timed-out trip names: the base dir while it may still be made.
+        let named = match paths.first() {
+            Some(first) if !make_base => *first,
+            _ => base,
+        };
+        self.on_paths(named, deadline, move || {
+            if make_base {
+                host_paths.ensure_base_dir(&dir)?;
+            }
             owned
                 .iter()
                 .try_for_each(|path| host_paths.verify(&dir, path).map(|_| ()))
