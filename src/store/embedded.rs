@@ -505,11 +505,31 @@ impl Shared {
         if let Some(why) = tests::failing_durable_commit(&self.path) {
             return Err(self.err(why));
         }
+        #[cfg(test)]
+        self.hold_for_test_writers();
         let mut write = self.begin_write(db, until)?;
         let mut txn = write.txn.take().expect("just begun");
         txn.set_durability(Durability::Immediate)
             .map_err(|e| self.err(e))?;
         txn.commit().map_err(|e| self.err(e))
+    }
+
+    /// A test's way to make writes overlap a durable commit however fast the disk is:
+    /// the commit waits (up to 10 s) until the writes the test expects have their tickets.
+    #[cfg(test)]
+    fn hold_for_test_writers(&self) {
+        let Some(tickets) = tests::durable_commit_waits_for(&self.path) else {
+            return;
+        };
+        let give_up = Instant::now() + Duration::from_secs(10);
+        let mut state = self.lock();
+        while state.issued < tickets && Instant::now() < give_up {
+            state = self
+                .changed
+                .wait_timeout(state, Duration::from_millis(1))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// Waits (until `until`) for the writer's place, then begins a write transaction.
@@ -972,6 +992,14 @@ mod tests {
             .then_some("injected: the durable commit failed")
     }
 
+    /// Store files whose durable commits wait until this many tickets are issued.
+    static HELD: Mutex<Vec<(PathBuf, u64)>> = Mutex::new(Vec::new());
+
+    pub(super) fn durable_commit_waits_for(path: &Path) -> Option<u64> {
+        let held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        held.iter().find(|(p, _)| p == path).map(|(_, n)| *n)
+    }
+
     fn record(id: &str) -> VolumeRecord {
         VolumeRecord {
             volume_id: id.into(),
@@ -1278,9 +1306,17 @@ mod tests {
     #[test]
     fn overlapping_callers_share_one_opening_and_one_durable_commit() {
         let tmp = tempfile::tempdir().unwrap();
-        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        let path = tmp.path().join("c.redb");
+        let store = Arc::new(EmbeddedStore::open(&path).unwrap());
         let (opens_before, commits_before) = store.activity();
         let writers = 8;
+        // On a fast disk each writer could finish its own durable commit before the next
+        // one starts; the first durable commit waits until every write has its ticket, as
+        // on a disk whose sync takes as long as a burst of writes (CI saw 8 for 9).
+        let issued_before = store.shared.lock().issued;
+        HELD.lock()
+            .unwrap()
+            .push((path.clone(), issued_before + writers + 1));
         let for_writers = store.clone();
         let holder = inside_a_caller(&store, "first", move || {
             let threads: Vec<_> = (0..writers)
@@ -1296,6 +1332,7 @@ mod tests {
             }
         });
         holder.join().unwrap().unwrap();
+        HELD.lock().unwrap().retain(|(p, _)| p != &path);
         let (opens, commits) = store.activity();
         assert_eq!(opens - opens_before, 1, "one opening for all of them");
         assert!(
