@@ -1396,7 +1396,12 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("c.redb");
         let store = EmbeddedStore::open(&path).unwrap();
-        store.shared.lock().linger = Duration::from_millis(100);
+        // Long enough that a paused test machine cannot close it between the two callers.
+        {
+            let mut state = store.shared.lock();
+            state.linger = Duration::from_secs(600);
+            state.share_span = Some(Duration::from_secs(600));
+        }
         let (opens, _) = store.activity();
         store.put(&record("a")).unwrap();
         assert!(
@@ -1410,6 +1415,8 @@ mod tests {
             "the second caller found it open"
         );
         // Another process waits for the lock until the file has been idle long enough.
+        store.shared.lock().linger = Duration::from_millis(100);
+        store.shared.changed.notify_all();
         let other = crate::store::fsutil::lock_exclusive_within(
             &path.with_extension("lock"),
             Duration::from_secs(10),
