@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use common::callers::{
     CubeCaller, Hook, RpcCaller, attach_request, create_request, detach_request,
 };
-use common::fake_driver::{Behavior, Caps};
+use common::fake_driver::Caps;
 use common::{Mode, World};
 use cube_csi_bridge::bridge::HookKind;
 use cube_csi_bridge::bridge::faults::{self, When};
@@ -48,7 +48,7 @@ const BEFORE_TEXT: &str = "written before the crash\n";
 const BYSTANDER: &str = "w";
 const BYSTANDER_NS: &str = "ns2";
 /// Upper bound for anything the bridge does on its own (reconciliation, the sweep).
-const CONVERGE_LIMIT: Duration = Duration::from_secs(30);
+const CONVERGE_LIMIT: Duration = Duration::from_secs(60);
 
 /// Who is killed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -326,12 +326,12 @@ struct Lab {
 /// The config's extra part: short budgets, and the sweep only when asked for.
 fn extra(sweep: bool) -> String {
     let sweep = if sweep {
-        "sweep_interval_secs = 1\nabandoned_create_secs = 4\n"
+        "sweep_interval_secs = 1\nabandoned_create_secs = 8\n"
     } else {
         "sweep_interval_secs = 0\n"
     };
     format!(
-        "[controller]\n{sweep}\n[timeouts]\ncreate_secs = 2\ndestroy_secs = 10\n\
+        "[controller]\n{sweep}\n[timeouts]\ncreate_secs = 4\ndestroy_secs = 10\n\
          attach_secs = 10\ndetach_secs = 10\nrollback_secs = 10\n"
     )
 }
@@ -384,8 +384,16 @@ impl Lab {
     /// SIGKILL. `leave_during`: the caller gives up once the driver is inside that (slow)
     /// CSI call — rpc: the client drops the call, as at its deadline; forked: Cube
     /// SIGKILLs the process it started.
-    async fn crash(&mut self, hook: Hook, leave_during: Option<&str>) -> Result<(), String> {
+    /// Runs `hook` until the crash point kills it. With `leave_during`, the caller leaves
+    /// (Cube's deadline) while that driver call is held, and the call is let go only then,
+    /// so the hook cannot finish first however slow the machine is.
+    async fn crash(
+        &mut self,
+        hook: Hook,
+        leave_during: Option<&'static str>,
+    ) -> Result<(), String> {
         let point = self.case.point();
+        let held = leave_during.map(|method| self.w.driver.hold(method));
         let _ = std::fs::remove_file(&self.mark);
         self.w.driver.clear_calls();
         match self.case.transport {
@@ -398,6 +406,9 @@ impl Lab {
                     Some(method) => {
                         self.wait_for_call(method).await?;
                         call.abort();
+                        if let Some(gate) = &held {
+                            gate.release();
+                        }
                         None
                     }
                 };
@@ -436,6 +447,9 @@ impl Lab {
                         // What Cube does at its deadline: SIGKILL the process it forked.
                         front.start_kill().unwrap();
                         let _ = front.wait().await;
+                        if let Some(gate) = &held {
+                            gate.release();
+                        }
                     }
                 }
                 let pid = self.expect_mark(&point, CONVERGE_LIMIT).await?;
@@ -787,10 +801,6 @@ async fn create_case(lab: &mut Lab) -> Result<String, String> {
     match lab.case.scenario {
         Scenario::Create => lab.crash(create, None).await?,
         Scenario::CreateAbandoned => {
-            lab.w.driver.script(
-                "CreateVolume",
-                [Behavior::Delay(Duration::from_millis(500))],
-            );
             lab.crash(create, Some("CreateVolume")).await?;
         }
         Scenario::Sweep => {
@@ -964,10 +974,6 @@ async fn node_case(lab: &mut Lab) -> Result<String, String> {
         leftovers(lab).map_err(|e| format!("before the crash: {e}"))?;
         let attach = Hook::Attach(attach_req(lab, "sb-crash"));
         if lab.case.scenario == Scenario::AttachAbandoned {
-            lab.w.driver.script(
-                "NodePublishVolume",
-                [Behavior::Delay(Duration::from_millis(1000))],
-            );
             lab.crash(attach, Some("NodePublishVolume")).await?;
         } else {
             lab.crash(attach, None).await?;

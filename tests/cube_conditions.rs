@@ -148,8 +148,9 @@ async fn a_binary_attach_killed_by_cube_is_rolled_back() {
     // What Go's exec.CommandContext does at the deadline: SIGKILL the process it started.
     hook.start_kill().unwrap();
     // Cube then waits for the pipes: nothing may hold them for long (the worker is still
-    // in NodePublishVolume).
-    let waited = tokio::time::timeout(Duration::from_secs(2), hook.wait_with_output()).await;
+    // in NodePublishVolume, held until after this wait, so a worker holding them would be
+    // seen however long the bound).
+    let waited = tokio::time::timeout(Duration::from_secs(20), hook.wait_with_output()).await;
     assert!(
         waited.is_ok(),
         "a child of the killed hook kept Cube's pipes open"
@@ -319,9 +320,10 @@ async fn an_empty_journal_record_does_not_make_a_volume_unattachable() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
     require_root!();
-    // Abandoned after 2 s (twice create_secs), swept every second.
-    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 2\n\
-                 [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
+    // Abandoned after 6 s (twice create_secs, which a loaded machine's Create stays
+    // within), swept every second.
+    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 6\n\
+                 [timeouts]\ncreate_secs = 3\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
     let mut w = World::start(Mode::Rpc, Caps::default(), extra).await;
     // CreateVolume answers after the daemon is gone: the handle is never recorded.
     let create_volume = w.driver.hold("CreateVolume");
@@ -348,7 +350,7 @@ async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
     w.start_daemon().await.unwrap();
     // The sweep finds the volume by its name (CreateVolume is idempotent) and deletes it.
     assert!(
-        eventually(Duration::from_secs(20), || {
+        eventually(Duration::from_secs(30), || {
             w.driver.mutating_calls() == ["CreateVolume", "DeleteVolume"]
                 && !w.driver.volume_dir("fake-cube-leak").exists()
         })
@@ -425,8 +427,8 @@ async fn with_mount_checks_off_the_last_detach_succeeds() {
 #[tokio::test(flavor = "multi_thread")]
 async fn forked_controller_hooks_sweep_an_abandoned_create() {
     require_root!();
-    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 2\n\
-                 [timeouts]\ncreate_secs = 1\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
+    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 6\n\
+                 [timeouts]\ncreate_secs = 3\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
     let w = World::start(Mode::Binary, Caps::default(), extra).await;
     // CreateVolume stays in flight until both processes are killed.
     let create_volume = w.driver.hold("CreateVolume");
@@ -454,14 +456,14 @@ async fn forked_controller_hooks_sweep_an_abandoned_create() {
     let _ = front.wait().await;
     create_volume.release();
     // The record says creating; the driver may or may not have made the volume. A sweep
-    // reclaims it only once it is older than abandoned_create_secs (2 s): this sleep is
+    // reclaims it only once it is older than abandoned_create_secs (6 s): this sleep is
     // that age, the threshold under test, which no process signals.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
     w.driver.clear_calls();
     // Any later forked controller hook sweeps (here a Destroy of another volume).
     w.destroy("unrelated").await.unwrap();
     assert!(
-        eventually(Duration::from_secs(15), || {
+        eventually(Duration::from_secs(30), || {
             w.driver.mutating_calls() == ["CreateVolume", "DeleteVolume"]
                 && !w.driver.volume_dir("fake-cube-leak").exists()
         })

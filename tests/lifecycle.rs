@@ -334,7 +334,7 @@ async fn aborted_is_retried_to_success() {
 async fn a_hanging_driver_is_cut_off_by_the_budget() {
     require_root!();
     for mode in MODES {
-        let timeouts = "[timeouts]\nattach_secs = 2\nrollback_secs = 5\n";
+        let timeouts = "[timeouts]\nattach_secs = 6\nrollback_secs = 5\n";
         let w = World::start(mode, Caps::staging(), timeouts).await;
         let created = w.create("hang").await.unwrap();
         w.driver.script(

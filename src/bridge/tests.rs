@@ -1253,10 +1253,15 @@ async fn an_attach_whose_caller_left_undoes_its_work() {
     w.fake
         .script("NodePublishVolume", Fault::Slow(Duration::from_millis(300)));
     let caller = Caller::waiting();
+    // The caller leaves while NodePublishVolume is under way (not after a fixed time,
+    // which a paused machine could let the Attach outlast).
     let leave = {
         let caller = caller.clone();
+        let fake = w.fake.clone();
         async move {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            while !fake.calls().iter().any(|c| c == "NodePublishVolume") {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             caller.leave();
         }
     };

@@ -104,7 +104,13 @@ mod tests {
 
     #[tokio::test]
     async fn fresh_copies_are_reused_and_an_outage_serves_the_stale_one_once() {
-        let cache = Cached::<u32>::new(Duration::from_millis(50));
+        // A TTL no pause of the test machine reaches; expiry is made by backdating.
+        let cache = Cached::<u32>::new(Duration::from_secs(600));
+        let expire = || {
+            let mut copy = cache.copy.lock().unwrap();
+            let (at, _) = copy.as_mut().unwrap();
+            *at -= Duration::from_secs(601);
+        };
         let calls = AtomicUsize::new(0);
         let fetch = |v: Result<u32, KubeError>| {
             calls.fetch_add(1, Ordering::SeqCst);
@@ -113,13 +119,13 @@ mod tests {
         assert_eq!(*cache.get("x", || fetch(Ok(1))).await.unwrap(), 1);
         assert_eq!(*cache.get("x", || fetch(Ok(2))).await.unwrap(), 1);
         assert_eq!(calls.load(Ordering::SeqCst), 1);
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        expire();
         assert_eq!(*cache.get("x", || fetch(Err(outage()))).await.unwrap(), 1);
         // Re-stamped: the next call within the TTL does not ask the API again.
         assert_eq!(*cache.get("x", || fetch(Err(outage()))).await.unwrap(), 1);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
         // A permanent error is not hidden.
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        expire();
         let gone = KubeError::Unusable("deleted".into());
         assert!(cache.get("x", || fetch(Err(gone))).await.is_err());
     }

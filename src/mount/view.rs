@@ -500,8 +500,19 @@ mod tests {
             .args(["--mount", "--propagation", "private", "sleep", "30"])
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(200));
         let ns = format!("/proc/{}/ns/mnt", cubelet.id());
+        // unshare execs `sleep` only once its namespace exists (however slow the machine).
+        let comm = format!("/proc/{}/comm", cubelet.id());
+        let give_up = std::time::Instant::now() + Duration::from_secs(30);
+        while !(std::fs::read_to_string(&comm).is_ok_and(|c| c.trim() == "sleep")
+            && std::fs::read_link(&ns).ok() != std::fs::read_link("/proc/self/ns/mnt").ok())
+        {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "unshare made no namespace"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let bound = std::process::Command::new("mount")
             .args(["--bind", &ns])
             .arg(&file)

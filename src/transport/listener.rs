@@ -614,8 +614,9 @@ mod tests {
             let socket = UnixSocket::bind(&path, None).await.unwrap();
             let mut incoming = Incoming::new(socket.listener, PeerPolicy::new(Some(allowed)));
             let _client = UnixStream::connect(&path).await.unwrap();
-            let got =
-                tokio::time::timeout(std::time::Duration::from_millis(300), incoming.next()).await;
+            // An admitted peer has long to arrive; a refused one is given 300 ms to show up.
+            let wait = std::time::Duration::from_millis(if admitted { 10_000 } else { 300 });
+            let got = tokio::time::timeout(wait, incoming.next()).await;
             assert_eq!(got.is_ok(), admitted);
             std::fs::remove_file(&path).unwrap();
         }
@@ -624,7 +625,7 @@ mod tests {
         let addr = tcp.local_addr().unwrap();
         let mut incoming = Incoming::new(tcp, PeerPolicy::new(Some(vec![me])));
         let _client = TcpStream::connect(addr).await.unwrap();
-        let got = tokio::time::timeout(std::time::Duration::from_secs(2), incoming.next()).await;
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), incoming.next()).await;
         assert!(got.is_ok(), "own uid refused over loopback TCP");
     }
 }
