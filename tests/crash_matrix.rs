@@ -27,6 +27,7 @@ use common::callers::{
 use common::fake_driver::Caps;
 use common::{Mode, World};
 use cube_csi_bridge::bridge::HookKind;
+use cube_csi_bridge::bridge::caller::CALLER_LEFT;
 use cube_csi_bridge::bridge::faults::{self, When};
 use cube_csi_bridge::bridge::ports::ControllerStore;
 use cube_csi_bridge::bridge::records::VolumeState;
@@ -404,8 +405,19 @@ impl Lab {
                 let answer = match leave_during {
                     None => call.await.unwrap().ok(),
                     Some(method) => {
+                        let left_before = self.w.logs().matches(CALLER_LEFT).count();
                         self.wait_for_call(method).await?;
                         call.abort();
+                        // Let the driver answer only once the daemon saw the caller go: an
+                        // answer that wins that race is handed to a caller that is gone
+                        // (a holder Cube does not know of, the case of the next Detach).
+                        let until = Instant::now() + CONVERGE_LIMIT;
+                        while self.w.logs().matches(CALLER_LEFT).count() == left_before {
+                            if Instant::now() >= until {
+                                return Err("the daemon never saw its caller leave".into());
+                            }
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
                         if let Some(gate) = &held {
                             gate.release();
                         }

@@ -95,6 +95,10 @@ impl Caller {
     }
 }
 
+/// What the log says when an rpc caller stopped waiting for its answer (it cancelled, or
+/// its deadline passed).
+pub const CALLER_LEFT: &str = "the caller stopped waiting for the answer";
+
 /// See `Caller::leave_on_drop`.
 #[derive(Debug)]
 pub struct LeaveOnDrop(Option<Caller>);
@@ -109,6 +113,8 @@ impl LeaveOnDrop {
 impl Drop for LeaveOnDrop {
     fn drop(&mut self) {
         if let Some(caller) = self.0.take() {
+            // Worth a line: Cube counts this hook failed, whatever it goes on to do.
+            tracing::info!("{CALLER_LEFT}: the hook undoes what it did instead of answering");
             caller.leave();
         }
     }

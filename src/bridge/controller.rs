@@ -834,6 +834,17 @@ impl ControllerSide {
         let error = BridgeError::Precondition(problem);
         let deadline = Deadline::after(self.config.timeouts.rollback);
         let undone = async {
+            // A record already saved as created is claimed for deletion first: stopped
+            // between DeleteVolume and the record's removal (a kill, a failed call), it
+            // would otherwise name a deleted volume as created, which no sweep reclaims
+            // and Cube never Destroys. A claim is swept like any unfinished one.
+            if let Some(mut record) = self.controller_store().get(volume_id).await?
+                && record.state == VolumeState::Created
+            {
+                record.state = VolumeState::Deleting;
+                record.updated_at = self.now_secs();
+                self.store_put(HookKind::Create, &mut record).await?;
+            }
             let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
             self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
                 .await?;

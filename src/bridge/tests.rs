@@ -1890,6 +1890,42 @@ async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
+/// The undo of a Create whose answer was lost, stopped between its DeleteVolume and the
+/// record's removal (here DeleteVolume fails; in the crash matrix the process is killed
+/// after it): the record must not still say `Created`, which names a volume that may be
+/// gone, and which no sweep reclaims (Cube never Destroys after a failed Create). It is
+/// claimed for deletion first, so the sweep finishes the undo.
+#[tokio::test]
+async fn an_undone_create_stopped_midway_leaves_a_record_the_sweep_reclaims() {
+    let w = World::new(Fake::new(false, false));
+    let (_delivery, caller) = undelivered();
+    w.fake.script("DeleteVolume", Fault::Final);
+    let result = w
+        .bridge
+        .create(
+            CreateVolume {
+                volume_id: "v".into(),
+                name: "v".into(),
+            },
+            &caller,
+        )
+        .await;
+    assert!(result.is_err());
+    assert_eq!(
+        w.stored("v").map(|r| r.state),
+        Some(VolumeState::Deleting),
+        "the record of a volume being undone still says it was created"
+    );
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.stored("v").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+}
+
 /// A repeated Create of a volume an earlier Create handed to CubeMaster: if this answer
 /// is lost, CubeMaster still has the first one, and may be using the volume. Only what
 /// this call made is undone: here, nothing.
