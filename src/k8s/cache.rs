@@ -104,12 +104,15 @@ mod tests {
 
     #[tokio::test]
     async fn fresh_copies_are_reused_and_an_outage_serves_the_stale_one_once() {
-        // A TTL no pause of the test machine reaches; expiry is made by backdating.
-        let cache = Cached::<u32>::new(Duration::from_secs(600));
+        // A TTL no pause of the test machine reaches; expiry is made by backdating (by
+        // little: a monotonic clock starts near zero at boot).
+        let cache = Cached::<u32>::new(Duration::from_secs(60));
         let expire = || {
             let mut copy = cache.copy.lock().unwrap();
             let (at, _) = copy.as_mut().unwrap();
-            *at -= Duration::from_secs(601);
+            *at = at
+                .checked_sub(Duration::from_secs(61))
+                .expect("the machine has been up for a minute");
         };
         let calls = AtomicUsize::new(0);
         let fetch = |v: Result<u32, KubeError>| {
