@@ -411,13 +411,14 @@ impl Lab {
                         // Let the driver answer only once the daemon saw the caller go: an
                         // answer that wins that race is handed to a caller that is gone
                         // (a holder Cube does not know of, the case of the next Detach).
-                        let until = Instant::now() + CONVERGE_LIMIT;
-                        while self.w.logs().matches(CALLER_LEFT).count() == left_before {
-                            if Instant::now() >= until {
-                                return Err("the daemon never saw its caller leave".into());
+                        converge(CONVERGE_LIMIT, || async {
+                            if self.w.logs().matches(CALLER_LEFT).count() > left_before {
+                                Ok(())
+                            } else {
+                                Err("the daemon never saw its caller leave".to_string())
                             }
-                            tokio::time::sleep(Duration::from_millis(10)).await;
-                        }
+                        })
+                        .await?;
                         if let Some(gate) = &held {
                             gate.release();
                         }

@@ -317,14 +317,15 @@ async fn an_empty_journal_record_does_not_make_a_volume_unattachable() {
     }
 }
 
+/// The sweep tests' config: a Create is abandoned after 6 s (twice create_secs, which a
+/// loaded machine's Create stays within), and the sweep runs every second.
+const SWEEP_EVERY_SECOND: &str = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 6\n\
+     [timeouts]\ncreate_secs = 3\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_create_killed_after_create_volume_is_reclaimed_by_the_sweep() {
     require_root!();
-    // Abandoned after 6 s (twice create_secs, which a loaded machine's Create stays
-    // within), swept every second.
-    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 6\n\
-                 [timeouts]\ncreate_secs = 3\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
-    let mut w = World::start(Mode::Rpc, Caps::default(), extra).await;
+    let mut w = World::start(Mode::Rpc, Caps::default(), SWEEP_EVERY_SECOND).await;
     // CreateVolume answers after the daemon is gone: the handle is never recorded.
     let create_volume = w.driver.hold("CreateVolume");
     let next = w.driver.arrivals("CreateVolume") + 1;
@@ -427,9 +428,7 @@ async fn with_mount_checks_off_the_last_detach_succeeds() {
 #[tokio::test(flavor = "multi_thread")]
 async fn forked_controller_hooks_sweep_an_abandoned_create() {
     require_root!();
-    let extra = "[controller]\nsweep_interval_secs = 1\nabandoned_create_secs = 6\n\
-                 [timeouts]\ncreate_secs = 3\ndestroy_secs = 20\nattach_secs = 20\ndetach_secs = 20\nrollback_secs = 10\n";
-    let w = World::start(Mode::Binary, Caps::default(), extra).await;
+    let w = World::start(Mode::Binary, Caps::default(), SWEEP_EVERY_SECOND).await;
     // CreateVolume stays in flight until both processes are killed.
     let create_volume = w.driver.hold("CreateVolume");
     let next = w.driver.arrivals("CreateVolume") + 1;

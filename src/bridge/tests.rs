@@ -1746,13 +1746,19 @@ async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
 
 impl World {
     async fn create(&self, volume: &str) -> Result<Created, HookError> {
+        self.create_for(volume, &Caller::waiting()).await
+    }
+
+    /// Cube's Create of `volume`, for a caller the test controls (one that leaves, or
+    /// whose answer is not delivered).
+    async fn create_for(&self, volume: &str, caller: &Caller) -> Result<Created, HookError> {
         self.bridge
             .create(
                 CreateVolume {
                     volume_id: volume.into(),
                     name: volume.into(),
                 },
-                &Caller::waiting(),
+                caller,
             )
             .await
     }
@@ -1836,16 +1842,7 @@ async fn a_create_whose_caller_left_deletes_what_it_made() {
     let w = World::new(Fake::new(false, false));
     let caller = Caller::waiting();
     caller.leave();
-    let result = w
-        .bridge
-        .create(
-            CreateVolume {
-                volume_id: "v".into(),
-                name: "v".into(),
-            },
-            &caller,
-        )
-        .await;
+    let result = w.create_for("v", &caller).await;
     assert!(result.is_err());
     assert!(w.stored("v").is_none(), "record left");
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
@@ -1874,16 +1871,7 @@ fn undelivered() -> (Arc<Undelivered>, Caller) {
 async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     let w = World::new(Fake::new(false, false));
     let (delivery, caller) = undelivered();
-    let result = w
-        .bridge
-        .create(
-            CreateVolume {
-                volume_id: "v".into(),
-                name: "v".into(),
-            },
-            &caller,
-        )
-        .await;
+    let result = w.create_for("v", &caller).await;
     assert!(result.is_err());
     assert_eq!(delivery.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(w.stored("v").is_none(), "record left");
@@ -1900,16 +1888,7 @@ async fn an_undone_create_stopped_midway_leaves_a_record_the_sweep_reclaims() {
     let w = World::new(Fake::new(false, false));
     let (_delivery, caller) = undelivered();
     w.fake.script("DeleteVolume", Fault::Final);
-    let result = w
-        .bridge
-        .create(
-            CreateVolume {
-                volume_id: "v".into(),
-                name: "v".into(),
-            },
-            &caller,
-        )
-        .await;
+    let result = w.create_for("v", &caller).await;
     assert!(result.is_err());
     assert_eq!(
         w.stored("v").map(|r| r.state),
@@ -1934,16 +1913,7 @@ async fn a_repeated_create_whose_answer_is_lost_keeps_the_volume_an_earlier_one_
     let w = World::new(Fake::new(false, false));
     let first = w.create("v").await.unwrap();
     let (delivery, caller) = undelivered();
-    let result = w
-        .bridge
-        .create(
-            CreateVolume {
-                volume_id: "v".into(),
-                name: "v".into(),
-            },
-            &caller,
-        )
-        .await;
+    let result = w.create_for("v", &caller).await;
     assert_eq!(delivery.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(result.is_err(), "this answer did not reach CubeMaster");
     assert_eq!(

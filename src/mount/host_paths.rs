@@ -118,8 +118,12 @@ fn leaf_is_dir(dir: &OwnedFd, name: &OsStr) -> Result<bool, Errno> {
     use std::os::fd::AsRawFd;
     use std::os::unix::ffi::OsStrExt;
     let name = std::ffi::CString::new(name.as_bytes()).map_err(|_| Errno::EINVAL)?;
-    let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_DONT_SYNC | libc::AT_NO_AUTOMOUNT;
-    let stx = super::mountinfo::statx(dir.as_raw_fd(), &name, flags, libc::STATX_TYPE)?;
+    let stx = super::mountinfo::statx(
+        dir.as_raw_fd(),
+        &name,
+        super::mountinfo::UNREVALIDATED,
+        libc::STATX_TYPE,
+    )?;
     Ok(u32::from(stx.stx_mode) & libc::S_IFMT == libc::S_IFDIR)
 }
 

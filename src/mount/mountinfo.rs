@@ -67,6 +67,12 @@ impl MountTable {
     }
 }
 
+/// The flags of a `statx` that nothing at the path can make wait: the last component's
+/// symlink is not followed, an automount is not triggered, and cached attributes are not
+/// revalidated (a network or FUSE mount whose server is gone answers from the cache).
+pub(crate) const UNREVALIDATED: nix::libc::c_int =
+    nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
+
 /// One `statx(2)` of `name`, relative to the directory `dir` (`AT_FDCWD`: `name` is a
 /// path), asking for `mask` with `flags`: what the kernel filled in, or its errno. The one
 /// place the bridge calls statx, which nix does not wrap.
@@ -95,9 +101,12 @@ pub fn is_mount_root(path: &Path) -> std::io::Result<Option<bool>> {
     use nix::errno::Errno;
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
-    let flags =
-        nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
-    let stx = match statx(nix::libc::AT_FDCWD, &c_path, flags, nix::libc::STATX_TYPE) {
+    let stx = match statx(
+        nix::libc::AT_FDCWD,
+        &c_path,
+        UNREVALIDATED,
+        nix::libc::STATX_TYPE,
+    ) {
         Ok(stx) => stx,
         Err(Errno::ENOENT | Errno::ENOTDIR) => return Ok(Some(false)),
         Err(Errno::ENOSYS | Errno::EINVAL) => return Ok(None),
@@ -128,10 +137,8 @@ pub fn answers_from_memory(magic: u64) -> bool {
 pub fn unique_mount_id(path: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let flags =
-        nix::libc::AT_STATX_DONT_SYNC | nix::libc::AT_NO_AUTOMOUNT | nix::libc::AT_SYMLINK_NOFOLLOW;
     let unique = nix::libc::STATX_MNT_ID_UNIQUE;
-    let stx = statx(nix::libc::AT_FDCWD, &c_path, flags, unique).ok()?;
+    let stx = statx(nix::libc::AT_FDCWD, &c_path, UNREVALIDATED, unique).ok()?;
     (stx.stx_mask & unique != 0).then_some(stx.stx_mnt_id)
 }
 
