@@ -1,6 +1,6 @@
 # The bridge image the Helm chart runs (image.repository). Build from the repository root:
 #   docker build -t <registry>/cube-csi-bridge:0.1.0 .
-# One binary on a slim Debian base: the bridge needs no userland tools of its own (it never
+# The bridge (and its forked hook's front) on a slim Debian base: the bridge needs no userland tools of its own (it never
 # mounts; the CSI driver's container brings the mount helpers).
 #
 # Both base images are pinned by digest (the multi-platform index digest), as recorded by the
@@ -18,10 +18,12 @@ ARG RUNTIME_IMAGE=debian:bookworm-20260918-slim@sha256:3783cc01769c7b2b1b83a5c5a
 FROM ${RUST_IMAGE} AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin cube-csi-bridge
+RUN cargo build --release --locked --bin cube-csi-bridge --bin cube-csi-hook
 
 FROM ${RUNTIME_IMAGE}
 COPY --from=build /src/target/release/cube-csi-bridge /usr/local/bin/cube-csi-bridge
+# The forked hook's front, for hosts that copy the binaries out of the image (README).
+COPY --from=build /src/target/release/cube-csi-hook /usr/local/bin/cube-csi-hook
 # A fixed, numeric, unprivileged user, so that a container nobody configured runs without
 # root. The Helm chart runs the bridge containers as uid 0 with no capabilities beyond what
 # each needs: the host directories they write (sockets, state, volume base dir) are

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use crate::bridge::discovery::DriverView;
 use crate::bridge::integrity::RecordKeySource;
 use crate::bridge::ports::{
-    Clock, ControllerDriver, ControllerStore, MountCheck, NodeDriver, Recorder, VolumeLocks,
-    VolumeSettings,
+    Clock, ControllerDriver, ControllerStore, MountCheck, NoRecorder, NodeDriver, Recorder,
+    VolumeLocks, VolumeSettings,
 };
 use crate::bridge::{
     Bridge, BridgeError, ControllerPorts, ControllerSide, NodePorts, NodeSide, Settings, Timeouts,
@@ -24,6 +24,8 @@ use crate::metrics::{DriverLabel, PrometheusRecorder};
 use crate::mount::{BaseDirPolicy, HostDirs};
 use crate::store::{EmbeddedStore, FileJournal, FileKeySource, FileLocks};
 use crate::system::SystemClock;
+
+mod hot_path;
 
 /// The core's settings, taken from the config file.
 pub fn core_settings(config: &Config) -> Settings {
@@ -113,13 +115,6 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
         None => node_driver.clone(),
     };
     let node_driver: Arc<dyn NodeDriver> = node_driver;
-    let settings = core_settings(config);
-    let driver = Arc::new(DriverView::new(
-        controller_driver,
-        node_driver,
-        settings.node_id.clone(),
-        settings.separate_controller_endpoint,
-    ));
     let kube = config
         .uses_kubernetes()
         .then(|| Arc::new(Kube::new(&config.kubernetes)));
@@ -132,6 +127,48 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
         )),
         _ => Arc::new(ConfigSettings::new(&config.volume, &config.secrets)),
     };
+    shared_over(
+        config,
+        controller_driver,
+        node_driver,
+        volume_settings,
+        kube,
+    )
+}
+
+/// The node side alone, for a process that answers only a hook's hot path (the forked
+/// hook's front): the same journal, locks, mount view and clock as `open_bridge`'s, but no
+/// driver or Kubernetes client (`hot_path::NotConnected`), so that the executable serving
+/// it links neither.
+pub fn open_hot_node(config: &Config, mounts: Arc<dyn MountCheck>) -> Result<Bridge, BridgeError> {
+    let absent = Arc::new(hot_path::NotConnected::new(
+        &config.csi.endpoint.to_string(),
+    ));
+    let mut shared = shared_over(config, absent.clone(), absent.clone(), absent, None)?;
+    // A forked hook serves no metrics: counts made here would be for nobody.
+    shared.recorder = Arc::new(NoRecorder);
+    let node = open_node(config, &shared, mounts)?;
+    Ok(Bridge {
+        controller: Err(Unserved::not_a_role("controller")),
+        node: Ok(Arc::new(node)),
+    })
+}
+
+fn shared_over(
+    config: &Config,
+    controller_driver: Arc<dyn ControllerDriver>,
+    node_driver: Arc<dyn NodeDriver>,
+    volume_settings: Arc<dyn VolumeSettings>,
+    kube: Option<Arc<Kube>>,
+) -> Result<Shared, BridgeError> {
+    let label = DriverLabel::of(config);
+    let settings = core_settings(config);
+    let driver = Arc::new(DriverView::new(
+        controller_driver,
+        node_driver,
+        settings.node_id.clone(),
+        settings.separate_controller_endpoint,
+    ));
     let lock_dir = &config.state.lock_dir;
     let locks = Arc::new(
         FileLocks::new(lock_dir)

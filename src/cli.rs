@@ -16,11 +16,11 @@ use crate::telemetry::{self, LogFormat};
 use crate::transport::forked::{HookOutput, HookRequest};
 
 /// Exit code for a hook or command that failed.
-const EXIT_FAILURE: u8 = 1;
+pub(crate) const EXIT_FAILURE: u8 = 1;
 /// Exit code for a malformed command line (EX_USAGE).
 const EXIT_USAGE: u8 = 64;
 /// Exit code for a config the operator must fix (EX_CONFIG).
-const EXIT_CONFIG: u8 = 78;
+pub(crate) const EXIT_CONFIG: u8 = 78;
 
 /// How long `serve` keeps the embedded store's file open after its last call: long enough
 /// for the calls of one Create against a fast driver, short enough that a forked hook or
@@ -297,8 +297,9 @@ pub struct RegisterArgs {
     #[command(flatten)]
     pub config: ConfigArg,
     /// For binary registration: the installed executable the printed `ln -s` line links
-    /// `/usr/local/bin/cube-csi-bridge-<driver>` to (default: this executable); Cube forks
-    /// that symlink, whose name selects the config.
+    /// `/usr/local/bin/cube-csi-bridge-<driver>` to (default: the hook front cube-csi-hook
+    /// beside this executable, else this executable); Cube forks that symlink, whose name
+    /// selects the config.
     #[arg(long, value_name = "PATH")]
     pub binary_path: Option<PathBuf>,
 }
@@ -358,6 +359,38 @@ impl HookArgs {
         };
         HookRequest::from_argv(self.op, &argv)
     }
+}
+
+/// The forked hook's command line as its front executable reads it (`transport::front`):
+/// the hook's own flags and the log format, nothing else, so that it builds no other
+/// command's parser. `None` for anything else (another subcommand, `--help`, a malformed
+/// argv): the full binary answers those, with its own errors.
+pub fn parse_front_argv(args: &[OsString]) -> Option<(LogFormat, HookArgs)> {
+    #[derive(Debug, Parser)]
+    #[command(
+        name = "cube-csi-hook",
+        disable_help_flag = true,
+        disable_version_flag = true
+    )]
+    struct FrontCli {
+        #[arg(long, value_enum, default_value_t, env = "CUBE_CSI_BRIDGE_LOG_FORMAT")]
+        log_format: LogFormat,
+        #[command(flatten)]
+        hook: HookArgs,
+    }
+    let mut args = args.to_vec();
+    if args.get(1).is_some_and(|a| a == "hook") {
+        args.remove(1);
+    }
+    FrontCli::try_parse_from(args)
+        .ok()
+        .map(|cli| (cli.log_format, cli.hook))
+}
+
+/// Locates and loads a forked hook's config (the lookup rule of `config::locate`).
+pub fn hook_config(hook: &HookArgs, argv0: Option<&str>) -> Result<Config, config::ConfigError> {
+    let located = locate_config(hook.config.clone(), hook.driver.clone(), argv0);
+    Config::load_driver(&located.path, &located.driver)
 }
 
 /// Parses the arguments Cube passes a forked hook (everything after the executable name,
@@ -499,10 +532,11 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            let binary = reg
-                .binary_path
-                .or_else(|| std::env::current_exe().ok())
-                .unwrap_or_else(|| PathBuf::from("/usr/local/bin/cube-csi-bridge"));
+            let binary = reg.binary_path.unwrap_or_else(|| {
+                let own = std::env::current_exe()
+                    .unwrap_or_else(|_| PathBuf::from("/usr/local/bin/cube-csi-bridge"));
+                crate::transport::front::front_beside(&own)
+            });
             for config in &configs {
                 print!("{}", crate::admin::registration_snippets(config, &binary));
             }
@@ -785,8 +819,7 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
         Ok(r) => r,
         Err(message) => return finish_hook(HookOutput::failure(&message), EXIT_USAGE),
     };
-    let located = locate_config(hook.config.clone(), hook.driver.clone(), argv0);
-    let config = match Config::load_driver(&located.path, &located.driver) {
+    let config = match hook_config(&hook, argv0) {
         Ok(c) => c,
         Err(e) => return finish_hook(HookOutput::failure(&e.to_string()), EXIT_CONFIG),
     };
@@ -800,28 +833,28 @@ fn run_hook(format: LogFormat, hook: HookArgs, argv0: Option<&str>) -> ExitCode 
     if printed {
         acknowledgement.confirm();
     }
-    code
+    ExitCode::from(code)
 }
 
 /// Prints the hook's one JSON object and picks the exit code; on failure the message
 /// also ends stderr, which is what Cube shows for a non-zero exit.
 fn finish_hook(output: HookOutput, failure_code: u8) -> ExitCode {
-    print_hook_answer(output, failure_code).0
+    ExitCode::from(print_hook_answer(output, failure_code).0)
 }
 
 /// `finish_hook`, also saying whether the answer was written out whole.
-fn print_hook_answer(output: HookOutput, failure_code: u8) -> (ExitCode, bool) {
+pub fn print_hook_answer(output: HookOutput, failure_code: u8) -> (u8, bool) {
     let mut stdout = std::io::stdout().lock();
     let printed = writeln!(stdout, "{}", output.stdout).is_ok() && stdout.flush().is_ok();
     if output.success {
-        return (ExitCode::SUCCESS, printed);
+        return (0, printed);
     }
     if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&output.stdout)
         && let Some(serde_json::Value::String(message)) = map.get("error")
     {
         eprintln!("{message}");
     }
-    (ExitCode::from(failure_code), printed)
+    (failure_code, printed)
 }
 
 #[cfg(test)]

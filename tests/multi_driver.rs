@@ -19,6 +19,7 @@ use cube_csi_bridge::proto::cube::v1 as pb;
 use tonic::Code;
 
 const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
+const HOOK: &str = env!("CARGO_BIN_EXE_cube-csi-hook");
 const WAIT: Duration = Duration::from_secs(20);
 
 /// The two drivers of the file: (Cube driver name, fake capabilities).
@@ -425,6 +426,19 @@ async fn a_forked_hook_serves_the_driver_its_executable_name_picks() {
         "{answer}"
     );
     assert_eq!(host.fakes["beta"].mutating_calls(), ["CreateVolume"]);
+
+    // The same link made to the hook front: the front hands a Create to the full binary
+    // beside it with argv[0] kept, so the name still picks beta.
+    let front_dir = host.dir.path().join("front-bin");
+    std::fs::create_dir(&front_dir).unwrap();
+    let front_link = front_dir.join("cube-csi-bridge-beta");
+    std::os::unix::fs::symlink(HOOK, &front_link).unwrap();
+    host.fakes["beta"].clear_calls();
+    let create = Hook::Create(callers::create_request("forked-front"));
+    let (ok, answer) = run(front_link, create).await;
+    assert!(ok, "{answer}");
+    assert_eq!(host.fakes["beta"].mutating_calls(), ["CreateVolume"]);
+    assert!(host.fakes["alpha"].mutating_calls().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread")]

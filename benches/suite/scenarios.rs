@@ -2,7 +2,7 @@
 //! measures its figures and their baselines in interleaved rounds, stops everything, and
 //! returns its rows of the table. `profile` is the --profile mode.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -652,82 +652,113 @@ fn fresh_file_fdatasyncs(dir: &Path, n: usize) -> anyhow::Result<Vec<i64>> {
 }
 
 /// The binary hook forked with Cube's argv on its fast paths, beside exec of /bin/true
-/// with the same argv.
+/// with the same argv: the front Cube is registered to fork (judged), and the full binary
+/// forked directly (for context: what the front saves).
 fn binary(world: &World) -> anyhow::Result<Vec<Row>> {
     let s = world.sizes;
     let (_driver, socket) = world.fake_driver("binary-driver", 0, true)?;
     let files = world.bridge_files(&BridgeSpec::new("binary", &socket))?;
-    let hook = Via::Fork {
-        exe: world.bridge.clone(),
+    let forked = |exe: &PathBuf| Via::Fork {
+        exe: exe.clone(),
         env: vec![format!("CUBE_CSI_BRIDGE_CONFIG={}", files.config.display())],
         raw: false,
     };
+    let (hook, full) = (forked(&world.hook), forked(&world.bridge));
     let floor = Via::Fork {
         exe: "/bin/true".into(),
         env: vec![],
         raw: true,
     };
     let mut runner = world.runner()?;
-    runner.run(
-        "prime",
-        &hook,
-        1,
-        &[
-            Call::create("hot"),
-            Call::attach("hot", "holder", 0, &files.base_dir),
-        ],
-    )?;
-    let warm = s.warmup_pairs / 5;
-    run_pairs(
-        &mut runner,
-        "warm-up hook",
-        &hook,
-        &hot_calls("hot", warm, &files.base_dir, "warm"),
-    )?;
-    run_pairs(
-        &mut runner,
-        "warm-up true",
-        &floor,
-        &hot_calls("hot", warm, &files.base_dir, "warm"),
-    )?;
-    let (mut forked, mut trivial) = (Pairs::default(), Pairs::default());
-    for round in 0..s.rounds {
-        let calls = hot_calls(
-            "hot",
-            s.binary_pairs / s.rounds,
-            &files.base_dir,
-            &format!("r{round}"),
-        );
-        trivial.add(run_pairs(&mut runner, "exec /bin/true", &floor, &calls)?);
-        forked.add(run_pairs(&mut runner, "binary hook", &hook, &calls)?);
+    // One volume per executable: the Go runner keeps each one's Create answer for itself.
+    let volumes = [("hot", &hook), ("hot-full", &full)];
+    for (volume, via) in volumes {
+        runner.run(
+            "prime",
+            via,
+            1,
+            &[
+                Call::create(volume),
+                Call::attach(volume, "holder", 0, &files.base_dir),
+            ],
+        )?;
     }
-    runner.run(
-        "release",
-        &hook,
-        1,
-        &[Call::detach("hot", "holder", 0), Call::destroy("hot")],
-    )?;
+    let warm = s.warmup_pairs / 5;
+    for (name, via, volume) in [
+        ("warm-up hook", &hook, "hot"),
+        ("warm-up full", &full, "hot-full"),
+        ("warm-up true", &floor, "hot"),
+    ] {
+        let calls = hot_calls(volume, warm, &files.base_dir, "warm");
+        run_pairs(&mut runner, name, via, &calls)?;
+    }
+    let (mut front, mut whole, mut trivial) =
+        (Pairs::default(), Pairs::default(), Pairs::default());
+    for round in 0..s.rounds {
+        let calls = |volume| {
+            let per_round = s.binary_pairs / s.rounds;
+            hot_calls(volume, per_round, &files.base_dir, &format!("r{round}"))
+        };
+        trivial.add(run_pairs(
+            &mut runner,
+            "exec /bin/true",
+            &floor,
+            &calls("hot"),
+        )?);
+        front.add(run_pairs(&mut runner, "binary hook", &hook, &calls("hot"))?);
+        whole.add(run_pairs(
+            &mut runner,
+            "full binary",
+            &full,
+            &calls("hot-full"),
+        )?);
+    }
+    for (volume, via) in volumes {
+        runner.run(
+            "release",
+            via,
+            1,
+            &[Call::detach(volume, "holder", 0), Call::destroy(volume)],
+        )?;
+    }
+    let front_name = world.hook.file_name().unwrap_or_default().to_string_lossy();
     let mut rows = Vec::new();
-    for (figure, measured, base) in [
+    for (figure, measured, full, base) in [
         (
-            "binary hook, Attach, volume already mounted (ref_count 1), wall per call",
-            &forked.attach,
+            "Attach, volume already mounted (ref_count 1), wall per call",
+            &front.attach,
+            &whole.attach,
             &trivial.attach,
         ),
         (
-            "binary hook, Detach, ref_count 1, wall per call",
-            &forked.detach,
+            "Detach, ref_count 1, wall per call",
+            &front.detach,
+            &whole.detach,
             &trivial.detach,
         ),
     ] {
-        let (m, b) = (Summary::of_ns(measured), Summary::of_ns(base));
+        let (m, f, b) = (
+            Summary::of_ns(measured),
+            Summary::of_ns(full),
+            Summary::of_ns(base),
+        );
+        let baseline = format!("exec /bin/true, same argv: {}", shown(&b));
         rows.push(Row::judged(
-            format!("{figure} — median"),
+            format!("binary hook ({front_name}), {figure} — median"),
             shown(&m),
-            format!("exec /bin/true, same argv: {}", shown(&b)),
+            baseline.clone(),
             ms(m.median),
             ms(b.median),
             Target::Ratio(2.0),
+            "ms",
+        ));
+        rows.push(Row::judged(
+            format!("full binary forked directly, {figure} — median"),
+            shown(&f),
+            baseline,
+            ms(f.median),
+            ms(b.median),
+            Target::Info,
             "ms",
         ));
     }

@@ -153,6 +153,9 @@ pub struct World {
     pub sizes: Sizes,
     /// The bridge executable measured.
     pub bridge: PathBuf,
+    /// What Cube forks for a binary registration: the hook front beside `bridge`
+    /// (`cube-csi-hook`), or `bridge` itself for a build that has none.
+    pub hook: PathBuf,
     /// This executable (re-run for `fake-csi` and `tonic-floor`).
     pub suite: PathBuf,
     pub cubeclient: PathBuf,
@@ -195,9 +198,13 @@ impl World {
             .canonicalize()
             .with_context(|| format!("the bridge executable {}", bridge.display()))?;
         let csi_mock = Some(peers.join("csi-mock")).filter(|p| p.is_file());
+        let hook = Some(bridge.with_file_name("cube-csi-hook"))
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| bridge.clone());
         Ok(World {
             sizes: Sizes::new(options.quick),
             bridge,
+            hook,
             options,
             suite: std::env::current_exe()?,
             cubeclient,

@@ -60,7 +60,9 @@ pub async fn answer_if_hot(config: &Config, request: &HookRequest) -> Option<Hoo
         return None;
     }
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
-    let bridge = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts).ok()?;
+    // No driver or Kubernetes client: the hot path makes no call to either, and the
+    // forked hook's front executable links neither (see transport::front).
+    let bridge = crate::app::open_hot_node(config, mounts).ok()?;
     // Work an earlier, killed hook left behind is finished by a worker after it answers.
     if pending_work_blocks(
         &bridge.node().ok()?.node_journal().pending_since().ok()?,

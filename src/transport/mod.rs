@@ -6,6 +6,7 @@
 
 pub mod authority_filter;
 pub mod forked;
+pub mod front;
 pub mod health;
 pub mod listener;
 pub mod server;

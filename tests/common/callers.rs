@@ -14,7 +14,7 @@ use cube_csi_bridge::proto::cube::v1 as pb;
 use pb::volume_controller_service_client::VolumeControllerServiceClient;
 use pb::volume_plugin_service_client::VolumePluginServiceClient;
 
-use super::BRIDGE;
+use super::HOOK;
 
 /// A failed hook as Cube sees it.
 #[derive(Debug, Clone)]
@@ -257,6 +257,8 @@ impl CubeCaller for RpcCaller {
 /// The executable forked per hook with Cube's argv (Cube type `binary`).
 #[derive(Debug, Clone)]
 pub struct BinaryCaller {
+    /// What is forked: the hook front unless a test names another executable.
+    pub program: PathBuf,
     pub config: PathBuf,
     /// Extra environment for the forked process.
     pub env: Vec<(String, String)>,
@@ -267,6 +269,7 @@ pub struct BinaryCaller {
 impl BinaryCaller {
     pub fn new(config: &Path) -> Self {
         Self {
+            program: PathBuf::from(HOOK),
             config: config.to_path_buf(),
             env: Vec::new(),
             logs: Default::default(),
@@ -278,8 +281,14 @@ impl BinaryCaller {
         self
     }
 
+    /// Forks `program` instead of the hook front.
+    pub fn with_program(mut self, program: &Path) -> Self {
+        self.program = program.to_path_buf();
+        self
+    }
+
     fn command(&self, hook: &Hook) -> tokio::process::Command {
-        let mut cmd = tokio::process::Command::new(BRIDGE);
+        let mut cmd = tokio::process::Command::new(&self.program);
         cmd.args(hook.argv())
             .env("CUBE_CSI_BRIDGE_CONFIG", &self.config)
             .env("RUST_LOG", "debug")
@@ -460,7 +469,7 @@ impl GoCaller {
             GoTransport::Binary { config } => cmd
                 .arg("binary")
                 .arg("--path")
-                .arg(BRIDGE)
+                .arg(HOOK)
                 .env("CUBE_CSI_BRIDGE_CONFIG", config),
         };
         cmd.args(op)

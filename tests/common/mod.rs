@@ -26,6 +26,9 @@ use fake_driver::{Caps, FakeDriver, Running};
 pub use callers::CubeError;
 
 pub const BRIDGE: &str = env!("CARGO_BIN_EXE_cube-csi-bridge");
+/// What a binary registration forks: the hook front, which answers the hot paths itself and
+/// execs BRIDGE (its sibling) for everything else; every binary-mode test goes through it.
+pub const HOOK: &str = env!("CARGO_BIN_EXE_cube-csi-hook");
 /// The Cube driver name the tests register.
 pub const DRIVER: &str = "fake";
 

@@ -1,0 +1,194 @@
+//! The forked hook's front (`cube-csi-hook`, src/transport/front.rs): it answers the hot
+//! paths by itself, hands everything else to the full binary beside it (argv[0] kept, see
+//! tests/multi_driver.rs), and says what is wrong, changing nothing, when that binary is
+//! missing or when the front was installed under the full binary's name. Every other
+//! binary-mode test forks the front too (tests/common), so the crash matrix and the Cube
+//! conditions hold through it.
+//!
+//! The first test needs root (real mounts); it skips without it, except in CI.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::callers::{CubeCaller, attach_request, detach_request};
+use common::fake_driver::Caps;
+use common::{BRIDGE, HOOK, Mode, World};
+
+/// A copy of the front named `name`, alone in `dir`: no full binary beside it.
+fn lonely_front(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::copy(HOOK, &path).unwrap();
+    path
+}
+
+/// The one JSON object a forked hook printed, and its exit code.
+fn answer(out: &std::process::Output) -> (serde_json::Value, Option<i32>) {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {text:?}"));
+    (value, out.status.code())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_front_answers_the_hot_paths_by_itself_and_hands_on_the_rest() {
+    require_root!();
+    let world = World::start(Mode::Binary, Caps::staging(), "").await;
+    let created = world.create("v").await.unwrap();
+    // The first Attach stages and publishes: the front hands it to the full binary.
+    let first = world
+        .attach("sb-1", "v", 0, &created.private_data)
+        .await
+        .unwrap();
+    let mounts = world.mounts();
+    assert!(!mounts.is_empty());
+    world.driver.clear_calls();
+
+    let bin = tempfile::tempdir().unwrap();
+    let alone = world
+        .binary_caller()
+        .with_program(&lonely_front(bin.path(), "cube-csi-hook"));
+    // A second sandbox's Attach and its Detach (a holder is left) are hot: answered by the
+    // front with no full binary to run, and no driver call.
+    let base = &world.base_dir;
+    let hot = alone
+        .attach(attach_request(
+            "default",
+            base,
+            "sb-2",
+            "v",
+            1,
+            &created.private_data,
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("hot Attach by the front alone: {e:?}\n{}", world.logs()));
+    assert_eq!(hot.host_path, first.host_path);
+    alone
+        .detach(detach_request("default", "sb-2", "v", 1, &hot.metadata))
+        .await
+        .unwrap_or_else(|e| panic!("hot Detach by the front alone: {e:?}\n{}", world.logs()));
+    assert!(world.driver.mutating_calls().is_empty());
+
+    // The last Detach unpublishes: it needs the full binary, which is missing. The error
+    // names the file, and nothing was done.
+    let err = alone
+        .detach(detach_request("default", "sb-1", "v", 0, &first.metadata))
+        .await
+        .unwrap_err();
+    let missing = bin.path().join("cube-csi-bridge");
+    assert!(
+        err.message.contains("could not run the full binary")
+            && err.message.contains(&missing.display().to_string()),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.exit_code,
+        Some(78),
+        "EX_CONFIG: the install is incomplete"
+    );
+    assert!(world.driver.mutating_calls().is_empty());
+    assert_eq!(world.mounts(), mounts);
+
+    // Through the installed front, with the full binary beside it, the same Detach runs.
+    world.detach("sb-1", "v", 0, &first.metadata).await.unwrap();
+    assert_eq!(
+        world.driver.mutating_calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
+    assert!(world.mounts().is_empty());
+    world.destroy("v").await.unwrap();
+}
+
+#[test]
+fn a_front_without_its_full_binary_names_the_missing_file() {
+    let bin = tempfile::tempdir().unwrap();
+    let front = lonely_front(bin.path(), "cube-csi-hook");
+    let out = Command::new(&front)
+        .args(["--op", "create", "--volume-id", "v", "--name", "v"])
+        .env("CUBE_CSI_BRIDGE_CONFIG", bin.path().join("none.toml"))
+        .output()
+        .unwrap();
+    let (json, code) = answer(&out);
+    let error = json["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&bin.path().join("cube-csi-bridge").display().to_string())
+            && error.contains("install cube-csi-bridge beside cube-csi-hook"),
+        "{json}"
+    );
+    assert_eq!(code, Some(78));
+    // Cube shows a failed hook's stderr: the same message ends it.
+    assert!(String::from_utf8_lossy(&out.stderr).contains("could not run the full binary"));
+}
+
+#[test]
+fn a_front_installed_under_the_full_binarys_name_says_so_instead_of_running_itself() {
+    let bin = tempfile::tempdir().unwrap();
+    let front = lonely_front(bin.path(), "cube-csi-bridge");
+    let out = Command::new(&front)
+        .args(["--op", "create", "--volume-id", "v", "--name", "v"])
+        .env("CUBE_CSI_BRIDGE_CONFIG", bin.path().join("none.toml"))
+        .output()
+        .unwrap();
+    let (json, code) = answer(&out);
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("installed under the full binary's name")),
+        "{json}"
+    );
+    assert_eq!(code, Some(78));
+}
+
+#[test]
+fn everything_but_a_hook_is_the_full_binarys_to_answer() {
+    // `--help` through the front is the full binary's help, with every subcommand.
+    let out = Command::new(HOOK).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("serve") && help.contains("register"),
+        "{help}"
+    );
+    // A malformed hook argv gets the full binary's own error (one JSON object, EX_USAGE).
+    let out = Command::new(HOOK)
+        .args(["--op", "attach", "--volume-id"])
+        .output()
+        .unwrap();
+    let (json, code) = answer(&out);
+    assert_eq!(code, Some(64), "{json}");
+    let direct = Command::new(BRIDGE)
+        .args(["--op", "attach", "--volume-id"])
+        .output()
+        .unwrap();
+    assert_eq!(json, answer(&direct).0);
+}
+
+/// What keeps the front small: it links no CSI client (the hot path makes no driver call)
+/// and no Kubernetes client. A change that pulls either in fails here, before a benchmark
+/// would show it.
+#[test]
+fn the_front_links_no_csi_or_kubernetes_client() {
+    // grep: a debug build's executables are hundreds of MB, slow to scan in a debug test.
+    let contains = |file: &str, needle: &str| {
+        let status = Command::new("grep")
+            .args(["-q", "-a", "-F", needle, file])
+            .status()
+            .unwrap();
+        assert!(
+            status.code().is_some_and(|c| c <= 1),
+            "grep failed on {file}"
+        );
+        status.success()
+    };
+    for marker in [
+        // a CSI gRPC method path (tonic) and the in-cluster variable the kube client reads
+        "/csi.v1.Node/NodeStageVolume",
+        "KUBERNETES_SERVICE_HOST",
+        // the Kubernetes store's CRD group
+        "csibridge.cubesandbox.io",
+    ] {
+        assert!(contains(BRIDGE, marker), "the full binary has {marker}");
+        assert!(!contains(HOOK, marker), "the front has {marker}");
+    }
+}
