@@ -192,3 +192,36 @@ fn the_front_links_no_csi_or_kubernetes_client() {
         assert!(!contains(HOOK, marker), "the front has {marker}");
     }
 }
+
+/// The front runs the full binary as root: one that someone else could have changed or
+/// put there is refused, by the rule a config file is held to, and nothing runs.
+#[test]
+fn a_full_binary_others_could_change_is_not_run() {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = tempfile::tempdir().unwrap();
+    let front = lonely_front(bin.path(), "cube-csi-hook");
+    let full = bin.path().join("cube-csi-bridge");
+    std::fs::copy(BRIDGE, &full).unwrap();
+    let help = || Command::new(&front).arg("--help").output().unwrap();
+    assert!(help().status.success(), "a trusted install runs");
+
+    std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o775)).unwrap();
+    let out = help();
+    let (json, code) = answer(&out);
+    let error = json["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("refuses to run the full binary") && error.contains("chmod go-w"),
+        "{json}"
+    );
+    assert_eq!(code, Some(78));
+
+    std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (json, _) = answer(&help());
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("writable by its group or by others")),
+        "{json}"
+    );
+}

@@ -123,6 +123,13 @@ pub(super) fn check_access(
     Ok(())
 }
 
+/// Refuses a file the bridge would act on as root (an executable it runs) that anyone but
+/// root or the bridge's own user could change or replace, by the rule of `check_owners`.
+pub fn check_trusted_file(path: &Path) -> Result<(), String> {
+    let real = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    check_owners(path, &real, nix::unistd::geteuid().as_raw())
+}
+
 /// Refuses a config file that anyone but root (or `euid`, the user the bridge runs as)
 /// could change, or replace: the file must be owned by one of them and writable by no
 /// group or other user, and so must every directory above it, as written (`path`, whose
@@ -183,9 +190,9 @@ fn check_owners(path: &Path, real: &Path, euid: u32) -> Result<(), String> {
         };
         return Err(format!(
             "the directory {} above it {why}, so someone other than {owner} could replace \
-             the file; keep the config in a directory owned by {owner} and writable only by \
-             its owner (chown root and chmod go-w the directory, or move the file, e.g. to \
-             /etc/cube-csi-bridge)",
+             the file; keep it in a directory owned by {owner} and writable only by its \
+             owner (chown root and chmod go-w the directory, or move the file, e.g. a config \
+             to /etc/cube-csi-bridge)",
             dir.display()
         ));
     }

@@ -113,6 +113,16 @@ fn full_binary_beside(own: &Path) -> Result<PathBuf, String> {
             own.display()
         ));
     }
+    // This process runs as root what it finds there: nobody else may have put it there
+    // (the same rule as for a config file).
+    if full.exists() {
+        crate::config::check_trusted_file(&full).map_err(|why| {
+            format!(
+                "the hook front refuses to run the full binary {}: {why}",
+                full.display()
+            )
+        })?;
+    }
     Ok(full)
 }
 
