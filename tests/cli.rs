@@ -101,3 +101,20 @@ fn register_prints_both_cube_configs() {
     assert!(text.contains("[[plugins.\"io.cubelet.internal.v1.storage\".volume_plugins]]"));
     assert!(text.contains("type = \"binary\""));
 }
+
+/// The README's first command is `cargo run --release -- demo`: with the hook front as a
+/// second executable, cargo runs neither unless the manifest names which.
+#[test]
+fn cargo_run_runs_the_bridge() {
+    let manifest: toml::Table = include_str!("../Cargo.toml").parse().unwrap();
+    let bins = manifest["bin"].as_array().map_or(0, Vec::len);
+    if bins > 1 {
+        assert_eq!(
+            manifest["package"]
+                .get("default-run")
+                .and_then(|v| v.as_str()),
+            Some("cube-csi-bridge"),
+            "several [[bin]] targets: `cargo run` needs package.default-run"
+        );
+    }
+}
