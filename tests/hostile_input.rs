@@ -892,18 +892,21 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, String> {
 }
 
 /// The world's tree once nothing changes it in the background. Without a daemon nothing
-/// runs there. A daemon's start-up housekeeping is its start-up reconciliation, which logs
-/// its end, and right after it the first scan for abandoned node operations and the first
-/// sweep of abandoned Creates, which log nothing when they find nothing but open (and so
-/// rewrite) the controller store: after the log line, the tree is polled until two
-/// snapshots 300 ms apart agree.
+/// runs there. A daemon's start-up housekeeping is its start-up reconciliation, then the
+/// first scan for abandoned node operations and the first sweep of abandoned Creates (which
+/// open, and so rewrite, the controller store); the daemon logs their end. After that line
+/// the tree is also polled until two snapshots 300 ms apart agree.
 async fn settled(w: &World) -> BTreeMap<PathBuf, String> {
     let root = w.dir.path();
     if w.daemon.is_none() {
         return snapshot(root);
     }
-    w.wait_for_daemon_log("node journal reconciled", 1, Duration::from_secs(30))
-        .await;
+    w.wait_for_daemon_log(
+        cube_csi_bridge::transport::server::HOUSEKEEPING_STARTED,
+        1,
+        Duration::from_secs(30),
+    )
+    .await;
     let until = Instant::now() + Duration::from_secs(30);
     let mut last = snapshot(root);
     loop {

@@ -61,6 +61,7 @@ pub fn run_all(world: &World) -> bool {
         started.elapsed().as_secs_f64()
     );
     println!("bridge measured: {}", world.bridge_description());
+    println!("forked hook measured: {}", world.hook.display());
     println!("{}", world.work_dir_description());
     println!(
         "iterations: hot pairs {} (+{} warm-up) per target in {} interleaved rounds; \

@@ -391,36 +391,66 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, config: &Config) -> tokio::task::Join
         .sweep_interval
         .filter(|_| controller.is_some());
     let grace = config.controller.abandoned_create_after;
-    tokio::spawn(async move {
-        if let Some(node) = &node {
-            match node.reconcile_node(Scope::All).await {
-                Ok(report) => tracing::info!(?report, "node journal reconciled"),
-                Err(error) => tracing::error!(%error, "node journal reconciliation failed"),
-            }
-        }
-        let mut scan = tokio::time::interval(ABANDONED_SCAN_INTERVAL);
-        let mut sweep_timer = tokio::time::interval(sweep.unwrap_or(Duration::from_secs(86_400)));
-        loop {
-            tokio::select! {
-                _ = scan.tick(), if node.is_some() => {
-                    let Some(node) = &node else { continue };
-                    match node.reconcile_node(Scope::Abandoned).await {
-                        Ok(report) if !report.is_empty() => tracing::info!(?report, "abandoned node operations resolved"),
-                        Ok(_) => {}
-                        Err(error) => tracing::error!(%error, "scanning for abandoned node operations failed"),
-                    }
-                }
-                _ = sweep_timer.tick(), if sweep.is_some() => {
-                    let Some(controller) = &controller else { continue };
-                    match controller.sweep_abandoned_creates(grace).await {
-                        Ok(report) if report.reclaimed + report.failed > 0 => tracing::info!(?report, "abandoned creates swept"),
-                        Ok(_) => {}
-                        Err(error) => tracing::error!(%error, "sweeping abandoned creates failed"),
-                    }
+    tokio::spawn(
+        async move {
+            if let Some(node) = &node {
+                match node.reconcile_node(Scope::All).await {
+                    Ok(report) => tracing::info!(?report, "node journal reconciled"),
+                    Err(error) => tracing::error!(%error, "node journal reconciliation failed"),
                 }
             }
+            let mut scan = tokio::time::interval(ABANDONED_SCAN_INTERVAL);
+            let mut sweep_timer =
+                tokio::time::interval(sweep.unwrap_or(Duration::from_secs(86_400)));
+            // The first pass of each runs now, in this order, and its end is logged: after
+            // that line the daemon writes nothing of its own until the next interval.
+            scan.tick().await;
+            sweep_timer.tick().await;
+            if let Some(node) = &node {
+                abandoned_node_pass(node).await;
+            }
+            if let (Some(controller), Some(_)) = (&controller, sweep) {
+                abandoned_create_pass(controller, grace).await;
+            }
+            tracing::info!("{HOUSEKEEPING_STARTED}");
+            loop {
+                tokio::select! {
+                    _ = scan.tick(), if node.is_some() => {
+                        let Some(node) = &node else { continue };
+                        abandoned_node_pass(node).await;
+                    }
+                    _ = sweep_timer.tick(), if sweep.is_some() => {
+                        let Some(controller) = &controller else { continue };
+                        abandoned_create_pass(controller, grace).await;
+                    }
+                }
+            }
         }
-    }.in_current_span())
+        .in_current_span(),
+    )
+}
+
+/// Logged once the start-up reconciliation and the first abandoned-work passes are done.
+pub const HOUSEKEEPING_STARTED: &str = "start-up housekeeping finished";
+
+async fn abandoned_node_pass(node: &crate::bridge::NodeSide) {
+    match node.reconcile_node(Scope::Abandoned).await {
+        Ok(report) if !report.is_empty() => {
+            tracing::info!(?report, "abandoned node operations resolved")
+        }
+        Ok(_) => {}
+        Err(error) => tracing::error!(%error, "scanning for abandoned node operations failed"),
+    }
+}
+
+async fn abandoned_create_pass(controller: &crate::bridge::ControllerSide, grace: Duration) {
+    match controller.sweep_abandoned_creates(grace).await {
+        Ok(report) if report.reclaimed + report.failed > 0 => {
+            tracing::info!(?report, "abandoned creates swept")
+        }
+        Ok(_) => {}
+        Err(error) => tracing::error!(%error, "sweeping abandoned creates failed"),
+    }
 }
 
 /// How often the inventory gauges are refreshed when volume stats are not polled.
