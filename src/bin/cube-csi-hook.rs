@@ -3,9 +3,11 @@
 //!
 //! `no_main`: std's start-up work for a Rust `main` (the main thread's stack guard, which
 //! reads /proc/self/maps, and its signal stack) is a measurable part of a process that
-//! lives about a millisecond. What of it matters here is done by `front::start`.
-#![no_main]
+//! lives about a millisecond. What of it matters here is done by `front::start`. (Not under
+//! `cfg(test)`: there the C `main` would replace the test harness's.)
+#![cfg_attr(not(test), no_main)]
 
+#[cfg(not(test))]
 #[unsafe(no_mangle)]
 extern "C" fn main(
     _argc: std::ffi::c_int,
