@@ -23,6 +23,16 @@ fn lonely_front(dir: &Path, name: &str) -> PathBuf {
     path
 }
 
+/// A Create forked from a lonely front named `name` in `dir` (a Create is always handed on,
+/// before any config is read).
+fn create_by_lonely_front(dir: &Path, name: &str) -> std::process::Output {
+    Command::new(lonely_front(dir, name))
+        .args(["--op", "create", "--volume-id", "v", "--name", "v"])
+        .env("CUBE_CSI_BRIDGE_CONFIG", dir.join("none.toml"))
+        .output()
+        .unwrap()
+}
+
 /// The one JSON object a forked hook printed, and its exit code.
 fn answer(out: &std::process::Output) -> (serde_json::Value, Option<i32>) {
     let text = String::from_utf8_lossy(&out.stdout);
@@ -110,12 +120,7 @@ async fn the_front_answers_the_hot_paths_by_itself_and_hands_on_the_rest() {
 #[test]
 fn a_front_without_its_full_binary_names_the_missing_file() {
     let bin = tempfile::tempdir().unwrap();
-    let front = lonely_front(bin.path(), "cube-csi-hook");
-    let out = Command::new(&front)
-        .args(["--op", "create", "--volume-id", "v", "--name", "v"])
-        .env("CUBE_CSI_BRIDGE_CONFIG", bin.path().join("none.toml"))
-        .output()
-        .unwrap();
+    let out = create_by_lonely_front(bin.path(), "cube-csi-hook");
     let (json, code) = answer(&out);
     let error = json["error"].as_str().unwrap_or_default();
     assert!(
@@ -131,12 +136,7 @@ fn a_front_without_its_full_binary_names_the_missing_file() {
 #[test]
 fn a_front_installed_under_the_full_binarys_name_says_so_instead_of_running_itself() {
     let bin = tempfile::tempdir().unwrap();
-    let front = lonely_front(bin.path(), "cube-csi-bridge");
-    let out = Command::new(&front)
-        .args(["--op", "create", "--volume-id", "v", "--name", "v"])
-        .env("CUBE_CSI_BRIDGE_CONFIG", bin.path().join("none.toml"))
-        .output()
-        .unwrap();
+    let out = create_by_lonely_front(bin.path(), "cube-csi-bridge");
     let (json, code) = answer(&out);
     assert!(
         json["error"]

@@ -403,7 +403,7 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, config: &Config) -> tokio::task::Join
             let mut sweep_timer =
                 tokio::time::interval(sweep.unwrap_or(Duration::from_secs(86_400)));
             // The first pass of each runs now, in this order, and its end is logged: after
-            // that line the daemon writes nothing of its own until the next interval.
+            // that line these passes write nothing until their next interval.
             scan.tick().await;
             sweep_timer.tick().await;
             if let Some(node) = &node {
