@@ -199,8 +199,9 @@ pub async fn fill(
 }
 
 /// The CubeVolume writes of `ids.len()` Creates made straight to the API at once, as the
-/// bridge makes them for each Create: a read that finds none, the object created in state
-/// Creating, then replaced in state Created (the CSI handle added). The wall time of all.
+/// bridge makes them for each Create of a new volume: the object created in state
+/// Creating (no read first: a create of an existing one is refused), then replaced in
+/// state Created (the CSI handle added). The wall time of all.
 pub async fn create_storm(
     client: &kube::Client,
     driver: &str,
@@ -215,9 +216,6 @@ pub async fn create_storm(
         let (driver, csi_driver) = (driver.to_string(), csi_driver.to_string());
         tasks.spawn(async move {
             let name = object_name(&driver, &id);
-            if api.get_opt(&name).await?.is_some() {
-                bail!("CubeVolume {name} exists already");
-            }
             let object = |state: &str, handle: Option<String>, version: Option<String>| {
                 serde_json::from_value::<DynamicObject>(serde_json::json!({
                     "apiVersion": format!("{CRD_GROUP}/{CRD_VERSION}"),

@@ -1264,7 +1264,7 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
         format!("{STORM} Creates at once (CubeMaster create storm), Kubernetes store (10,000 stored): total wall"),
         format!("{} {}", fmt_duration(storm.median), spread(&storm_walls)),
         format!(
-            "the same CubeVolume writes (get, create, replace) for {STORM} volumes straight to the API at once: {} {}",
+            "the same CubeVolume writes (create, replace) for {STORM} volumes straight to the API at once: {} {}",
             fmt_duration(direct.median),
             spread(&direct_walls)
         ),

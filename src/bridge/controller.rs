@@ -586,8 +586,15 @@ impl ControllerSide {
         csi_driver: &str,
         deletion: Option<&DeletionPolicy>,
     ) -> Result<(VolumeRecord, bool), BridgeError> {
-        for _ in 0..STORE_RACE_RETRIES {
-            let existing = self.controller_store().get(volume_id).await?;
+        // One more round than the other races get: the first writes without reading.
+        for round in 0..=STORE_RACE_RETRIES {
+            // A new volume (a Create's usual case) is written without reading first: a
+            // record written with no revision is refused as a conflict when one exists,
+            // and the next round reads it. One store call less before CreateVolume.
+            let existing = match round {
+                0 => None,
+                _ => self.controller_store().get(volume_id).await?,
+            };
             let ours = existing.is_none();
             let mut record = match existing {
                 Some(existing) => {

@@ -848,6 +848,8 @@ impl MountCheck for Fake {
 #[derive(Debug, Default)]
 struct MemoryStore {
     records: Mutex<BTreeMap<String, VolumeRecord>>,
+    /// Reads of volume records so far.
+    gets: std::sync::atomic::AtomicUsize,
     next: Mutex<u64>,
     snapshots: Mutex<BTreeMap<String, SnapshotRecord>>,
 }
@@ -855,6 +857,7 @@ struct MemoryStore {
 #[async_trait]
 impl ControllerStore for MemoryStore {
     async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(self.records.lock().unwrap().get(volume_id).cloned())
     }
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
@@ -1800,6 +1803,28 @@ async fn create_records_the_handle_and_destroy_deletes_it_once() {
     w.fake.clear_calls();
     w.destroy("v").await.unwrap();
     assert!(w.fake.mutating_calls().is_empty());
+}
+
+/// A Create of a new volume writes its intent without reading the store first (issue
+/// 20: one store call less before CreateVolume); a retried Create still finds the record
+/// it left, through the conflict of that first write.
+#[tokio::test]
+async fn a_new_volumes_create_writes_its_intent_without_reading_first() {
+    use std::sync::atomic::Ordering;
+    let w = World::new(Fake::new(false, false));
+    w.create("warm").await.unwrap();
+    w.store.gets.store(0, Ordering::SeqCst);
+    let created = w.create("v").await.unwrap();
+    assert_eq!(
+        w.store.gets.load(Ordering::SeqCst),
+        0,
+        "read before its intent"
+    );
+    assert_eq!(w.stored("v").unwrap().state, VolumeState::Created);
+    w.fake.clear_calls();
+    assert_eq!(w.create("v").await.unwrap(), created);
+    assert!(w.store.gets.load(Ordering::SeqCst) > 0);
+    assert_eq!(w.backend_volumes().len(), 2);
 }
 
 #[tokio::test]

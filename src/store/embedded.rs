@@ -86,6 +86,12 @@ struct SharedState {
     /// within their deadline, rather than inside redb, where a writer that hangs (a disk
     /// that stopped answering) would hang every caller behind it with no time limit.
     writer: bool,
+    /// Callers waiting for the writer's place: a write that has them commits without a
+    /// sync, so that they join the group commit after it.
+    writers_waiting: usize,
+    /// A write with no one to share a commit with syncs its own (see `Session::commit`);
+    /// true but in the tests of writes that wait for a group commit.
+    sync_lone_writes: bool,
     /// Why the open file can no longer be trusted (a durable commit failed, redb
     /// panicked): no one new joins it, and those waiting on it fail.
     broken: Option<String>,
@@ -102,6 +108,8 @@ struct SharedState {
     /// Counts since this process started, for the tests and the figures.
     opens: u64,
     durable_commits: u64,
+    /// Write transactions committed, durably or not.
+    write_commits: u64,
 }
 
 /// The database open and the file lock held; closing it releases the lock.
@@ -162,16 +170,53 @@ impl Session<'_> {
         Ok(write)
     }
 
+    /// Commits the write. With no durable commit running and no writer waiting for its
+    /// place, nothing could share a group commit with this write: it commits with a sync
+    /// itself (one commit instead of two), and that sync covers every write before it.
     fn commit(&self, mut write: Write<'_>) -> Result<(), StoreError> {
         let txn = write.txn.take().expect("a write is committed once");
-        self.shared.lock().committing += 1;
-        let result = txn.commit().map_err(|e| self.shared.err(e));
+        let alone = {
+            let mut state = self.shared.lock();
+            state.committing += 1;
+            let alone = state.sync_lone_writes
+                && !state.flushing
+                && state.writers_waiting == 0
+                && state.broken.is_none();
+            if alone {
+                // Taken before the commit begins: it covers every ticket up to it.
+                state.flushing = true;
+                state.issued += 1;
+            }
+            alone.then_some(state.issued)
+        };
+        let result = match alone {
+            Some(_) => self.shared.commit_durably(txn),
+            None => txn.commit().map_err(|e| self.shared.err(e)),
+        };
         drop(write);
         let mut state = self.shared.lock();
         state.committing -= 1;
-        if result.is_ok() {
-            state.issued += 1;
-            self.ticket.set(Some(state.issued));
+        state.write_commits += u64::from(result.is_ok());
+        match (alone, &result) {
+            (Some(ticket), Ok(())) => {
+                state.flushing = false;
+                state.durable_commits += 1;
+                state.synced = state.synced.max(ticket);
+                self.ticket.set(Some(ticket));
+                self.shared.changed.notify_all();
+            }
+            (Some(_), Err(e)) => {
+                // As a failed group commit: the writes it would have covered fail too.
+                state.flushing = false;
+                state.durable_commits += 1;
+                state.broken = Some(e.to_string());
+                self.shared.changed.notify_all();
+            }
+            (None, Ok(())) => {
+                state.issued += 1;
+                self.ticket.set(Some(state.issued));
+            }
+            (None, Err(_)) => {}
         }
         result
     }
@@ -224,6 +269,7 @@ impl Shared {
             lock_path: path.with_extension("lock"),
             state: Mutex::new(SharedState {
                 linger: Duration::from_micros(LINGER_MICROS.load(Ordering::Relaxed)),
+                sync_lone_writes: true,
                 ..SharedState::default()
             }),
             changed: Condvar::new(),
@@ -502,13 +548,20 @@ impl Shared {
     /// An empty transaction committed with a sync: it makes every commit before it durable.
     fn durable_commit(&self, db: &redb::Database, until: Instant) -> Result<(), StoreError> {
         #[cfg(test)]
+        self.hold_for_test_writers();
+        let mut write = self.begin_write(db, until)?;
+        let txn = write.txn.take().expect("just begun");
+        self.commit_durably(txn)?;
+        self.lock().write_commits += 1;
+        Ok(())
+    }
+
+    /// Commits `txn` with a sync: every commit before it is durable once it returns.
+    fn commit_durably(&self, mut txn: redb::WriteTransaction) -> Result<(), StoreError> {
+        #[cfg(test)]
         if let Some(why) = tests::failing_durable_commit(&self.path) {
             return Err(self.err(why));
         }
-        #[cfg(test)]
-        self.hold_for_test_writers();
-        let mut write = self.begin_write(db, until)?;
-        let mut txn = write.txn.take().expect("just begun");
         txn.set_durability(Durability::Immediate)
             .map_err(|e| self.err(e))?;
         txn.commit().map_err(|e| self.err(e))
@@ -540,9 +593,14 @@ impl Shared {
     ) -> Result<Write<'s>, StoreError> {
         let mut state = self.lock();
         while state.writer {
-            state = self
-                .wait(state, until)
-                .ok_or_else(|| self.waited_too_long("the write transaction before this one"))?;
+            state.writers_waiting += 1;
+            let waited = self.wait(state, until);
+            let Some(mut next) = waited else {
+                self.lock().writers_waiting -= 1;
+                return Err(self.waited_too_long("the write transaction before this one"));
+            };
+            next.writers_waiting -= 1;
+            state = next;
         }
         state.writer = true;
         drop(state);
@@ -1278,7 +1336,12 @@ mod tests {
         first: &str,
         hold: impl FnOnce() + Send + 'static,
     ) -> std::thread::JoinHandle<Result<(), StoreError>> {
-        store.shared.lock().share_span = Some(Duration::from_secs(600));
+        {
+            let mut state = store.shared.lock();
+            state.share_span = Some(Duration::from_secs(600));
+            // `first` must wait for a group commit, for `hold` to overlap it.
+            state.sync_lone_writes = false;
+        }
         let (store, first) = (store.clone(), record(first));
         let (entered, inside) = std::sync::mpsc::channel();
         let handle = std::thread::spawn(move || {
@@ -1375,6 +1438,44 @@ mod tests {
         EmbeddedStore::put(&store, &record("after")).unwrap();
         assert_eq!(store.activity().0, opens_before + 1);
         assert!(EmbeddedStore::get(&store, "after").unwrap().is_some());
+    }
+
+    /// A write with no other caller to share a group commit with syncs its own commit:
+    /// one write transaction, not a write and then an empty durable one (issue 20: a lone
+    /// Create paid two commits per store write).
+    #[test]
+    fn a_lone_write_is_one_durable_commit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        store.put(&record("warm")).unwrap();
+        let before = {
+            let state = store.shared.lock();
+            (state.write_commits, state.durable_commits)
+        };
+        store.put(&record("a")).unwrap();
+        let state = store.shared.lock();
+        assert_eq!(
+            (state.write_commits, state.durable_commits),
+            (before.0 + 1, before.1 + 1),
+            "one write transaction, committed durably"
+        );
+        assert!(state.synced >= state.issued, "nothing is left to sync");
+    }
+
+    /// A lone write whose synced commit fails fails, and breaks the opening like a failed
+    /// group commit: the next caller opens the file afresh.
+    #[test]
+    fn a_lone_write_whose_sync_fails_fails_and_breaks_the_opening() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("c.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        FAILING.lock().unwrap().push(path.clone());
+        let written = store.put(&record("lost"));
+        FAILING.lock().unwrap().retain(|p| p != &path);
+        assert!(written.is_err(), "answered {written:?}");
+        let (opens_before, _) = store.activity();
+        store.get("lost").unwrap();
+        assert_eq!(store.activity().0, opens_before + 1, "opened afresh");
     }
 
     /// A caller that reads while nothing is waiting to be made durable pays no commit.
