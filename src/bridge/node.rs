@@ -497,7 +497,8 @@ impl NodeSide {
                 first: req.ref_count == 0,
                 at: self.clock.now_secs(),
             };
-            let (mut record, paths) = self.record_for_attach(&req, &deadline).await?;
+            let (mut record, paths, paths_checked) =
+                self.record_for_attach(&req, &deadline).await?;
             // Only a published or held volume can be mounted for someone here: a fresh
             // record needs no check of its own (record_for_attach has already refused one
             // whose paths another instance mounted).
@@ -551,8 +552,11 @@ impl NodeSide {
             }
 
             // Paths that fail their check are refused before anything is recorded: a
-            // refused Attach changes nothing.
-            self.check_attach_paths(&paths, &deadline).await?;
+            // refused Attach changes nothing. (A volume with no record had them checked
+            // already, a moment ago.)
+            if !paths_checked {
+                self.check_attach_paths(&paths, &deadline).await?;
+            }
             if let Some(dead) = dead {
                 check_caller(caller)?;
                 // Marked first: a repair cut short is finished by reconciliation.
@@ -672,12 +676,13 @@ impl NodeSide {
     /// The record Attach starts from and its paths: the journal's, or a new one at the
     /// current form's paths. A record of this volume at the legacy form's paths in this
     /// base dir keeps them (Cube holds that host_path). A record of another CSI volume or
-    /// path that is no longer mounted is torn down first.
+    /// path that is no longer mounted is torn down first. The flag says whether the paths
+    /// were checked here (a volume with no record), so that Attach need not again.
     async fn record_for_attach(
         &self,
         req: &AttachVolume,
         deadline: &Deadline,
-    ) -> Result<(NodeRecord, VolumePaths), BridgeError> {
+    ) -> Result<(NodeRecord, VolumePaths, bool), BridgeError> {
         let paths = VolumePaths::with_form(
             &req.base_dir,
             &self.config.driver,
@@ -690,7 +695,7 @@ impl NodeSide {
                 &req.handle.csi_volume_id,
                 paths.target.clone(),
             );
-            (record, paths.clone())
+            (record, paths.clone(), false)
         };
         let existing = self
             .load_or_rebuild(&req.volume_id, &req.handle.csi_volume_id, &paths, deadline)
@@ -721,7 +726,7 @@ impl NodeSide {
                     .is_some_and(|recorded| record.target_path == recorded.target)
                     && record.csi_volume_id == req.handle.csi_volume_id =>
             {
-                Ok((record, recorded_paths.unwrap_or(paths)))
+                Ok((record, recorded_paths.unwrap_or(paths), false))
             }
             Some(mut stale) => {
                 // Unknown (no mount check) counts as mounted: never tear down what may be
@@ -752,7 +757,8 @@ impl NodeSide {
                 // another instance's that the mount check would find through it.
                 self.check_attach_paths(&paths, deadline).await?;
                 self.refuse_foreign_mounts(&paths, deadline).await?;
-                Ok(fresh())
+                let (record, paths, _) = fresh();
+                Ok((record, paths, true))
             }
         }
     }
@@ -902,13 +908,9 @@ impl NodeSide {
         let node_publish_secrets = self.settings.secrets(SecretUse::NodePublish).await?;
         record.volume_context = handle.volume_context.clone();
         record.accessible_topology = handle.topology.clone();
+        // The base dir was made and checked by the caller (Attach's path check, or
+        // reconciliation's), in a trip of its own: not again here.
         let base = base_of(&paths.target);
-        // Cubelet creates the base dir before Attach; do it too, for other callers
-        // (reconciliation comes here without Attach's check).
-        let host_paths = self.host_paths.clone();
-        let dir = base.clone();
-        self.on_paths(&base, deadline, move || host_paths.ensure_base_dir(&dir))
-            .await?;
 
         // One durable write before the first mutating call: every step this Attach makes is
         // recorded as uncertain at once (a step that never ran is undone by an idempotent
@@ -950,6 +952,7 @@ impl NodeSide {
             }
         }
 
+        let controller_publish_ran = controller_publish_node.is_some();
         if let Some(node_id) = controller_publish_node {
             check_caller(caller)?;
             let call = ControllerPublish {
@@ -973,9 +976,14 @@ impl NodeSide {
 
         if plan.stage {
             check_caller(caller)?;
-            // Checked again just before the driver gets the path: it may have been swapped
-            // while ControllerPublish ran.
-            if let Err(error) = self.verify(&base, &[&paths.staging], deadline).await {
+            // Checked again just before the driver gets the path when ControllerPublish ran
+            // since ensure_staging_dir checked it (it may have been swapped meanwhile);
+            // without one, that check was the last thing before this call.
+            let checked = match controller_publish_ran {
+                true => self.verify(&base, &[&paths.staging], deadline).await,
+                false => Ok(()),
+            };
+            if let Err(error) = checked {
                 record.stage = previous_stage;
                 record.publish = previous_publish;
                 return Err(error);
@@ -1387,11 +1395,11 @@ impl NodeSide {
                 record.stage = Step::Absent;
                 self.save_progress(hook, record).await;
             }
-            remove_dir(&self.host_paths, &base, &staging, true, deadline).await?;
-            if let Some(parent) = staging.parent() {
-                // Shared by every staged volume: removed only when the last one goes.
-                remove_dir(&self.host_paths, &base, parent, false, deadline).await?;
-            }
+            // Then its parent, .staging, in the same trip: shared by every staged volume,
+            // it is removed only when the last one goes.
+            let mut dirs = vec![(staging.as_path(), true)];
+            dirs.extend(staging.parent().map(|parent| (parent, false)));
+            remove_dirs(&self.host_paths, &base, &dirs, deadline).await?;
         }
 
         if which.controller_publish && record.controller_publish.needs_undo() {
@@ -1419,6 +1427,17 @@ impl NodeSide {
     ) -> Result<(), BridgeError> {
         let base = base_of(&paths.target);
         self.check_paths(&base, true, &[&paths.target, &paths.staging], deadline)
+            .await
+    }
+
+    /// Makes the base dir of `paths` and checks it, for a caller that comes to
+    /// `establish` without Attach's path check (reconciliation).
+    pub(crate) async fn check_base_dir(
+        &self,
+        paths: &VolumePaths,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        self.check_paths(&base_of(&paths.target), true, &[], deadline)
             .await
     }
 
@@ -1599,26 +1618,47 @@ async fn remove_dir(
     warn_if_kept: bool,
     deadline: &Deadline,
 ) -> Result<(), BridgeError> {
+    remove_dirs(host_paths, base, &[(dir, warn_if_kept)], deadline).await
+}
+
+/// `remove_dir` of each of `dirs` in order, in one trip to a blocking thread (each trip
+/// is two thread wake-ups). An error other than a refused path stops at that directory.
+async fn remove_dirs(
+    host_paths: &Arc<dyn HostPaths>,
+    base: &Path,
+    dirs: &[(&Path, bool)],
+    deadline: &Deadline,
+) -> Result<(), BridgeError> {
     let host_paths = host_paths.clone();
-    let (base, owned) = (base.to_path_buf(), dir.to_path_buf());
-    let removed = on_paths(dir, deadline, move || {
-        host_paths.remove_dir_if_empty(&base, &owned)
-    })
-    .await;
-    match removed {
-        Ok(true) => Ok(()),
-        Ok(false) => {
-            if warn_if_kept && dir.exists() {
-                tracing::warn!(dir = %dir.display(), "left a non-empty directory in place");
+    let owned_base = base.to_path_buf();
+    let owned: Vec<PathBuf> = dirs.iter().map(|(dir, _)| dir.to_path_buf()).collect();
+    let named = dirs.first().map_or(base, |(dir, _)| *dir);
+    let outcomes = on_paths(named, deadline, move || {
+        let mut outcomes = Vec::with_capacity(owned.len());
+        for dir in &owned {
+            match host_paths.remove_dir_if_empty(&owned_base, dir) {
+                Ok(removed) => outcomes.push(Ok(removed)),
+                Err(refused @ PathError::Refused { .. }) => outcomes.push(Err(refused)),
+                Err(error) => return Err(error),
             }
-            Ok(())
         }
-        Err(BridgeError::Path(refused @ PathError::Refused { .. })) => {
-            tracing::warn!(error = %refused, "left a path the bridge did not make in place");
-            Ok(())
+        Ok(outcomes)
+    })
+    .await?;
+    for ((dir, warn_if_kept), outcome) in dirs.iter().zip(outcomes) {
+        match outcome {
+            Ok(true) => {}
+            Ok(false) => {
+                if *warn_if_kept && dir.exists() {
+                    tracing::warn!(dir = %dir.display(), "left a non-empty directory in place");
+                }
+            }
+            Err(refused) => {
+                tracing::warn!(error = %refused, "left a path the bridge did not make in place");
+            }
         }
-        Err(e) => Err(e),
     }
+    Ok(())
 }
 
 /// Which holders an operator releases (`NodeSide::release_holders`).

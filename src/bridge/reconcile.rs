@@ -200,16 +200,22 @@ impl NodeSide {
         };
         let paths = VolumePaths::from_target(&record.target_path, &self.config.driver, volume_id)
             .map_err(BridgeError::Precondition)?;
-        let repaired = self
-            .establish(
-                HookKind::Attach,
-                &mut record,
-                &handle,
-                &paths,
-                &deadline,
-                &Caller::waiting(),
-            )
-            .await;
+        // Cubelet makes the base dir before an Attach, and Attach checks it: here nobody
+        // has, and establish expects it made.
+        let repaired = match self.check_base_dir(&paths, &deadline).await {
+            Ok(()) => {
+                self.establish(
+                    HookKind::Attach,
+                    &mut record,
+                    &handle,
+                    &paths,
+                    &deadline,
+                    &Caller::waiting(),
+                )
+                .await
+            }
+            Err(error) => Err(error),
+        };
         match repaired {
             Ok(()) => {
                 self.node_journal().save(&record, false)?;

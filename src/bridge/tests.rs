@@ -2683,6 +2683,24 @@ async fn a_detach_never_unstages_through_a_swapped_staging_dir() {
     w.assert_clean("v");
 }
 
+/// A first Attach checks each path once per step, each step one trip to a blocking
+/// thread: Attach's check (base dir made, target, staging), the staging dir made, then
+/// target and staging before NodePublish. Issue 20: it made 9 checks in 5 trips, because
+/// a volume with no record had Attach's check twice, establish made the base dir again,
+/// and the staging path ensure_staging_dir had just checked was checked again.
+#[tokio::test]
+async fn a_first_attach_checks_each_path_once_per_step() {
+    let w = World::new(Fake::new(true, false));
+    let before = w.fake.path_checks();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(w.fake.path_checks() - before, 6);
+    // With ControllerPublish between, the staging path is checked again before NodeStage.
+    let w = World::new(Fake::new(true, true));
+    let before = w.fake.path_checks();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(w.fake.path_checks() - before, 7);
+}
+
 /// The hot path checks no path: nothing on it reaches the driver or the directories.
 #[tokio::test]
 async fn a_hot_attach_and_detach_check_no_path() {
