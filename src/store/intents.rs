@@ -9,10 +9,12 @@
 //! (a killed process loses nothing the page cache holds); the log only speaks after a
 //! reboot. Its first line names the boot that writes it: the first process of a new boot
 //! to open the journal puts each volume's last complete entry back into its record file
-//! (what a power loss may have lost or left torn) before anything reads them, makes the
-//! files durable, and starts the log afresh for its boot. A checkpoint (each record the
-//! log names synced, then the log emptied) keeps the log short; the header counts the
-//! checkpoints of its boot.
+//! (what a power loss may have lost or left torn) before anything reads them, and starts
+//! the log afresh for its boot with a checkpoint. A checkpoint keeps the log
+//! short without syncing any record file: the last entry of every live volume goes to a
+//! snapshot file (`intents/snapshot`, made durable like any replaced file), then the log
+//! is emptied; a reboot reads the snapshot and the log over it. The header counts the
+//! checkpoints of its boot, and the snapshot names the count of the log it goes with.
 //!
 //! A record file is rewritten in place (`Overwrite::InPlace`), not replaced by a rename,
 //! only when the log on disk already holds a complete entry of that volume: one that an
@@ -32,7 +34,7 @@ use std::sync::{Arc, Mutex};
 
 use nix::fcntl::{Flock, FlockArg};
 
-use super::fsutil::{GroupCommit, open_private, write_atomic};
+use super::fsutil::{DirSync, GroupCommit, open_private, write_atomic};
 
 /// The log is checkpointed once it passes this size (about 1,500 saves of a typical
 /// record): a reboot then replays at most this much.
@@ -40,6 +42,10 @@ pub const CHECKPOINT_BYTES: u64 = 1 << 20;
 
 /// The first line's fixed part; the boot id follows.
 const HEADER: &str = "cube-csi-bridge node intents 1\tboot\t";
+
+/// The first line of the snapshot a checkpoint writes; the boot id and the checkpoint
+/// count of the log it goes with follow, tab-separated.
+const SNAPSHOT_HEADER: &str = "cube-csi-bridge node intents snapshot 1\tboot\t";
 
 /// What follows the boot id in the header of a log that was checkpointed.
 const CHECKPOINT_TAG: &str = "checkpoint\t";
@@ -267,8 +273,16 @@ impl IntentLog {
             .map_err(|e| (path.clone(), e))?;
         let size = file.metadata().map_err(|e| (path.clone(), e))?.len();
         if size == 0 {
-            // The log, its name and its directory's name are on disk before any entry
-            // relies on them.
+            // A new log starts at count 0: a snapshot left from before (the log removed
+            // by hand) must not pass for one of its checkpoints.
+            match std::fs::remove_file(self.snapshot_path()) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err((self.snapshot_path(), e));
+                }
+                _ => {}
+            }
+            // The log, its name and its directory's name (and the snapshot's removal) are
+            // on disk before any entry relies on them.
             (&file)
                 .write_all(self.header(0).as_bytes())
                 .and_then(|()| file.sync_data())
@@ -313,13 +327,12 @@ impl IntentLog {
         }
     }
 
-    /// After a reboot (the caller holds the exclusive lock): each volume's last entry back
-    /// into its record file where the file says otherwise, the files made durable, and the
-    /// log started afresh for this boot.
+    /// After a reboot (the caller holds the exclusive lock): each volume's last entry (the
+    /// snapshot's and the log's) back into its record file where the file says otherwise,
+    /// then a checkpoint that starts the log afresh for this boot.
     fn recover(&self, file: &File) -> Result<(), IntentError> {
         let path = self.log_path();
-        let text = std::fs::read(&path).map_err(|e| (path.clone(), e))?;
-        let last = last_entries(&text);
+        let last = self.last_entries_on_disk(file)?;
         let mut restored = 0;
         for (volume_id, record) in &last {
             let record_path = self.record_path(volume_id);
@@ -345,13 +358,14 @@ impl IntentLog {
                 "the node journal lost writes in a power loss; its records were restored from the intent log"
             );
         }
-        self.make_durable(last.keys())?;
-        self.start_afresh(file)
+        // The restored files are not synced one by one: the checkpoint's snapshot holds
+        // every live record, durably, before the log is emptied.
+        self.checkpoint(file, last)
     }
 
-    /// Checkpoints a log past its size: every record it names is synced, then the log is
-    /// emptied. Skipped when another save or checkpoint holds the lock (a later save
-    /// tries again).
+    /// Checkpoints a log past its size (or past its snapshot's, for a node with so many
+    /// volumes that the snapshot is the larger): see `checkpoint`. Skipped when another
+    /// save or checkpoint holds the lock (a later save tries again).
     fn checkpoint_if_long(&self, file: &File) -> Result<(), IntentError> {
         let path = self.log_path();
         let size = |file: &File| {
@@ -362,41 +376,101 @@ impl IntentLog {
         if size(file)? <= self.checkpoint_bytes {
             return Ok(());
         }
+        let limit = self.checkpoint_bytes.max(self.snapshot_size());
+        if size(file)? <= limit {
+            return Ok(());
+        }
         let Some(_exclusive) = self.try_lock(FlockArg::LockExclusiveNonblock)? else {
             return Ok(());
         };
-        if size(file)? <= self.checkpoint_bytes {
+        if size(file)? <= limit {
             return Ok(());
         }
-        let text = std::fs::read(&path).map_err(|e| (path.clone(), e))?;
-        self.make_durable(last_entries(&text).keys())?;
-        self.start_afresh(file)
+        let last = self.last_entries_on_disk(file)?;
+        self.checkpoint(file, last)
     }
 
-    /// Syncs the record files of `volume_ids` that exist, then the journal directory
-    /// (their names, and the removal of the others).
-    fn make_durable<'a>(
-        &self,
-        volume_ids: impl Iterator<Item = &'a String>,
-    ) -> Result<(), IntentError> {
-        for volume_id in volume_ids {
-            let path = self.record_path(volume_id);
-            match File::open(&path) {
-                Ok(record) => record.sync_data().map_err(|e| (path, e))?,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err((path, e)),
-            }
-        }
-        sync_dir(&self.records)
+    /// The size of the snapshot file (0 when there is none).
+    fn snapshot_size(&self) -> u64 {
+        std::fs::metadata(self.snapshot_path()).map_or(0, |m| m.len())
     }
 
-    /// Empties the log down to this boot's header, its checkpoint count one more than
-    /// before, on disk before any new entry.
-    fn start_afresh(&self, file: &File) -> Result<(), IntentError> {
+    fn snapshot_path(&self) -> PathBuf {
+        self.dir.join("snapshot")
+    }
+
+    /// Each volume's last complete entry in the snapshot and the log together (the log's
+    /// are later). The caller holds the exclusive lock. The snapshot counts only when it
+    /// is the one this log was started with (same boot, same checkpoint count), or the
+    /// one a checkpoint cut short wrote just before it would have emptied this log (the
+    /// count one more: it holds every entry of this log already).
+    fn last_entries_on_disk(&self, file: &File) -> Result<LastEntries, IntentError> {
         let path = self.log_path();
-        let checkpoints = Self::read_header(file)
+        let text = std::fs::read(&path).map_err(|e| (path.clone(), e))?;
+        let header = Self::read_header(file).map_err(|e| (path.clone(), e))?;
+        let mut last = match header {
+            Some((boot, count)) => self.snapshot_entries(&boot, count)?,
+            None => LastEntries::new(),
+        };
+        last.extend(last_entries(&text));
+        Ok(last)
+    }
+
+    /// The snapshot's entries when its header names `boot` and the count `count` (or the
+    /// one after it); none otherwise (no snapshot, or one of another boot or log).
+    fn snapshot_entries(&self, boot: &str, count: u64) -> Result<LastEntries, IntentError> {
+        let path = self.snapshot_path();
+        let text = match std::fs::read(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LastEntries::new()),
+            Err(e) => return Err((path, e)),
+        };
+        let first = text.split(|b| *b == b'\n').next().unwrap_or_default();
+        let named = std::str::from_utf8(first)
+            .ok()
+            .and_then(|line| line.strip_prefix(SNAPSHOT_HEADER))
+            .and_then(|rest| rest.split_once('\t'))
+            .and_then(|(at, n)| Some((at, n.parse::<u64>().ok()?)));
+        Ok(match named {
+            Some((at, n)) if at == boot && (n == count || n == count + 1) => last_entries(&text),
+            _ => LastEntries::new(),
+        })
+    }
+
+    /// Empties the log without syncing any record file: the last entry of every live
+    /// volume (`last`: the snapshot and the log together) is written to a new snapshot
+    /// (a temporary file, `fdatasync`, `rename`, the directory's `fsync`), named by the
+    /// count the log is about to start at; removals are made durable (the journal
+    /// directory's `fsync`) and dropped; then the log starts afresh. A power loss at any
+    /// point leaves either the old snapshot with the whole log, or the new snapshot, which
+    /// holds all of it. The caller holds the exclusive lock.
+    fn checkpoint(&self, file: &File, last: LastEntries) -> Result<(), IntentError> {
+        let path = self.log_path();
+        let next = Self::read_header(file)
             .map_err(|e| (path.clone(), e))?
             .map_or(0, |(_, n)| n + 1);
+        // Unlinks of removed records reach the disk before their removal marks go.
+        sync_dir(&self.records)?;
+        let mut snapshot = format!("{SNAPSHOT_HEADER}{}\t{next}\n", self.boot_id);
+        for (volume_id, record) in &last {
+            if let Some(bytes) = record {
+                snapshot.push_str(&entry(volume_id, Some(bytes)));
+            }
+        }
+        let snapshot_path = self.snapshot_path();
+        write_atomic(
+            &snapshot_path,
+            snapshot.as_bytes(),
+            Some(&DirSync::new(&self.dir)),
+        )
+        .map_err(|e| (snapshot_path, e))?;
+        self.start_afresh(file, next)
+    }
+
+    /// Empties the log down to this boot's header with checkpoint count `checkpoints`, on
+    /// disk before any new entry.
+    fn start_afresh(&self, file: &File, checkpoints: u64) -> Result<(), IntentError> {
+        let path = self.log_path();
         file.set_len(0)
             .and_then(|()| {
                 let mut file = file;
@@ -596,6 +670,107 @@ mod tests {
                 read(dir, &format!("v{i}")),
                 Some(format!("{{\"n\":{}}}", 35 + i))
             );
+        }
+    }
+
+    /// A checkpoint syncs no record file: the last entry of every live volume goes to
+    /// the snapshot, so a power loss after any number of checkpoints (which may take
+    /// every record file the kernel had not written back) still finds each record's
+    /// last save, and no removed one.
+    #[test]
+    fn a_checkpoint_keeps_every_live_record_in_its_snapshot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let log = IntentLog::with_checkpoint(dir, "b", 600).unwrap();
+        let log_path = dir.join("intents/log");
+        // v0 and v1 are saved once, early; the others keep the log turning over.
+        save(&log, "v0", br#"{"early":0}"#, true);
+        save(&log, "v1", br#"{"early":1}"#, false);
+        for i in 0..60 {
+            let id = format!("w{}", i % 3);
+            save(&log, &id, format!("{{\"n\":{i}}}").as_bytes(), i % 2 == 0);
+        }
+        remove(&log, "w2");
+        let file = std::fs::File::open(&log_path).unwrap();
+        let (_, checkpoints) = IntentLog::read_header(&file).unwrap().unwrap();
+        assert!(checkpoints >= 2, "checkpointed {checkpoints} times");
+        let text = std::fs::read(&log_path).unwrap();
+        assert!(
+            !last_entries(&text).contains_key("v0"),
+            "v0's entry went with a checkpoint"
+        );
+        drop(log);
+        // The power loss: no record file reached the disk (w2's removal did).
+        for id in ["v0", "v1", "w0", "w1"] {
+            std::fs::remove_file(dir.join(format!("{id}.json"))).unwrap();
+        }
+        IntentLog::open(dir, "b2").unwrap();
+        assert_eq!(read(dir, "v0").as_deref(), Some(r#"{"early":0}"#));
+        assert_eq!(read(dir, "v1").as_deref(), Some(r#"{"early":1}"#));
+        assert_eq!(read(dir, "w0").as_deref(), Some(r#"{"n":57}"#));
+        assert_eq!(read(dir, "w1").as_deref(), Some(r#"{"n":58}"#));
+        assert_eq!(read(dir, "w2"), None);
+        // The new boot starts with a snapshot of its own: a second power loss right away
+        // loses nothing either.
+        for id in ["v0", "w0"] {
+            std::fs::remove_file(dir.join(format!("{id}.json"))).unwrap();
+        }
+        IntentLog::open(dir, "b3").unwrap();
+        assert_eq!(read(dir, "v0").as_deref(), Some(r#"{"early":0}"#));
+        assert_eq!(read(dir, "w0").as_deref(), Some(r#"{"n":57}"#));
+    }
+
+    /// A checkpoint cut short between its new snapshot and emptying the log leaves both:
+    /// the new snapshot (the count after the log's) holds the whole log, and a reboot
+    /// reads them together. A snapshot that goes with no log of this boot and count is
+    /// never replayed.
+    #[test]
+    fn a_checkpoint_cut_short_loses_nothing_and_a_foreign_snapshot_is_ignored() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let log_path = dir.join("intents/log");
+        let log = IntentLog::with_checkpoint(dir, "b", 400).unwrap();
+        save(&log, "old", br#"{"v":1}"#, true);
+        for i in 0..12 {
+            save(&log, "busy", format!("{{\"n\":{i}}}").as_bytes(), true);
+        }
+        // At least one checkpoint: "old" is in the snapshot alone.
+        assert!(!last_entries(&std::fs::read(&log_path).unwrap()).contains_key("old"));
+        save(&log, "late", br#"{"v":1}"#, true);
+        let before = std::fs::read(&log_path).unwrap();
+        {
+            let file = log.file().unwrap();
+            let _exclusive = log.lock(FlockArg::LockExclusive).unwrap();
+            let last = log.last_entries_on_disk(&file).unwrap();
+            log.checkpoint(&file, last).unwrap();
+        }
+        // The kill: the log as it was before it was emptied.
+        std::fs::write(&log_path, &before).unwrap();
+        drop(log);
+        for id in ["old", "busy", "late"] {
+            std::fs::remove_file(dir.join(format!("{id}.json"))).unwrap();
+        }
+        IntentLog::open(dir, "b2").unwrap();
+        assert_eq!(read(dir, "old").as_deref(), Some(r#"{"v":1}"#));
+        assert_eq!(read(dir, "busy").as_deref(), Some(r#"{"n":11}"#));
+        assert_eq!(read(dir, "late").as_deref(), Some(r#"{"v":1}"#));
+
+        // A snapshot of another boot, or of a log two checkpoints on, says nothing.
+        let snapshot = dir.join("intents/snapshot");
+        for header in [
+            format!("{SNAPSHOT_HEADER}b\t1\n"),
+            format!("{SNAPSHOT_HEADER}b2\t7\n"),
+        ] {
+            std::fs::write(
+                &snapshot,
+                format!("{header}{}", entry("ghost", Some(br#"{"v":1}"#))),
+            )
+            .unwrap();
+            IntentLog::open(dir, "b3").unwrap();
+            assert_eq!(read(dir, "ghost"), None, "{header:?}");
+            // Started afresh for b3 with a snapshot of its own; make the next open a
+            // reboot again.
+            std::fs::write(&log_path, format!("{HEADER}b2\t{CHECKPOINT_TAG}1\n")).unwrap();
         }
     }
 
