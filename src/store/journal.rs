@@ -34,7 +34,9 @@
 //! by the volume's next mark: a file made and unlinked twice per attach-and-detach cycle
 //! costs an inode allocation each time, which on a file system with recently freed inodes
 //! (ext4 without a journal) is about a millisecond; a rename is tens of microseconds.
-//! Idle markers not marked again for `IDLE_MARKER_KEEP` are removed, at most once per
+//! Likewise a torn-down volume's record and holder log are moved to `idle/`, and its
+//! next first Attach writes them there and renames them into place (`write_via_spare`).
+//! Idle files not used again for `IDLE_MARKER_KEEP` are removed, at most once per
 //! `IDLE_PRUNE_EVERY`, by a clear.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -50,12 +52,13 @@ use crate::bridge::records::{
     HOLDER_LOG_LIMIT, HolderChange, HolderTimes, Holders, JOURNAL_FORMAT, NodeRecord,
 };
 
-/// Where cleared pending markers wait for their volume's next mark.
+/// Where cleared pending markers, and the record and holder log of a volume torn down,
+/// wait for the volume's next use.
 const IDLE_MARKERS_DIR: &str = "idle";
 /// Its file whose time says when idle markers were last pruned (a dot name: no volume id
 /// starts with one).
 const IDLE_PRUNE_STAMP: &str = ".pruned";
-/// An idle marker not marked again for this long is removed.
+/// An idle file (marker, record, holder log) not used again for this long is removed.
 const IDLE_MARKER_KEEP: Duration = Duration::from_secs(3600);
 /// How often a clear prunes idle markers, at most (across processes).
 const IDLE_PRUNE_EVERY: Duration = Duration::from_secs(600);
@@ -162,6 +165,42 @@ impl FileJournal {
         }
     }
 
+    /// Where `file` (a record or holder log of the journal directory) waits once its
+    /// volume is torn down: in `idle/`, under the same name.
+    fn spare(&self, file: &Path) -> PathBuf {
+        self.idle.join(file.file_name().unwrap_or_default())
+    }
+
+    /// Moves a torn-down volume's holder log, then its record, to `idle/` for the
+    /// volume's next first Attach (in that order, like `remove_files`: a holder log is
+    /// never left without its record). A file that cannot be moved is unlinked.
+    fn retire_files(&self, volume_id: &str) -> Result<(), IntentError> {
+        for path in [self.holder_log(volume_id), self.path(volume_id)] {
+            let spare = self.spare(&path);
+            let moved = match std::fs::rename(&path, &spare) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound && path.exists() => {
+                    // The first retirement of this journal: `idle/` is made now.
+                    crate::mount::ops::ensure_dir(&self.idle, 0o700)
+                        .and_then(|()| std::fs::rename(&path, &spare))
+                }
+                moved => moved,
+            };
+            match moved {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::debug!(%error, path = %path.display(), "could not retire the file; removing it");
+                    match std::fs::remove_file(&path) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                        Err(e) => return Err((path, e)),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn intent_error((path, source): IntentError) -> JournalError {
         JournalError::Io { path, source }
     }
@@ -194,10 +233,20 @@ impl FileJournal {
                 }
             }
             // The snapshot needs no fsync: holders do not outlive a power loss (a reboot).
-            match rewrite_in_place(
-                &log,
-                snapshot_log(&record.holders, &record.holder_times).as_bytes(),
-            ) {
+            let snapshot = snapshot_log(&record.holders, &record.holder_times);
+            // A volume attached here before: its retired log, emptied and holding the
+            // snapshot before it is renamed into place (its old holders are never where a
+            // load could replay them).
+            if !log.exists() {
+                match write_via_spare(&self.spare(&log), &log, snapshot.as_bytes()) {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(error) => {
+                        tracing::debug!(%error, log = %log.display(), "could not reuse the retired holder log")
+                    }
+                }
+            }
+            match rewrite_in_place(&log, snapshot.as_bytes()) {
                 Ok(()) => return Ok(()),
                 Err(error) => tracing::warn!(
                     log = %log.display(),
@@ -303,6 +352,33 @@ pub(super) fn remove_files(dir: &Path, volume_id: &str) -> Result<(), IntentErro
         }
     }
     Ok(())
+}
+
+/// Writes `bytes` into `spare` (a retired file in `idle/`), emptied first, then renames it
+/// over `to`: what a new temporary file and its rename do, without allocating an inode.
+/// `Ok(false)` when there is no spare (or it went meanwhile: a prune).
+fn write_via_spare(spare: &Path, to: &Path, bytes: &[u8]) -> io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let file = match std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(spare)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if !file.metadata()?.is_file() {
+        return Ok(false);
+    }
+    file.set_len(0)?;
+    file.write_all_at(bytes, 0)?;
+    drop(file);
+    match std::fs::rename(spare, to) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// The log's text up to its last complete line (a torn last line is a change that never
@@ -510,6 +586,14 @@ impl NodeJournal for FileJournal {
                         Err(error) => tracing::debug!(%error, path = %path.display(), "could not rewrite the record in place"),
                     }
                 }
+                // A record of a volume attached here before is written into its retired
+                // file, then renamed into place: as atomic as a new file, with no inode
+                // allocated.
+                match write_via_spare(&self.spare(&path), &path, &bytes) {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(error) => tracing::debug!(%error, path = %path.display(), "could not reuse the retired record file"),
+                }
                 write_atomic(&path, &bytes, None).map_err(|e| (path.clone(), e))
             })
             .map_err(Self::intent_error)?;
@@ -551,9 +635,7 @@ impl NodeJournal for FileJournal {
     /// that a reboot does not bring the record back.
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         self.intents
-            .append(volume_id, None, false, |_| {
-                remove_files(&self.dir, volume_id)
-            })
+            .append(volume_id, None, false, |_| self.retire_files(volume_id))
             .map_err(Self::intent_error)
     }
 
@@ -1523,6 +1605,50 @@ mod tests {
         assert_eq!(volume, "v");
         assert!(marked.unwrap() >= before, "dated by this mark");
         assert!(journal.volume_ids().unwrap().is_empty());
+    }
+
+    /// A torn-down volume's record and holder log wait in `idle/`; its next first Attach
+    /// writes them there and renames them back (the same inodes), and nothing of the old
+    /// life is read: not its holders, not its steps.
+    #[test]
+    fn a_torn_down_volume_reuses_its_retired_files_and_nothing_in_them() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("node");
+        let journal = FileJournal::open(&dir).unwrap();
+        let mut old = NodeRecord::new("v", "csi-1", "/base/drv+v".into());
+        old.stage = Step::Done;
+        old.publish = Step::Done;
+        journal.save(&old, true).unwrap();
+        journal
+            .append_holder("v", &attach("ns-old", "sb-old", true))
+            .unwrap();
+        let inodes = |base: &Path| {
+            (
+                std::fs::metadata(base.join("v.json")).unwrap().ino(),
+                std::fs::metadata(base.join("v.holders")).unwrap().ino(),
+            )
+        };
+        let before = inodes(&dir);
+        journal.remove("v").unwrap();
+        assert_eq!(journal.load("v").unwrap(), None);
+        assert!(journal.volume_ids().unwrap().is_empty());
+        assert_eq!(inodes(&dir.join("idle")), before, "retired, not unlinked");
+
+        let mut new = NodeRecord::new("v", "csi-1", "/base/drv+v".into());
+        new.stage = Step::Uncertain;
+        new.apply(&attach("ns-new", "sb-new", true));
+        journal.save(&new, true).unwrap();
+        assert_eq!(inodes(&dir), before, "the same files, back in place");
+        assert!(!dir.join("idle/v.json").exists());
+        assert_eq!(journal.load("v").unwrap(), Some(new.clone()));
+        let log = std::fs::read_to_string(dir.join("v.holders")).unwrap();
+        assert!(!log.contains("ns-old"), "{log:?}");
+        // Torn down again and attached with no holder yet: still nothing of the old.
+        journal.remove("v").unwrap();
+        let bare = NodeRecord::new("v", "csi-2", "/base/drv+v".into());
+        journal.save(&bare, false).unwrap();
+        assert_eq!(journal.load("v").unwrap(), Some(bare));
     }
 
     /// Idle markers not marked again for the keep time are removed by a clear, at most
