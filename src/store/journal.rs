@@ -68,7 +68,8 @@ const IDLE_PRUNE_EVERY: Duration = Duration::from_secs(600);
 pub struct FileJournal {
     dir: PathBuf,
     pending: PathBuf,
-    /// Cleared markers, kept for the volume's next mark (made on the first clear).
+    /// Cleared markers and torn-down volumes' files, kept for the volume's next use (made
+    /// on the first clear or teardown).
     idle: PathBuf,
     /// Durable saves of this process share the intent log's fdatasyncs.
     intents: std::sync::Arc<IntentLog>,
@@ -123,10 +124,11 @@ impl FileJournal {
         self.kept_hooks_dir().join(name)
     }
 
-    /// Removes idle markers last marked more than `keep` ago, when no clear of any
-    /// process has done so for `every` (the stamp's time says when one last did): a node
-    /// keeps markers for the volumes it attaches again and again, not for every volume it
-    /// ever attached. Best effort: a marker it cannot remove stays for the next pass.
+    /// Removes idle files (markers, retired records and holder logs) last used more than
+    /// `keep` ago, when no clear of any process has done so for `every` (the stamp's time
+    /// says when one last did): a node keeps them for the volumes it attaches again and
+    /// again, not for every volume it ever attached. Best effort: a file it cannot remove
+    /// stays for the next pass.
     fn prune_idle_markers(&self, keep: Duration, every: Duration) {
         let stamp = self.idle.join(IDLE_PRUNE_STAMP);
         let now = SystemTime::now();
