@@ -139,13 +139,7 @@ impl FileJournal {
             return;
         }
         // The stamp first: the other clears of this moment see it and pass.
-        let stamped = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&stamp)
-            .and_then(|file| file.set_modified(now));
+        let stamped = open_private(&stamp).and_then(|file| file.set_modified(now));
         if let Err(error) = stamped {
             tracing::debug!(%error, stamp = %stamp.display(), "could not stamp the idle markers' pruning");
             return;
@@ -746,13 +740,7 @@ impl NodeJournal for FileJournal {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(Self::io(&path)(e)),
         }
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
-            .map_err(Self::io(&path))?;
+        open_private(&path).map_err(Self::io(&path))?;
         // No fsync: the marker only speeds up finding operations a killed process left
         // (its record says the rest); after a power loss every record of the earlier boot
         // is reconciled anyway.
