@@ -644,8 +644,8 @@ mod tests {
         assert_eq!(last_entries(&text).len(), 32);
     }
 
-    /// A log past its size is emptied once the records it names are synced; what it held
-    /// is then in the record files, and a reboot changes nothing.
+    /// A log past its size is emptied once its snapshot is written; what it held is then
+    /// in the snapshot and the record files, and a reboot changes nothing.
     #[test]
     fn a_long_log_is_checkpointed() {
         let tmp = tempfile::tempdir().unwrap();

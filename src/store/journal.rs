@@ -350,19 +350,27 @@ pub(super) fn remove_files(dir: &Path, volume_id: &str) -> Result<(), IntentErro
     Ok(())
 }
 
+/// Opens an existing file at `path` for writing, never through a symlink; None when there
+/// is none.
+fn open_to_rewrite(path: &Path) -> io::Result<Option<std::fs::File>> {
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+    {
+        Ok(file) => Ok(Some(file)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Writes `bytes` into `spare` (a retired file in `idle/`), emptied first, then renames it
 /// over `to`: what a new temporary file and its rename do, without allocating an inode.
 /// `Ok(false)` when there is no spare (or it went meanwhile: a prune).
 fn write_via_spare(spare: &Path, to: &Path, bytes: &[u8]) -> io::Result<bool> {
     use std::os::unix::fs::FileExt;
-    let file = match std::fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(spare)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
+    let Some(file) = open_to_rewrite(spare)? else {
+        return Ok(false);
     };
     if !file.metadata()?.is_file() {
         return Ok(false);
@@ -414,14 +422,8 @@ const IN_PLACE_MAX: usize = 4096;
 /// bigger than one page; the caller replaces the file instead.
 fn overwrite_in_place(path: &Path, bytes: &[u8]) -> io::Result<bool> {
     use std::os::unix::fs::FileExt;
-    let file = match std::fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
+    let Some(file) = open_to_rewrite(path)? else {
+        return Ok(false);
     };
     let meta = file.metadata()?;
     let old = usize::try_from(meta.len()).unwrap_or(usize::MAX);
