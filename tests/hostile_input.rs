@@ -943,16 +943,16 @@ fn changes(before: &BTreeMap<PathBuf, String>, root: &Path) -> Result<(), String
 }
 
 /// What `case` must leave unchanged. One allowance: the daemon's hot path checks no path
-/// (issue 20), so an Attach in a steered base dir takes the volume's lock, and may make its
-/// empty lock file, before it finds the paths refused. A lock file is no state (any valid
-/// hook of that volume makes it); the binary hook checks the paths before it opens
-/// anything, and leaves not even that.
+/// (issue 20), so an Attach in a steered base dir takes the volume's lock, and may make the
+/// node scope's empty lock file, before it finds the paths refused. A lock file is no
+/// state (any valid hook of any volume makes it); the binary hook checks the paths before
+/// it opens anything, and leaves not even that.
 fn before_case(
     mut before: BTreeMap<PathBuf, String>,
     case: &Case,
     mode: Mode,
 ) -> BTreeMap<PathBuf, String> {
-    let lock = PathBuf::from(format!("locks/node-{GOOD_ID}.lock"));
+    let lock = PathBuf::from("locks/node.volumes.lock");
     if mode == Mode::Rpc && case.name.starts_with("steered base dir") {
         let empty = format!("file {:x}", Sha256::digest(b""));
         before.entry(lock).or_insert(empty);
