@@ -364,8 +364,12 @@ fn open_to_rewrite(path: &Path) -> io::Result<Option<std::fs::File>> {
     }
 }
 
-/// Writes `bytes` into `spare` (a retired file in `idle/`), emptied first, then renames it
-/// over `to`: what a new temporary file and its rename do, without allocating an inode.
+/// Writes `bytes` over `spare` (a retired file in `idle/`) and cuts it to their length,
+/// then renames it over `to`: what a new temporary file and its rename do, without
+/// allocating an inode. Written first and cut after, not emptied first: ext4 flushes a
+/// file truncated to zero when it is closed (its `auto_da_alloc`), ~0.2 ms here, while a
+/// cut within the same block costs nothing. Until the rename the spare is nobody's
+/// record, so a kill between the write and the cut leaves nothing anyone reads.
 /// `Ok(false)` when there is no spare (or it went meanwhile: a prune).
 fn write_via_spare(spare: &Path, to: &Path, bytes: &[u8]) -> io::Result<bool> {
     use std::os::unix::fs::FileExt;
@@ -375,8 +379,8 @@ fn write_via_spare(spare: &Path, to: &Path, bytes: &[u8]) -> io::Result<bool> {
     if !file.metadata()?.is_file() {
         return Ok(false);
     }
-    file.set_len(0)?;
     file.write_all_at(bytes, 0)?;
+    file.set_len(bytes.len() as u64)?;
     drop(file);
     match std::fs::rename(spare, to) {
         Ok(()) => Ok(true),
