@@ -373,6 +373,26 @@ async fn one_daemon_serves_two_drivers_each_on_its_own() {
             "{driver} in:\n{registered}"
         );
     }
+
+    // The held volume goes like any other: a test that ended with it attached left its
+    // two mounts on the host after every run.
+    host.rpc("alpha")
+        .detach(callers::detach_request(
+            "default",
+            "sb-slow",
+            "slow",
+            0,
+            &attached.metadata,
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("alpha detach slow: {e:?}\n{}", host.log()));
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let base = host.base_dir();
+    assert!(
+        !mountinfo.contains(&*base.to_string_lossy()),
+        "mounts left under {}:\n{mountinfo}",
+        base.display()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -26,7 +26,6 @@ use nix::libc;
 use sha2::{Digest, Sha256};
 use tokio::sync::OwnedMutexGuard;
 
-use super::fsutil::open_private;
 use crate::bridge::ports::{LockGuard, LockScope, VolumeLocks};
 use crate::bridge::{BridgeError, Deadline};
 
@@ -67,7 +66,7 @@ impl ByteLock {
     /// Locks the byte of `volume_id` in `path` (made 0600 when missing); `wait` blocks
     /// until it is free, otherwise `Ok(None)` when another opening holds it.
     fn take(path: &Path, volume_id: &str, wait: bool) -> std::io::Result<Option<ByteLock>> {
-        let file = open_private(path)?;
+        let file = open_lock_file(path)?;
         let range = libc::flock {
             l_type: libc::F_WRLCK as libc::c_short,
             l_whence: libc::SEEK_SET as libc::c_short,
@@ -94,6 +93,77 @@ impl ByteLock {
     }
 }
 
+/// Opens (creating it 0600) a side's lock file, never through a symlink: the lock dir is
+/// checked to be private, and this keeps a link planted there before from leading a root
+/// process to open, or create, a file elsewhere.
+fn open_lock_file(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// Refuses a lock dir that anyone but root (or the bridge's own user) could write to, or
+/// replace through a directory above it: whoever makes files there can hold every
+/// volume's lock, so that each hook waits out its deadline, or plant a symlink for the
+/// bridge to open as root. A directory above that others may write is allowed with the
+/// sticky bit (as /tmp), when root or the bridge's user owns it.
+fn check_private(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let euid = nix::unistd::geteuid().as_raw();
+    let trusted = |uid: u32| uid == 0 || uid == euid;
+    let refuse = |what: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{what}, so another user could hold every volume's lock or plant a file                  there for the bridge to open as root; point state.lock_dir at a directory                  only root can write, such as the default /run/cube-csi-bridge/<driver>/locks                  (or chown root and chmod go-w it)"
+            ),
+        )
+    };
+    let real = std::fs::canonicalize(dir)?;
+    let meta = std::fs::metadata(&real)?;
+    if !trusted(meta.uid()) {
+        return Err(refuse(format!(
+            "lock dir {} is owned by uid {}",
+            real.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(refuse(format!(
+            "lock dir {} is writable by its group or by others (mode {:o})",
+            real.display(),
+            meta.mode() & 0o7777
+        )));
+    }
+    let written = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    for above in real.ancestors().skip(1).chain(written.ancestors().skip(1)) {
+        let Ok(meta) = std::fs::metadata(above) else {
+            continue;
+        };
+        let mode = meta.mode() & 0o7777;
+        let others_may_rename = mode & 0o022 != 0 && mode & 0o1000 == 0;
+        if !trusted(meta.uid()) || others_may_rename {
+            let why = if trusted(meta.uid()) {
+                format!("is writable by its group or by others (mode {mode:o})")
+            } else {
+                format!("is owned by uid {}", meta.uid())
+            };
+            return Err(refuse(format!(
+                "the directory {} above lock dir {} {why}",
+                above.display(),
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl FileLocks {
     pub fn new(dir: &Path) -> std::io::Result<Self> {
         // Missing parents are made searchable (0755): the lock dir often shares one with
@@ -102,6 +172,7 @@ impl FileLocks {
             crate::mount::ops::ensure_dir(parent, 0o755)?;
         }
         crate::mount::ops::ensure_dir(dir, 0o700)?;
+        check_private(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             local: Mutex::new(HashMap::new()),
@@ -317,6 +388,52 @@ mod tests {
         assert_eq!(byte_of("v"), BYTE_OF_V);
         assert!((0..1 << 62).contains(&byte_of("v")));
         assert_ne!(byte_of("v"), byte_of("w"));
+    }
+
+    #[test]
+    fn a_lock_dir_another_user_could_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let open = tmp.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = FileLocks::new(&open).unwrap_err().to_string();
+        assert!(
+            err.contains("writable by its group or by others (mode 777)")
+                && err.contains("state.lock_dir"),
+            "{err}"
+        );
+        // Below a directory others may write (and rename in, without the sticky bit).
+        let below = open.join("locks");
+        let err = FileLocks::new(&below).unwrap_err().to_string();
+        assert!(err.contains("above lock dir"), "{err}");
+        // The same directory kept by its owner alone is fine, and so is one below /tmp's
+        // kind (writable by all, sticky).
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        FileLocks::new(&below).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            // Owned by another user: refused even when only that user may write it.
+            let theirs = tmp.path().join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+            nix::unistd::chown(&theirs, Some(1000.into()), Some(1000.into())).unwrap();
+            let err = FileLocks::new(&theirs).unwrap_err().to_string();
+            assert!(err.contains("is owned by uid 1000"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_symlink_at_a_lock_file_is_never_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let locks = FileLocks::new(&tmp.path().join("locks")).unwrap();
+        let elsewhere = tmp.path().join("elsewhere");
+        std::os::unix::fs::symlink(&elsewhere, tmp.path().join("locks/node.volumes.lock")).unwrap();
+        let err = locks
+            .try_lock(LockScope::Node, "v")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("node.volumes.lock"), "{err}");
+        assert!(!elsewhere.exists(), "a file was made through the link");
     }
 
     #[tokio::test]
