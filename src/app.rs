@@ -169,6 +169,14 @@ fn shared_over(
         settings.node_id.clone(),
         settings.separate_controller_endpoint,
     ));
+    let state_dir = &config.state.dir;
+    crate::store::fsutil::check_private_dir(
+        state_dir,
+        "state.dir",
+        "rewrite the records the bridge acts on as root (what it unmounts, removes and \
+         deletes) or plant a file there for it to open",
+    )
+    .map_err(|e| BridgeError::io(format!("state dir {}", state_dir.display()), e))?;
     let lock_dir = &config.state.lock_dir;
     let locks = Arc::new(
         FileLocks::new(lock_dir)
@@ -283,4 +291,61 @@ pub fn controller_store(
             Arc::new(Arc::new(EmbeddedStore::open(&config.state.store_path())?))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn config_in(dir: &std::path::Path) -> Config {
+        let d = dir.display();
+        Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\n\
+                 default_volume_base_dir = \"{d}/vol\"\n"
+            ),
+            std::path::Path::new("/test.toml"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_state_dir_another_user_could_write_is_refused_before_anything_opens() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        let config = config_in(tmp.path());
+        let err = open_hot_node(&config, mounts.clone())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("state.dir") && err.contains("(mode 777)") && err.contains("chmod go-w"),
+            "{err}"
+        );
+        assert!(!tmp.path().join("locks").exists(), "the lock dir was made");
+        assert!(
+            std::fs::read_dir(&state).unwrap().next().is_none(),
+            "state written"
+        );
+
+        // Kept by its owner alone it opens; and a state dir not made yet is judged by the
+        // directories above it.
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+        open_hot_node(&config, mounts.clone()).map(|_| ()).unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let missing = config_in(&tmp.path().join("later"));
+        let err = open_hot_node(&missing, mounts)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("above state.dir"), "{err}");
+    }
 }

@@ -26,11 +26,25 @@ fn lonely_front(dir: &Path, name: &str) -> PathBuf {
 /// A Create forked from a lonely front named `name` in `dir` (a Create is always handed on,
 /// before any config is read).
 fn create_by_lonely_front(dir: &Path, name: &str) -> std::process::Output {
-    Command::new(lonely_front(dir, name))
-        .args(["--op", "create", "--volume-id", "v", "--name", "v"])
-        .env("CUBE_CSI_BRIDGE_CONFIG", dir.join("none.toml"))
-        .output()
-        .unwrap()
+    output_of(
+        Command::new(lonely_front(dir, name))
+            .args(["--op", "create", "--volume-id", "v", "--name", "v"])
+            .env("CUBE_CSI_BRIDGE_CONFIG", dir.join("none.toml")),
+    )
+}
+
+/// Runs a copied executable, retrying while it is busy: until a child another test's
+/// thread forked meanwhile has exec'd, it shares the copy's write descriptor (ETXTBSY).
+fn output_of(command: &mut Command) -> std::process::Output {
+    for _ in 0..100 {
+        match command.output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            out => return out.unwrap(),
+        }
+    }
+    command.output().unwrap()
 }
 
 /// The one JSON object a forked hook printed, and its exit code.
@@ -209,7 +223,7 @@ fn a_full_binary_others_could_change_is_not_run() {
     let front = lonely_front(bin.path(), "cube-csi-hook");
     let full = bin.path().join("cube-csi-bridge");
     std::fs::copy(BRIDGE, &full).unwrap();
-    let help = || Command::new(&front).arg("--help").output().unwrap();
+    let help = || output_of(Command::new(&front).arg("--help"));
     assert!(help().status.success(), "a trusted install runs");
 
     std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o775)).unwrap();

@@ -252,7 +252,9 @@ async fn an_attach_on_a_disk_that_fills_after_its_first_save_succeeds() {
             &state,
             Some("tmpfs"),
             nix::mount::MsFlags::empty(),
-            Some("size=512k"),
+            // 0700: a tmpfs root is 1777 by default, which the bridge refuses as a state
+            // dir (any user could make files in it).
+            Some("size=512k,mode=0700"),
         )
         .unwrap();
         w.mode = mode;

@@ -146,6 +146,72 @@ pub fn open_private(path: &Path) -> io::Result<File> {
         .open(path)
 }
 
+/// Refuses a directory of the bridge's own (`field` names it in the config) that anyone
+/// but root or the bridge's user could write to, or replace through a directory above it,
+/// saying what such a user could then do (`risk`). A directory above that others may
+/// write is allowed with the sticky bit (as /tmp), when root or the bridge's user owns
+/// it. A directory not made yet is judged by the ones above it: whoever could make it
+/// first could own it.
+pub fn check_private_dir(dir: &Path, field: &str, risk: &str) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let euid = nix::unistd::geteuid().as_raw();
+    let trusted = |uid: u32| uid == 0 || uid == euid;
+    let refuse = |what: String| {
+        io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{what}, so another user could {risk}; point {field} at a directory only \
+                 root can write (or chown root and chmod go-w it)"
+            ),
+        )
+    };
+    let written = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mut above: Vec<PathBuf> = written.ancestors().skip(1).map(Path::to_path_buf).collect();
+    match std::fs::canonicalize(dir) {
+        Ok(real) => {
+            let meta = std::fs::metadata(&real)?;
+            if !trusted(meta.uid()) {
+                return Err(refuse(format!(
+                    "{field} {} is owned by uid {}",
+                    real.display(),
+                    meta.uid()
+                )));
+            }
+            if meta.mode() & 0o022 != 0 {
+                return Err(refuse(format!(
+                    "{field} {} is writable by its group or by others (mode {:o})",
+                    real.display(),
+                    meta.mode() & 0o7777
+                )));
+            }
+            above.extend(real.ancestors().skip(1).map(Path::to_path_buf));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    for dir_above in &above {
+        let Ok(meta) = std::fs::metadata(dir_above) else {
+            continue;
+        };
+        let mode = meta.mode() & 0o7777;
+        let others_may_rename = mode & 0o022 != 0 && mode & 0o1000 == 0;
+        if trusted(meta.uid()) && !others_may_rename {
+            continue;
+        }
+        let why = if trusted(meta.uid()) {
+            format!("is writable by its group or by others (mode {mode:o})")
+        } else {
+            format!("is owned by uid {}", meta.uid())
+        };
+        return Err(refuse(format!(
+            "the directory {} above {field} {} {why}",
+            dir_above.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.
 /// The lock is released when the returned guard drops, or when the process dies.
 pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {

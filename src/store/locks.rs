@@ -26,6 +26,7 @@ use nix::libc;
 use sha2::{Digest, Sha256};
 use tokio::sync::OwnedMutexGuard;
 
+use super::fsutil::check_private_dir;
 use crate::bridge::ports::{LockGuard, LockScope, VolumeLocks};
 use crate::bridge::{BridgeError, Deadline};
 
@@ -108,62 +109,6 @@ fn open_lock_file(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
-/// Refuses a lock dir that anyone but root (or the bridge's own user) could write to, or
-/// replace through a directory above it: whoever makes files there can hold every
-/// volume's lock, so that each hook waits out its deadline, or plant a symlink for the
-/// bridge to open as root. A directory above that others may write is allowed with the
-/// sticky bit (as /tmp), when root or the bridge's user owns it.
-fn check_private(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let euid = nix::unistd::geteuid().as_raw();
-    let trusted = |uid: u32| uid == 0 || uid == euid;
-    let refuse = |what: String| {
-        std::io::Error::new(
-            std::io::ErrorKind::PermissionDenied,
-            format!(
-                "{what}, so another user could hold every volume's lock or plant a file                  there for the bridge to open as root; point state.lock_dir at a directory                  only root can write, such as the default /run/cube-csi-bridge/<driver>/locks                  (or chown root and chmod go-w it)"
-            ),
-        )
-    };
-    let real = std::fs::canonicalize(dir)?;
-    let meta = std::fs::metadata(&real)?;
-    if !trusted(meta.uid()) {
-        return Err(refuse(format!(
-            "lock dir {} is owned by uid {}",
-            real.display(),
-            meta.uid()
-        )));
-    }
-    if meta.mode() & 0o022 != 0 {
-        return Err(refuse(format!(
-            "lock dir {} is writable by its group or by others (mode {:o})",
-            real.display(),
-            meta.mode() & 0o7777
-        )));
-    }
-    let written = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    for above in real.ancestors().skip(1).chain(written.ancestors().skip(1)) {
-        let Ok(meta) = std::fs::metadata(above) else {
-            continue;
-        };
-        let mode = meta.mode() & 0o7777;
-        let others_may_rename = mode & 0o022 != 0 && mode & 0o1000 == 0;
-        if !trusted(meta.uid()) || others_may_rename {
-            let why = if trusted(meta.uid()) {
-                format!("is writable by its group or by others (mode {mode:o})")
-            } else {
-                format!("is owned by uid {}", meta.uid())
-            };
-            return Err(refuse(format!(
-                "the directory {} above lock dir {} {why}",
-                above.display(),
-                dir.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
 impl FileLocks {
     pub fn new(dir: &Path) -> std::io::Result<Self> {
         // Missing parents are made searchable (0755): the lock dir often shares one with
@@ -172,7 +117,12 @@ impl FileLocks {
             crate::mount::ops::ensure_dir(parent, 0o755)?;
         }
         crate::mount::ops::ensure_dir(dir, 0o700)?;
-        check_private(dir)?;
+        check_private_dir(
+            dir,
+            "state.lock_dir",
+            "hold every volume's lock (each hook then waits out its deadline) or plant a \
+             file there for the bridge to open as root",
+        )?;
         Ok(Self {
             dir: dir.to_path_buf(),
             local: Mutex::new(HashMap::new()),
@@ -406,7 +356,7 @@ mod tests {
         // Below a directory others may write (and rename in, without the sticky bit).
         let below = open.join("locks");
         let err = FileLocks::new(&below).unwrap_err().to_string();
-        assert!(err.contains("above lock dir"), "{err}");
+        assert!(err.contains("above state.lock_dir"), "{err}");
         // The same directory kept by its owner alone is fine, and so is one below /tmp's
         // kind (writable by all, sticky).
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();

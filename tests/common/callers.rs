@@ -168,6 +168,15 @@ pub fn detach_request(
     }
 }
 
+/// Whether an exec failed only because the executable was still open for writing, which
+/// is to retry (at most 100 times): a test that has just copied an executable shares its
+/// write descriptor with any child another test's thread forks meanwhile, until that
+/// child's exec closes it (ETXTBSY).
+fn executable_busy(error: &std::io::Error, tries: &mut u32) -> bool {
+    *tries += 1;
+    error.kind() == std::io::ErrorKind::ExecutableFileBusy && *tries <= 100
+}
+
 // --- rpc -------------------------------------------------------------------------------
 
 /// The `serve` daemon dialed over its Unix socket (Cube type `rpc`).
@@ -301,9 +310,15 @@ impl BinaryCaller {
 
     /// Starts the hook without waiting, for tests that kill it as Cube's deadline does.
     pub fn spawn(&self, hook: &Hook) -> tokio::process::Child {
-        self.command(hook)
-            .spawn()
-            .expect("the bridge executable starts")
+        let mut busy = 0;
+        loop {
+            match self.command(hook).spawn() {
+                Err(e) if executable_busy(&e, &mut busy) => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                started => return started.expect("the bridge executable starts"),
+            }
+        }
     }
 
     /// Forks the hook and judges the result as Cube does: exit 0 and the whole stdout one
@@ -312,7 +327,15 @@ impl BinaryCaller {
         &self,
         hook: &Hook,
     ) -> Result<serde_json::Map<String, serde_json::Value>, CubeError> {
-        let out = self.command(hook).output().await.unwrap();
+        let mut busy = 0;
+        let out = loop {
+            match self.command(hook).output().await {
+                Err(e) if executable_busy(&e, &mut busy) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await
+                }
+                out => break out.unwrap(),
+            }
+        };
         let argv = hook.argv();
         let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
