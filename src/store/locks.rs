@@ -1,11 +1,11 @@
 //! One operation per volume at a time, across the daemon and forked hook processes.
 //!
 //! An in-process async mutex per volume queues hooks of the same process without
-//! blocking threads; a lock on one byte of `<lock_dir>/<scope>.volumes.lock` then excludes other
-//! processes (forked binary hooks, a second daemon). The byte is the volume's: its offset
-//! is the first 62 bits of the SHA-256 of the volume id, so different volumes never wait
-//! for each other (two ids on one byte would only take turns, and finding such a pair is
-//! as hard as a SHA-256 collision). The lock is an open file description lock
+//! blocking threads; a lock on one byte of `<lock_dir>/<scope>.volumes.lock` then excludes
+//! other processes (forked binary hooks, a second daemon). The byte is the volume's: its
+//! offset is the first 62 bits of the SHA-256 of the volume id, so different volumes
+//! never wait for each other (two ids on one byte would only take turns, and finding such
+//! a pair is as hard as a SHA-256 collision). The lock is an open file description lock
 //! (`F_OFD_SETLK`): owned by one opening of the file, released when it is closed, or when
 //! the process dies.
 //!
@@ -14,7 +14,7 @@
 //! journal), and earlier builds never removed theirs, one per volume ever seen. Every
 //! process on the lock dir must map ids to bytes the same way: a build that took a file
 //! per volume does not exclude this one, so the daemon and the hook executable are
-//! upgraded together.
+//! upgraded together. The lock dir must be root's alone (`check_private_dir`).
 
 use std::collections::HashMap;
 use std::fs::File;
