@@ -135,7 +135,9 @@ impl GroupCommit {
 }
 
 /// Opens `path` for reading and writing, keeping what it holds, or creates it 0600: a
-/// lock file, or a log the caller appends to itself.
+/// lock file, or a log the caller appends to itself. Never through a symlink at `path`:
+/// these files live in the bridge's own directories, where a link is no file of the
+/// bridge's and must not lead a root process to open or create one elsewhere.
 pub fn open_private(path: &Path) -> io::Result<File> {
     std::fs::OpenOptions::new()
         .read(true)
@@ -143,6 +145,7 @@ pub fn open_private(path: &Path) -> io::Result<File> {
         .create(true)
         .truncate(false)
         .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(path)
 }
 

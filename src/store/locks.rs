@@ -26,7 +26,7 @@ use nix::libc;
 use sha2::{Digest, Sha256};
 use tokio::sync::OwnedMutexGuard;
 
-use super::fsutil::check_private_dir;
+use super::fsutil::{check_private_dir, open_private};
 use crate::bridge::ports::{LockGuard, LockScope, VolumeLocks};
 use crate::bridge::{BridgeError, Deadline};
 
@@ -67,7 +67,7 @@ impl ByteLock {
     /// Locks the byte of `volume_id` in `path` (made 0600 when missing); `wait` blocks
     /// until it is free, otherwise `Ok(None)` when another opening holds it.
     fn take(path: &Path, volume_id: &str, wait: bool) -> std::io::Result<Option<ByteLock>> {
-        let file = open_lock_file(path)?;
+        let file = open_private(path)?;
         let range = libc::flock {
             l_type: libc::F_WRLCK as libc::c_short,
             l_whence: libc::SEEK_SET as libc::c_short,
@@ -92,21 +92,6 @@ impl ByteLock {
             }
         }
     }
-}
-
-/// Opens (creating it 0600) a side's lock file, never through a symlink: the lock dir is
-/// checked to be private, and this keeps a link planted there before from leading a root
-/// process to open, or create, a file elsewhere.
-fn open_lock_file(path: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
 }
 
 impl FileLocks {
