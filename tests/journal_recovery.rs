@@ -267,6 +267,14 @@ async fn an_attach_on_a_disk_that_fills_after_its_first_save_succeeds() {
         w.detach("s0", "never", 0, &Default::default())
             .await
             .unwrap();
+        // That hook's worker may still be finishing up after its answer: a file it wrote
+        // after the disk is filled would take the one free page (a CI run failed so).
+        common::wait_until(
+            "the earlier hooks' workers to exit",
+            Duration::from_secs(10),
+            || !common::hook_processes_alive(&w.config_path),
+        )
+        .await;
         let filler = fill(&state, 1);
         w.driver.clear_calls();
         let attached = w

@@ -503,6 +503,29 @@ pub fn state_dir(text: &str) -> String {
         .expect("the World's config names its state dir")
 }
 
+/// Whether a process forked for the binary hooks of the World whose config is `config`
+/// is still alive (a front, or a worker, which goes on after its hook has answered to
+/// finish work that earlier, killed workers abandoned): they carry the config in their
+/// environment. A test that changes the state dir under them (fills its disk) waits for
+/// none to be left.
+pub fn hook_processes_alive(config: &Path) -> bool {
+    let needle = format!("CUBE_CSI_BRIDGE_CONFIG={}", config.display());
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_str()
+                .is_some_and(|name| name.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .any(|entry| {
+            std::fs::read(entry.path().join("environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == needle.as_bytes()))
+        })
+}
+
 /// The children of process `pid` (a forked hook's front: its worker, once forked).
 pub fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
