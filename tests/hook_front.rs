@@ -36,15 +36,15 @@ fn create_by_lonely_front(dir: &Path, name: &str) -> std::process::Output {
 /// Runs a copied executable, retrying while it is busy: until a child another test's
 /// thread forked meanwhile has exec'd, it shares the copy's write descriptor (ETXTBSY).
 fn output_of(command: &mut Command) -> std::process::Output {
-    for _ in 0..100 {
+    let mut busy = 0;
+    loop {
         match command.output() {
-            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+            Err(e) if common::callers::executable_busy(&e, &mut busy) => {
                 std::thread::sleep(std::time::Duration::from_millis(10))
             }
             out => return out.unwrap(),
         }
     }
-    command.output().unwrap()
 }
 
 /// The one JSON object a forked hook printed, and its exit code.

@@ -130,6 +130,41 @@ pub fn check_trusted_file(path: &Path) -> Result<(), String> {
     check_owners(path, &real, nix::unistd::geteuid().as_raw())
 }
 
+/// The first directory above any of `paths` (a path as written, as resolved) through
+/// which someone other than root or `euid` could replace what lies below: one another user
+/// owns, or one its group or others may write without the sticky bit (as /tmp has; a
+/// sticky one still must be owned by root or `euid`). With `read_only_passes`, a directory
+/// on a read-only mount passes. Returns it, with why.
+pub fn untrusted_dir_above<'a>(
+    paths: impl IntoIterator<Item = &'a Path>,
+    euid: u32,
+    read_only_passes: bool,
+) -> Option<(PathBuf, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let trusted = |uid: u32| uid == 0 || uid == euid;
+    let read_only = |p: &Path| {
+        nix::sys::statvfs::statvfs(p)
+            .is_ok_and(|fs| fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
+    };
+    for dir in paths.into_iter().flat_map(|path| path.ancestors().skip(1)) {
+        let Ok(meta) = std::fs::metadata(dir) else {
+            continue;
+        };
+        let mode = meta.mode() & 0o7777;
+        let writable_by_others = mode & 0o022 != 0 && mode & 0o1000 == 0;
+        if (trusted(meta.uid()) && !writable_by_others) || (read_only_passes && read_only(dir)) {
+            continue;
+        }
+        let why = if trusted(meta.uid()) {
+            format!("is writable by its group or by others (mode {mode:o})")
+        } else {
+            format!("is owned by uid {}", meta.uid())
+        };
+        return Some((dir.to_path_buf(), why));
+    }
+    None
+}
+
 /// Refuses a config file that anyone but root (or `euid`, the user the bridge runs as)
 /// could change, or replace: the file must be owned by one of them and writable by no
 /// group or other user, and so must every directory above it, as written (`path`, whose
@@ -171,23 +206,7 @@ fn check_owners(path: &Path, real: &Path, euid: u32) -> Result<(), String> {
         }
     }
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut dirs: Vec<&Path> = real.ancestors().skip(1).collect();
-    dirs.extend(absolute.ancestors().skip(1));
-    for dir in dirs {
-        let Ok(meta) = std::fs::metadata(dir) else {
-            continue;
-        };
-        let mode = meta.mode() & 0o7777;
-        let sticky = mode & 0o1000 != 0;
-        let writable_by_others = mode & 0o022 != 0 && !sticky;
-        if (trusted(meta.uid()) && !writable_by_others) || read_only(dir) {
-            continue;
-        }
-        let why = if trusted(meta.uid()) {
-            format!("is writable by its group or by others (mode {mode:o})")
-        } else {
-            format!("is owned by uid {}", meta.uid())
-        };
+    if let Some((dir, why)) = untrusted_dir_above([real, absolute.as_path()], euid, true) {
         return Err(format!(
             "the directory {} above it {why}, so someone other than {owner} could replace \
              the file; keep it in a directory owned by {owner} and writable only by its \

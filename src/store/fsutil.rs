@@ -169,61 +169,43 @@ pub fn check_private_dir(dir: &Path, field: &str, risk: &str) -> io::Result<()> 
         )
     };
     let written = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let mut above: Vec<PathBuf> = written.ancestors().skip(1).map(Path::to_path_buf).collect();
-    match std::fs::canonicalize(dir) {
-        Ok(real) => {
-            let meta = std::fs::metadata(&real)?;
-            if !trusted(meta.uid()) {
-                return Err(refuse(format!(
-                    "{field} {} is owned by uid {}",
-                    real.display(),
-                    meta.uid()
-                )));
-            }
-            if meta.mode() & 0o022 != 0 {
-                return Err(refuse(format!(
-                    "{field} {} is writable by its group or by others (mode {:o})",
-                    real.display(),
-                    meta.mode() & 0o7777
-                )));
-            }
-            above.extend(real.ancestors().skip(1).map(Path::to_path_buf));
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+    let real = match std::fs::canonicalize(dir) {
+        Ok(real) => Some(real),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => return Err(e),
-    }
-    for dir_above in &above {
-        let Ok(meta) = std::fs::metadata(dir_above) else {
-            continue;
-        };
-        let mode = meta.mode() & 0o7777;
-        let others_may_rename = mode & 0o022 != 0 && mode & 0o1000 == 0;
-        if trusted(meta.uid()) && !others_may_rename {
-            continue;
+    };
+    if let Some(real) = &real {
+        let meta = std::fs::metadata(real)?;
+        if !trusted(meta.uid()) {
+            return Err(refuse(format!(
+                "{field} {} is owned by uid {}",
+                real.display(),
+                meta.uid()
+            )));
         }
-        let why = if trusted(meta.uid()) {
-            format!("is writable by its group or by others (mode {mode:o})")
-        } else {
-            format!("is owned by uid {}", meta.uid())
-        };
+        if meta.mode() & 0o022 != 0 {
+            return Err(refuse(format!(
+                "{field} {} is writable by its group or by others (mode {:o})",
+                real.display(),
+                meta.mode() & 0o7777
+            )));
+        }
+    }
+    let paths = std::iter::once(written.as_path()).chain(real.as_deref());
+    if let Some((above, why)) = crate::config::untrusted_dir_above(paths, euid, false) {
         return Err(refuse(format!(
             "the directory {} above {field} {} {why}",
-            dir_above.display(),
+            above.display(),
             dir.display()
         )));
     }
     Ok(())
 }
 
-/// Opens (creating it 0600) and exclusively flocks `path`, blocking until it is free.
-/// The lock is released when the returned guard drops, or when the process dies.
-pub fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
-    let file = open_private(path)?;
-    Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| io::Error::from(errno))
-}
-
-/// Like `lock_exclusive`, but gives up with `ErrorKind::TimedOut` after `wait`, so that a
-/// holder that hangs cannot hang every caller behind it.
+/// Opens (creating it 0600) and exclusively flocks `path`, waiting while another holder
+/// has it, but giving up with `ErrorKind::TimedOut` after `wait`, so that a holder that
+/// hangs cannot hang every caller behind it. The lock is released when the returned guard
+/// drops, or when the process dies.
 pub fn lock_exclusive_within(path: &Path, wait: Duration) -> io::Result<Flock<File>> {
     let until = Instant::now() + wait;
     let mut pause = Duration::from_millis(1);
@@ -243,7 +225,8 @@ pub fn lock_exclusive_within(path: &Path, wait: Duration) -> io::Result<Flock<Fi
     }
 }
 
-/// Like `lock_exclusive`, but returns `Ok(None)` at once when another holder has it.
+/// Opens (creating it 0600) and exclusively flocks `path`; `Ok(None)` at once when another
+/// holder has it.
 pub fn try_lock_exclusive(path: &Path) -> io::Result<Option<Flock<File>>> {
     let file = open_private(path)?;
     match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -381,7 +364,7 @@ mod tests {
     fn a_held_lock_times_out_then_is_taken_once_free() {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("l.lock");
-        let held = lock_exclusive(&path).unwrap();
+        let held = try_lock_exclusive(&path).unwrap().unwrap();
         let err = lock_exclusive_within(&path, Duration::from_millis(30)).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         drop(held);

@@ -172,7 +172,7 @@ pub fn detach_request(
 /// is to retry (at most 100 times): a test that has just copied an executable shares its
 /// write descriptor with any child another test's thread forks meanwhile, until that
 /// child's exec closes it (ETXTBSY).
-fn executable_busy(error: &std::io::Error, tries: &mut u32) -> bool {
+pub fn executable_busy(error: &std::io::Error, tries: &mut u32) -> bool {
     *tries += 1;
     error.kind() == std::io::ErrorKind::ExecutableFileBusy && *tries <= 100
 }
