@@ -931,4 +931,12 @@ pub trait HostPaths: Send + Sync + fmt::Debug {
     /// `Ok(false)` when it is left in place (missing, or still holding files: data is
     /// never deleted here). A path that fails the check is `Err(Refused)`, untouched.
     fn remove_dir_if_empty(&self, base: &Path, path: &Path) -> Result<bool, PathError>;
+    /// Whether the calls above may be made for `base` on the caller's own thread: its
+    /// filesystem answers from memory or a local disk, so none of them can wait on a
+    /// server (the leaves, perhaps mounts of a network filesystem, are asked without
+    /// revalidation). Otherwise a daemon makes them on a blocking thread, bounded by the
+    /// hook's deadline. False unless an implementation knows.
+    fn answers_at_once(&self, _base: &Path) -> bool {
+        false
+    }
 }

@@ -150,6 +150,10 @@ struct Planted {
     on_call: Option<(&'static str, PathBuf)>,
     /// `HostPaths` calls made (the hot path's cost).
     checks: usize,
+    /// What `answers_at_once` says of every base dir.
+    answers_at_once: bool,
+    /// The threads `HostPaths` calls were made on.
+    threads: std::collections::HashSet<std::thread::ThreadId>,
 }
 
 /// A driver, the mount table it changes, and the directories under the base dir: the
@@ -779,6 +783,7 @@ impl Fake {
     fn check_planted(&self, path: &Path) -> Result<(), PathError> {
         let mut planted = self.planted.lock().unwrap();
         planted.checks += 1;
+        planted.threads.insert(std::thread::current().id());
         match path
             .ancestors()
             .find_map(|p| planted.symlinks.get(p).map(|uid| (p, *uid)))
@@ -816,6 +821,9 @@ impl HostPaths for Fake {
     fn remove_dir_if_empty(&self, base: &Path, path: &Path) -> Result<bool, PathError> {
         self.check_planted(path)?;
         crate::mount::HostDirs::default().remove_dir_if_empty(base, path)
+    }
+    fn answers_at_once(&self, _base: &Path) -> bool {
+        self.planted.lock().unwrap().answers_at_once
     }
 }
 
@@ -1111,6 +1119,30 @@ async fn first_attach_stages_publishes_and_records_a_settled_holder() {
     assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
     assert_eq!(record.boot_id, crate::system::SystemClock.boot_id());
     assert!(w.pending().is_empty());
+}
+
+/// Issue 20: where the base dir answers at once (a local disk or memory), a first Attach
+/// and a last Detach check, make and remove their directories on the hook's own thread: a
+/// trip to a blocking thread is two thread wake-ups, and a first Attach made four.
+/// Elsewhere (a network filesystem) they stay on blocking threads, bounded by the hook's
+/// deadline. (The test's runtime has one thread: the hook's.)
+#[tokio::test]
+async fn path_checks_stay_on_the_hooks_thread_where_the_base_dir_answers_at_once() {
+    let here = std::thread::current().id();
+    for at_once in [true, false] {
+        let w = World::new(Fake::new(true, false));
+        w.fake.planted.lock().unwrap().answers_at_once = at_once;
+        w.attach("v", "ns1", "s1", 0).await.unwrap();
+        w.detach("v", "ns1", "s1", 0).await.unwrap();
+        w.assert_clean("v");
+        let planted = w.fake.planted.lock().unwrap();
+        assert!(planted.checks >= 4, "{}", planted.checks);
+        if at_once {
+            assert_eq!(planted.threads, std::collections::HashSet::from([here]));
+        } else {
+            assert!(!planted.threads.contains(&here), "{:?}", planted.threads);
+        }
+    }
 }
 
 #[tokio::test]

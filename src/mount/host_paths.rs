@@ -34,6 +34,8 @@ pub enum BaseDirPolicy {
 #[derive(Debug, Clone, Default)]
 pub struct HostDirs {
     policy: BaseDirPolicy,
+    /// Which base dirs are on a filesystem that answers from memory or a local disk.
+    from_memory: std::sync::Arc<super::mountinfo::MemoryAnswers>,
 }
 
 const BASE_HINT: &str = "A volume base dir must be owned by root and not writable by group \
@@ -170,7 +172,10 @@ impl HostDirs {
                  the checks of the paths under them"
             );
         }
-        Self { policy }
+        Self {
+            policy,
+            from_memory: Default::default(),
+        }
     }
 
     /// Opens the base dir (its own name is resolved as given) and checks its owner and
@@ -282,12 +287,31 @@ impl HostPaths for HostDirs {
             Err(e) => Err(io("remove directory", path, e)),
         }
     }
+
+    fn answers_at_once(&self, base: &Path) -> bool {
+        self.from_memory.at(base)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::{PermissionsExt, symlink};
+
+    /// Issue 20: a base dir on a disk or memory filesystem is checked on the caller's
+    /// thread; one the kernel cannot place (before Linux 6.8) or on another kind of
+    /// filesystem (/proc stands in for a network one) is not.
+    #[test]
+    fn only_a_base_dir_on_a_disk_or_memory_filesystem_answers_at_once() {
+        let (_dir, base) = base();
+        let dirs = HostDirs::default();
+        let kernel_says = crate::mount::mountinfo::unique_mount_id(&base)
+            .and_then(crate::mount::mountinfo::mount_magic)
+            .map(crate::mount::mountinfo::answers_from_memory);
+        assert_eq!(dirs.answers_at_once(&base), kernel_says == Some(true));
+        assert!(!dirs.answers_at_once(Path::new("/proc/self")));
+        assert!(!dirs.answers_at_once(&base.join("missing")));
+    }
 
     /// Issue 19, defect 8: a dead mount at a checked leaf (its stat answers ENOTCONN) is a
     /// directory to the checks, so it can be unpublished and repaired, and removed once

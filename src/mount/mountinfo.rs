@@ -131,6 +131,37 @@ pub fn answers_from_memory(magic: u64) -> bool {
     matches!(magic, EXT | XFS | BTRFS | F2FS | TMPFS | RAMFS)
 }
 
+/// Which mounts answer a stat from memory (`answers_from_memory`), remembered by unique
+/// mount id (never reused within a boot): a path costs one `statx`, and a mount met for
+/// the first time one `statmount`.
+#[derive(Debug, Default)]
+pub struct MemoryAnswers {
+    by_mount: std::sync::Mutex<HashMap<u64, bool>>,
+}
+
+impl MemoryAnswers {
+    /// Whether the filesystem `path` is on answers a stat from memory; false when the
+    /// kernel cannot say (before Linux 6.8).
+    pub fn at(&self, path: &Path) -> bool {
+        let Some(mount_id) = unique_mount_id(path) else {
+            return false;
+        };
+        if let Some(known) = self.by_mount.lock().expect("poisoned").get(&mount_id) {
+            return *known;
+        }
+        let Some(magic) = mount_magic(mount_id) else {
+            return false;
+        };
+        let answers = answers_from_memory(magic);
+        let mut known = self.by_mount.lock().expect("poisoned");
+        if known.len() > 4096 {
+            known.clear();
+        }
+        known.insert(mount_id, answers);
+        answers
+    }
+}
+
 /// The unique id (STATX_MNT_ID_UNIQUE, Linux 6.8+: never reused within a boot) of the
 /// mount `path` is on, asked without revalidating anything (a dead mount does not hang
 /// it); None when the kernel cannot say.

@@ -41,9 +41,8 @@ pub struct MountView {
     /// Resolved parents of checked paths (mountinfo lists resolved paths; base dirs may
     /// be symlinks). A miss is re-checked with a fresh resolution.
     resolved: Mutex<HashMap<PathBuf, PathBuf>>,
-    /// By unique mount id (never reused within a boot): whether that mount's filesystem
-    /// answers a stat from memory (`mountinfo::answers_from_memory`).
-    from_memory: Mutex<HashMap<u64, bool>>,
+    /// Which mounts answer a stat from memory.
+    from_memory: mountinfo::MemoryAnswers,
     /// Health checks sent to a blocking thread, for tests.
     #[cfg(test)]
     health_trips: std::sync::atomic::AtomicUsize,
@@ -65,32 +64,10 @@ impl MountView {
             cubelet_file: PathBuf::from(CUBELET_MOUNT_NS),
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
-            from_memory: Mutex::new(HashMap::new()),
+            from_memory: Default::default(),
             #[cfg(test)]
             health_trips: Default::default(),
         }
-    }
-
-    /// Whether the filesystem at `path` answers a stat from memory, asked of the kernel's
-    /// mount table (one `statx`, and a `statmount` the first time a mount is met); false
-    /// when the kernel cannot say.
-    fn answers_from_memory(&self, path: &Path) -> bool {
-        let Some(mount_id) = mountinfo::unique_mount_id(path) else {
-            return false;
-        };
-        if let Some(known) = self.from_memory.lock().expect("poisoned").get(&mount_id) {
-            return *known;
-        }
-        let Some(magic) = mountinfo::mount_magic(mount_id) else {
-            return false;
-        };
-        let answers = mountinfo::answers_from_memory(magic);
-        let mut cache = self.from_memory.lock().expect("poisoned");
-        if cache.len() > 4096 {
-            cache.clear();
-        }
-        cache.insert(mount_id, answers);
-        answers
     }
 
     fn resolve(&self) -> Resolved<'_> {
@@ -301,7 +278,7 @@ impl MountCheck for MountView {
         // A disk or memory filesystem answers that stat from its cached inode, as it
         // answers the mount check: the stat can neither hang nor find it dead, and the
         // trip to a blocking thread (two thread wake-ups on the hot path) buys nothing.
-        if self.answers_from_memory(path) {
+        if self.from_memory.at(path) {
             return Ok(MountHealth::Answers);
         }
         #[cfg(test)]
