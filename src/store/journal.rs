@@ -28,6 +28,12 @@
 //! A record is rewritten in place (one write of at most a page, padded with spaces) once
 //! the intent log on disk holds an entry of it, else replaced by a rename (`intents.rs`).
 //!
+//! A process remembers what it last loaded of each volume, by the bytes it read
+//! (`LoadMemo`): a load that reads the same record and the same holder log, or that log
+//! with lines appended, reuses the decoded record (and applies only the new lines)
+//! instead of parsing both again. The files are still read on every load, so what any
+//! other process wrote is seen; only the parsing is saved (the hot path's largest cost).
+//!
 //! A volume whose attach or detach is under way has a marker in `pending/`. A marker whose
 //! volume lock is free belongs to an operation that died (a killed hook): whoever finds it
 //! finishes or undoes that operation. A cleared marker is moved to `idle/`, and moved back
@@ -73,6 +79,108 @@ pub struct FileJournal {
     idle: PathBuf,
     /// Durable saves of this process share the intent log's fdatasyncs.
     intents: std::sync::Arc<IntentLog>,
+    /// What this process last loaded of each volume.
+    loaded: std::sync::Arc<LoadMemo>,
+}
+
+/// The last load of each volume in this process: the bytes it read and what they
+/// decoded to. A load is a pure function of the record's bytes and the holder log's
+/// complete lines, so reusing it for the same bytes changes nothing but the cost.
+#[derive(Debug, Default)]
+struct LoadMemo {
+    by_volume: std::sync::Mutex<std::collections::HashMap<String, Loaded>>,
+    /// Loads answered from the memo, for tests.
+    #[cfg(test)]
+    reused: std::sync::atomic::AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Loaded {
+    record_bytes: Vec<u8>,
+    log: Option<String>,
+    record: NodeRecord,
+}
+
+/// Volumes remembered at most (a few KiB each): past it, the memo starts afresh.
+const LOAD_MEMO_VOLUMES: usize = 1024;
+
+impl LoadMemo {
+    /// The record a load of `record_bytes` and `log` makes, if the last load of the
+    /// volume read the same record and the same log or a prefix of it (whose changes
+    /// started at the same place): then only the appended lines are applied.
+    fn reuse(
+        &self,
+        volume_id: &str,
+        record_bytes: &[u8],
+        log: Option<&str>,
+        log_path: &Path,
+    ) -> Option<NodeRecord> {
+        let mut memo = self.by_volume.lock().expect("poisoned");
+        let loaded = memo.get_mut(volume_id)?;
+        if loaded.record_bytes != record_bytes {
+            return None;
+        }
+        match (loaded.log.as_deref(), log) {
+            (None, None) => {}
+            (Some(old), Some(new)) if old == new => {}
+            (Some(old), Some(new)) if !old.is_empty() && new.starts_with(old) => {
+                let start = changes_from(old)?;
+                if changes_from(new) != Some(start) || start > old.len() {
+                    return None;
+                }
+                let record = &mut loaded.record;
+                let added = &new[old.len()..];
+                apply_lines(
+                    added,
+                    &mut record.holders,
+                    &mut record.holder_times,
+                    log_path,
+                );
+                loaded.log = Some(new.to_string());
+            }
+            _ => return None,
+        }
+        #[cfg(test)]
+        self.reused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(loaded.record.clone())
+    }
+
+    fn keep(
+        &self,
+        volume_id: &str,
+        record_bytes: Vec<u8>,
+        log: Option<String>,
+        record: &NodeRecord,
+    ) {
+        let mut memo = self.by_volume.lock().expect("poisoned");
+        if memo.len() >= LOAD_MEMO_VOLUMES && !memo.contains_key(volume_id) {
+            memo.clear();
+        }
+        let record = record.clone();
+        memo.insert(
+            volume_id.to_string(),
+            Loaded {
+                record_bytes,
+                log,
+                record,
+            },
+        );
+    }
+
+    fn forget(&self, volume_id: &str) {
+        self.by_volume.lock().expect("poisoned").remove(volume_id);
+    }
+}
+
+/// Where the changes a load applies start in a holder log's text: after its snapshot,
+/// or at the start of a log without one; None when a torn snapshot leaves none to apply.
+fn changes_from(text: &str) -> Option<usize> {
+    let start = match parse_snapshot_header(text) {
+        Some((header, snapshot)) => header + snapshot,
+        None => 0,
+    };
+    text.get(start..).map(|_| start)
 }
 
 impl FileJournal {
@@ -94,6 +202,7 @@ impl FileJournal {
             pending,
             idle: dir.join(IDLE_MARKERS_DIR),
             intents: std::sync::Arc::new(intents),
+            loaded: Default::default(),
         })
     }
 
@@ -312,18 +421,11 @@ impl FileJournal {
         Ok((end + lines.len() as u64).saturating_sub(snapshot))
     }
 
-    fn replay_holders(&self, record: &mut NodeRecord) -> Result<(), JournalError> {
-        let log = self.holder_log(&record.volume_id);
-        let Some(text) = read_log(&log)? else {
-            return Ok(());
-        };
-        // The record already holds the snapshot: only the changes after it apply.
-        let changes = match parse_snapshot_header(&text) {
-            Some((header, snapshot)) => text.get(header + snapshot..).unwrap_or(""),
-            None => &text,
-        };
-        apply_lines(changes, &mut record.holders, &mut record.holder_times, &log);
-        Ok(())
+    /// Applies the holder log's `text` to `record`, which already holds its snapshot:
+    /// only the changes after it apply.
+    fn replay_holders(record: &mut NodeRecord, text: &str, log: &Path) {
+        let changes = changes_from(text).map_or("", |start| &text[start..]);
+        apply_lines(changes, &mut record.holders, &mut record.holder_times, log);
     }
 }
 
@@ -556,16 +658,32 @@ impl NodeJournal for FileJournal {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Self::io(&path)(e)),
         };
-        let mut record = match decode(&path, &bytes) {
-            Ok(record) => record,
+        let log_path = self.holder_log(volume_id);
+        let mut log = read_log(&log_path)?;
+        if let Some(record) = self
+            .loaded
+            .reuse(volume_id, &bytes, log.as_deref(), &log_path)
+        {
+            return Ok(Some(record));
+        }
+        let (bytes, mut record) = match decode(&path, &bytes) {
+            Ok(record) => (bytes, record),
             // A record is rewritten in place under its volume's lock; a reader without it
-            // (the inventory) may catch the rewrite half done: the second read is whole.
+            // (the inventory) may catch the rewrite half done: the second read is whole,
+            // and the log is read again after it.
             Err(first) => match std::fs::read(&path) {
-                Ok(again) if again != bytes => decode(&path, &again)?,
+                Ok(again) if again != bytes => {
+                    let record = decode(&path, &again)?;
+                    log = read_log(&log_path)?;
+                    (again, record)
+                }
                 _ => return Err(first),
             },
         };
-        self.replay_holders(&mut record)?;
+        if let Some(text) = &log {
+            Self::replay_holders(&mut record, text, &log_path);
+        }
+        self.loaded.keep(volume_id, bytes, log, &record);
         Ok(Some(record))
     }
 
@@ -636,6 +754,7 @@ impl NodeJournal for FileJournal {
     /// again only repeats idempotent inverse calls. The intent log notes the removal, so
     /// that a reboot does not bring the record back.
     fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
+        self.loaded.forget(volume_id);
         self.intents
             .append(volume_id, None, false, |_| self.retire_files(volume_id))
             .map_err(Self::intent_error)
@@ -860,6 +979,13 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<NodeRecord, JournalError> {
             "the file is empty (a write lost in a power failure?)".into(),
         ));
     }
+    // A record of this format parses straight into its type; anything else (format 1,
+    // a future format, damage) takes the path below, which says what it is.
+    if let Ok(record) = serde_json::from_slice::<NodeRecord>(bytes)
+        && record.format == JOURNAL_FORMAT
+    {
+        return Ok(record);
+    }
     let mut value: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not JSON: {e}")))?;
     match value.get("format").and_then(|f| f.as_u64()) {
@@ -996,6 +1122,111 @@ mod tests {
             .append_holder("v", &detach("ns2", "c", true))
             .unwrap();
         assert_eq!(size, "0\tns2\tc\n".len() as u64);
+    }
+
+    /// Issue 20: a load reuses what the last load decoded when it reads the same record
+    /// and the same holder log, or that log with lines appended; whatever another process
+    /// (a journal with a memo of its own) writes meanwhile, every load says exactly what a
+    /// load without a memo says. Random steps by two processes, checked after each one.
+    #[test]
+    fn a_remembered_load_always_equals_a_fresh_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let daemon = FileJournal::open(dir).unwrap();
+        let other = FileJournal::open(dir).unwrap();
+        let fresh = FileJournal::open(dir).unwrap();
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        let mut record = NodeRecord::new("v", "csi-v", "/base/d-v".into());
+        daemon.save(&record, true).unwrap();
+        for step in 0..3000 {
+            let writer = if next(3) == 0 { &other } else { &daemon };
+            let (ns, sb) = (format!("ns{}", next(2)), format!("s{}", next(5)));
+            match next(20) {
+                0..=11 => {
+                    let change = match next(2) {
+                        0 => attach_at(&ns, &sb, next(6) == 0, 1_000 + step),
+                        _ => detach_at(&ns, &sb, next(6) == 0, 1_000 + step),
+                    };
+                    writer.append_holder("v", &change).unwrap();
+                }
+                12..=14 => {
+                    // A save: the record rewritten (in place or replaced), the log left,
+                    // extended or folded into a snapshot.
+                    if let Some(loaded) = writer.load("v").unwrap() {
+                        record = loaded;
+                    }
+                    record.apply(&attach_at(&ns, &sb, false, 5_000 + step));
+                    record.stage = [Step::Done, Step::Uncertain][next(2) as usize];
+                    writer.save(&record, next(4) == 0).unwrap();
+                }
+                15 => {
+                    // A torn last line, as a kill mid-append leaves it.
+                    let mut log = std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(daemon.holder_log("v"))
+                        .unwrap();
+                    log.write_all(format!("+\t{ns}\t{sb}").as_bytes()).unwrap();
+                }
+                16 => {
+                    // The log cut anywhere, as a full disk or a kill mid-fold leaves it.
+                    let log = daemon.holder_log("v");
+                    if let Ok(meta) = std::fs::metadata(&log) {
+                        let file = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
+                        file.set_len(next(meta.len() + 1)).unwrap();
+                    }
+                }
+                17 => {
+                    // Torn down by either, then attached again (the retired files reused).
+                    writer.remove("v").unwrap();
+                    record = NodeRecord::new("v", "csi-v", "/base/d-v".into());
+                    record.apply(&attach_at(&ns, &sb, true, 9_000 + step));
+                    writer.save(&record, true).unwrap();
+                }
+                _ => {}
+            }
+            fresh.loaded.forget("v");
+            let expected = fresh.load("v").unwrap();
+            assert_eq!(daemon.load("v").unwrap(), expected, "step {step}");
+            assert_eq!(other.load("v").unwrap(), expected, "step {step}");
+        }
+        let reused = |j: &FileJournal| j.loaded.reused.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(reused(&daemon) > 1000, "{}", reused(&daemon));
+        assert_eq!(reused(&fresh), 0);
+    }
+
+    /// The hot path's loads: after the first, each appended holder line costs one line's
+    /// parse, not the record's and the whole log's.
+    #[test]
+    fn hot_loads_parse_only_the_lines_appended_since_the_last() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let mut record = NodeRecord::new("v", "csi-v", "/base/d-v".into());
+        record.apply(&attach_at("ns", "holder", true, 1));
+        journal.save(&record, true).unwrap();
+        journal.load("v").unwrap().unwrap();
+        for n in 0..40 {
+            let sandbox = format!("s{n}");
+            journal
+                .append_holder("v", &attach_at("ns", &sandbox, false, 2))
+                .unwrap();
+            let loaded = journal.load("v").unwrap().unwrap();
+            assert!(loaded.holders["ns"].contains(&sandbox));
+            journal
+                .append_holder("v", &detach_at("ns", &sandbox, false, 3))
+                .unwrap();
+            assert!(!journal.load("v").unwrap().unwrap().holders["ns"].contains(&sandbox));
+        }
+        let reused = journal
+            .loaded
+            .reused
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(reused, 80);
     }
 
     fn inode(path: &Path) -> u64 {
