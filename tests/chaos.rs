@@ -1189,11 +1189,8 @@ async fn kills_of_the_daemon_fronts_and_workers_lose_no_holder_and_leave_no_phan
         pending.is_empty(),
         "seed {seed}: pending markers {pending:?}"
     );
-    let left_in_base: Vec<_> = std::fs::read_dir(&w.base_dir)
-        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
-        .unwrap_or_default();
     assert_eq!(
-        left_in_base,
+        common::left_in_base_dir(&w.base_dir),
         Vec::<PathBuf>::new(),
         "seed {seed}: host_path or staging directories left"
     );

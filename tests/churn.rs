@@ -216,11 +216,8 @@ async fn a_thousand_attach_detach_cycles_leak_nothing_and_keep_every_file() {
 
     // Nothing leaked on the node.
     assert_eq!(w.mounts(), Vec::<PathBuf>::new(), "leaked mounts");
-    let left_in_base: Vec<_> = std::fs::read_dir(&w.base_dir)
-        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
-        .unwrap_or_default();
     assert_eq!(
-        left_in_base,
+        common::left_in_base_dir(&w.base_dir),
         Vec::<PathBuf>::new(),
         "host_path or staging directories left in the base dir"
     );

@@ -191,11 +191,7 @@ async fn check_proves_that_a_mount_under_the_base_dir_reaches_the_mount_view() {
     assert!(json.contains("does NOT show"), "{json}");
     // The test mount is gone again, and so is its directory.
     assert!(w.mounts().is_empty(), "{:?}", w.mounts());
-    let leftovers: Vec<_> = std::fs::read_dir(&w.base_dir)
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.file_name())
-        .collect();
+    let leftovers = common::left_in_base_dir(&w.base_dir);
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 

@@ -1373,7 +1373,7 @@ impl NodeSide {
                 record.publish = Step::Absent;
                 self.save_progress(hook, record).await;
             }
-            remove_dir(&self.host_paths, &base, &target, true, deadline).await?;
+            remove_dir(&self.host_paths, &base, &target, deadline).await?;
         }
 
         if which.stage
@@ -1395,11 +1395,11 @@ impl NodeSide {
                 record.stage = Step::Absent;
                 self.save_progress(hook, record).await;
             }
-            // Then its parent, .staging, in the same trip: shared by every staged volume,
-            // it is removed only when the last one goes.
-            let mut dirs = vec![(staging.as_path(), true)];
-            dirs.extend(staging.parent().map(|parent| (parent, false)));
-            remove_dirs(&self.host_paths, &base, &dirs, deadline).await?;
+            // Its parent, .staging, stays (the bridge's one directory in the base dir,
+            // checked again at every use): made and removed around every volume that
+            // attaches alone, it cost an inode allocation each time (up to a millisecond
+            // on a busy ext4 without a journal).
+            remove_dir(&self.host_paths, &base, &staging, deadline).await?;
         }
 
         if which.controller_publish && record.controller_publish.needs_undo() {
@@ -1614,56 +1614,35 @@ async fn on_paths<T: Send + 'static>(
         })
 }
 
-/// Removes a directory the bridge or driver made, if it is empty and not mounted;
-/// `warn_if_kept` reports one left in place because it still holds files. A path that
-/// fails its check is left alone (it is not the bridge's: a symlink, a file), with a
-/// warning: removing it is no part of undoing the bridge's work. Bounded by the deadline:
-/// a directory on a dead network mount must not hang the hook.
+/// Removes a directory the bridge or driver made, if it is empty and not mounted; one left
+/// in place because it still holds files is reported. A path that fails its check is left
+/// alone (it is not the bridge's: a symlink, a file), with a warning: removing it is no
+/// part of undoing the bridge's work. Bounded by the deadline where the base dir's
+/// filesystem may hang (`on_paths`).
 async fn remove_dir(
     host_paths: &Arc<dyn HostPaths>,
     base: &Path,
     dir: &Path,
-    warn_if_kept: bool,
     deadline: &Deadline,
 ) -> Result<(), BridgeError> {
-    remove_dirs(host_paths, base, &[(dir, warn_if_kept)], deadline).await
-}
-
-/// `remove_dir` of each of `dirs` in order, in one `on_paths`. An error other than a
-/// refused path stops at that directory.
-async fn remove_dirs(
-    host_paths: &Arc<dyn HostPaths>,
-    base: &Path,
-    dirs: &[(&Path, bool)],
-    deadline: &Deadline,
-) -> Result<(), BridgeError> {
-    let paths = host_paths.clone();
-    let owned_base = base.to_path_buf();
-    let owned: Vec<PathBuf> = dirs.iter().map(|(dir, _)| dir.to_path_buf()).collect();
-    let named = dirs.first().map_or(base, |(dir, _)| *dir);
-    let outcomes = on_paths(host_paths, base, named, deadline, move || {
-        let mut outcomes = Vec::with_capacity(owned.len());
-        for dir in &owned {
-            match paths.remove_dir_if_empty(&owned_base, dir) {
-                Ok(removed) => outcomes.push(Ok(removed)),
-                Err(refused @ PathError::Refused { .. }) => outcomes.push(Err(refused)),
-                Err(error) => return Err(error),
-            }
+    let (paths, owned_base, owned) = (host_paths.clone(), base.to_path_buf(), dir.to_path_buf());
+    let outcome = on_paths(host_paths, base, dir, deadline, move || {
+        match paths.remove_dir_if_empty(&owned_base, &owned) {
+            Ok(removed) => Ok(Ok(removed)),
+            Err(refused @ PathError::Refused { .. }) => Ok(Err(refused)),
+            Err(error) => Err(error),
         }
-        Ok(outcomes)
     })
     .await?;
-    for ((dir, warn_if_kept), outcome) in dirs.iter().zip(outcomes) {
-        match outcome {
-            Ok(true) => {}
-            Ok(false) => {
-                if *warn_if_kept && dir.exists() {
-                    tracing::warn!(dir = %dir.display(), "left a non-empty directory in place");
-                }
+    match outcome {
+        Ok(true) => {}
+        Ok(false) => {
+            if dir.exists() {
+                tracing::warn!(dir = %dir.display(), "left a non-empty directory in place");
             }
-            Err(refused) => {
-                tracing::warn!(error = %refused, "left a path the bridge did not make in place");
-            }
+        }
+        Err(refused) => {
+            tracing::warn!(error = %refused, "left a path the bridge did not make in place");
         }
     }
     Ok(())

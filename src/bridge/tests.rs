@@ -1145,6 +1145,29 @@ async fn path_checks_stay_on_the_hooks_thread_where_the_base_dir_answers_at_once
     }
 }
 
+/// Issue 20: a last Detach removes the volume's staging dir and leaves `.staging`, the
+/// bridge's own directory in the base dir, for the next first Attach: made and removed
+/// around every volume that attached alone, it cost an inode allocation each time.
+#[tokio::test]
+async fn the_staging_parent_outlives_the_last_staged_volume() {
+    use std::os::unix::fs::MetadataExt;
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let dot_staging = w.staging("v").parent().unwrap().to_path_buf();
+    let made = std::fs::metadata(&dot_staging).unwrap().ino();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+    assert!(
+        !w.staging("v").exists(),
+        "the volume's staging dir is removed"
+    );
+    assert_eq!(std::fs::read_dir(&dot_staging).unwrap().count(), 0);
+    w.attach("v2", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(std::fs::metadata(&dot_staging).unwrap().ino(), made);
+    w.detach("v2", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v2");
+}
+
 #[tokio::test]
 async fn hot_attach_and_detach_make_no_call_and_no_record_rewrite() {
     let w = World::new(Fake::new(true, false));

@@ -503,6 +503,24 @@ pub fn state_dir(text: &str) -> String {
         .expect("the World's config names its state dir")
 }
 
+/// What is left in a volume base dir once every volume is detached: its entries and
+/// those of `.staging`, which itself stays (the bridge's own directory, kept for the next
+/// volume to stage).
+pub fn left_in_base_dir(base: &Path) -> Vec<PathBuf> {
+    let entries = |dir: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    let mut left = entries(base);
+    let staging = base.join(".staging");
+    if std::fs::symlink_metadata(&staging).is_ok_and(|m| m.is_dir()) {
+        left.retain(|path| path != &staging);
+        left.extend(entries(&staging));
+    }
+    left
+}
+
 /// Whether a process forked for the binary hooks of the World whose config is `config`
 /// is still alive (a front, or a worker, which goes on after its hook has answered to
 /// finish work that earlier, killed workers abandoned): they carry the config in their
