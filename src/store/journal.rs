@@ -125,7 +125,7 @@ impl LoadMemo {
             (Some(old), Some(new)) if old == new => {}
             (Some(old), Some(new)) if !old.is_empty() && new.starts_with(old) => {
                 let start = changes_from(old)?;
-                if changes_from(new) != Some(start) || start > old.len() {
+                if changes_from(new) != Some(start) {
                     return None;
                 }
                 let record = &mut loaded.record;
