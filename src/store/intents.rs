@@ -18,9 +18,10 @@
 //!
 //! A record file is rewritten in place (`Overwrite::InPlace`), not replaced by a rename,
 //! only when the log on disk already holds a complete entry of that volume: one that an
-//! `fdatasync` of this process covered since the last checkpoint. A power loss that tears
-//! the file in the middle of that rewrite then finds the entry, and the next boot puts
-//! it back, as it would for a replaced file that lost its new content.
+//! `fdatasync` of this process covered since the last checkpoint, or the one this
+//! process's own checkpoint put in the snapshot that goes with the log. A power loss
+//! that tears the file in the middle of that rewrite then finds the entry, and the next
+//! boot puts it back, as it would for a replaced file that lost its new content.
 //!
 //! Why that is as durable as the old `fdatasync` + rename + directory fsync of each record:
 //! docs/reliability.md, "The node intent log".
@@ -236,7 +237,10 @@ impl IntentLog {
                 // Stale at once if a checkpoint came between the append and the sync: the
                 // count read above is then behind the log's.
                 (Some(_), Some(n)) if durable => {
-                    synced.insert(volume_id.to_string(), n);
+                    // Never back: this process's own checkpoint may have counted the
+                    // entry at a later count meanwhile.
+                    let at = synced.entry(volume_id.to_string()).or_insert(n);
+                    *at = (*at).max(n);
                 }
                 (None, _) => {
                     synced.remove(volume_id);
@@ -464,7 +468,18 @@ impl IntentLog {
             Some(&DirSync::new(&self.dir)),
         )
         .map_err(|e| (snapshot_path, e))?;
-        self.start_afresh(file, next)
+        self.start_afresh(file, next)?;
+        // The snapshot, durable now, holds an entry of every live volume at the log's new
+        // count: their files may go on being rewritten in place. Without this, each save
+        // after a checkpoint replaced its file (a new inode, and the old one freed), the
+        // checkpoint of a burst of Attaches once for every volume in it.
+        let mut synced = self.synced.lock().expect("intent log poisoned");
+        for (volume_id, record) in &last {
+            if record.is_some() {
+                synced.insert(volume_id.clone(), next);
+            }
+        }
+        Ok(())
     }
 
     /// Empties the log down to this boot's header with checkpoint count `checkpoints`, on
@@ -847,6 +862,73 @@ mod tests {
                 .unwrap()
                 .starts_with(&format!("{HEADER}b\n"))
         );
+    }
+
+    /// Issue 20: this process's own checkpoint puts an entry of every live volume in the
+    /// durable snapshot, so their records go on being rewritten in place (before, the
+    /// checkpoint in a burst of Attaches made every volume in it replace its file: a new
+    /// inode, and the old one freed). A power loss that tears such a rewrite, and takes
+    /// the unsynced entry of it from the log, finds the snapshot's entry at the next boot.
+    #[test]
+    fn after_its_own_checkpoint_a_process_rewrites_the_snapshotted_records_in_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let log = IntentLog::with_checkpoint(dir, "b", 600).unwrap();
+        let log_path = dir.join("intents/log");
+        save(&log, "v", br#"{"v":1}"#, false);
+        save(&log, "gone", br#"{"v":1}"#, true);
+        remove(&log, "gone");
+        assert_eq!(
+            offered_nothing(&log, "v"),
+            Overwrite::Replace,
+            "never synced"
+        );
+        let header = || {
+            let text = std::fs::read_to_string(&log_path).unwrap();
+            text.lines().next().unwrap().to_string()
+        };
+        while header() == format!("{HEADER}b") {
+            save(&log, "w", &[b'1'; 100], false);
+        }
+        assert_eq!(offered_nothing(&log, "v"), Overwrite::InPlace);
+        assert_eq!(offered_nothing(&log, "w"), Overwrite::InPlace);
+        assert_eq!(offered_nothing(&log, "gone"), Overwrite::Replace, "removed");
+        assert_eq!(
+            offered_nothing(&log, "x"),
+            Overwrite::Replace,
+            "never saved"
+        );
+
+        // The rewrite tears, and the power loss takes its entry from the log.
+        let before = std::fs::metadata(&log_path).unwrap().len();
+        let record = dir.join("v.json");
+        log.append("v", Some(br#"{"v":2}"#), false, |overwrite| {
+            assert_eq!(overwrite, Overwrite::InPlace);
+            std::fs::write(&record, br#"{"v""#).map_err(|e| (record.clone(), e))
+        })
+        .unwrap();
+        drop(log);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&log_path)
+            .unwrap()
+            .set_len(before)
+            .unwrap();
+        IntentLog::open(dir, "b2").unwrap();
+        assert_eq!(read(dir, "v").as_deref(), Some(r#"{"v":1}"#));
+    }
+
+    /// The overwrite `append` offers for a save of `id` that changes nothing (its entry is
+    /// the record file's own content, or none for a volume without one).
+    fn offered_nothing(log: &IntentLog, id: &str) -> Overwrite {
+        let bytes = std::fs::read(log.record_path(id)).ok();
+        let mut offered = None;
+        log.append(id, bytes.as_deref(), false, |overwrite| {
+            offered = Some(overwrite);
+            Ok(())
+        })
+        .unwrap();
+        offered.unwrap()
     }
 
     /// Entries are read back exactly; a damaged one, or one whose volume id is not a
