@@ -212,10 +212,13 @@ fn assert_failure(mode: Mode, f: &CubeError, code: Code, needles: &[&str]) {
 
 fn assert_nothing_left(w: &World, base_mounts: &[PathBuf]) {
     assert_eq!(w.mounts(), base_mounts, "{:?}: nothing mounted", w.mode);
+    // What is left in .staging (an empty staging dir parked for the volume's next first
+    // Attach is not).
     let staging = w.base_dir.join(".staging");
-    let staged: Vec<_> = std::fs::read_dir(&staging)
-        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
-        .unwrap_or_default();
+    let staged: Vec<_> = common::left_in_base_dir(&w.base_dir)
+        .into_iter()
+        .filter(|path| path.starts_with(&staging))
+        .collect();
     assert_eq!(
         staged,
         Vec::<PathBuf>::new(),

@@ -1395,11 +1395,11 @@ impl NodeSide {
                 record.stage = Step::Absent;
                 self.save_progress(hook, record).await;
             }
-            // Its parent, .staging, stays (the bridge's one directory in the base dir,
-            // checked again at every use): made and removed around every volume that
-            // attaches alone, it cost an inode allocation each time (up to a millisecond
-            // on a busy ext4 without a journal).
-            remove_dir(&self.host_paths, &base, &staging, deadline).await?;
+            // Parked for the volume's next first Attach where the host paths can (an
+            // rmdir and a mkdir cost an inode each time: see mount/host_paths.rs). Its
+            // parent, .staging, stays (the bridge's one directory in the base dir,
+            // checked again at every use).
+            park_dir(&self.host_paths, &base, &staging, deadline).await?;
         }
 
         if which.controller_publish && record.controller_publish.needs_undo() {
@@ -1625,9 +1625,36 @@ async fn remove_dir(
     dir: &Path,
     deadline: &Deadline,
 ) -> Result<(), BridgeError> {
+    leave_dir(host_paths, base, dir, deadline, |paths, base, dir| {
+        paths.remove_dir_if_empty(base, dir)
+    })
+    .await
+}
+
+/// `remove_dir` of a staging dir, which the host paths may park instead
+/// (`HostPaths::park_staging_dir`).
+async fn park_dir(
+    host_paths: &Arc<dyn HostPaths>,
+    base: &Path,
+    dir: &Path,
+    deadline: &Deadline,
+) -> Result<(), BridgeError> {
+    leave_dir(host_paths, base, dir, deadline, |paths, base, dir| {
+        paths.park_staging_dir(base, dir)
+    })
+    .await
+}
+
+async fn leave_dir(
+    host_paths: &Arc<dyn HostPaths>,
+    base: &Path,
+    dir: &Path,
+    deadline: &Deadline,
+    leave: fn(&dyn HostPaths, &Path, &Path) -> Result<bool, PathError>,
+) -> Result<(), BridgeError> {
     let (paths, owned_base, owned) = (host_paths.clone(), base.to_path_buf(), dir.to_path_buf());
     let outcome = on_paths(host_paths, base, dir, deadline, move || {
-        match paths.remove_dir_if_empty(&owned_base, &owned) {
+        match leave(paths.as_ref(), &owned_base, &owned) {
             Ok(removed) => Ok(Ok(removed)),
             Err(refused @ PathError::Refused { .. }) => Ok(Err(refused)),
             Err(error) => Err(error),

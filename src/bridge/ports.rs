@@ -922,8 +922,9 @@ pub trait HostPaths: Send + Sync + fmt::Debug {
     /// Makes the volume base dir and its missing parents (Cubelet normally has), then
     /// checks it as above.
     fn ensure_base_dir(&self, base: &Path) -> Result<(), PathError>;
-    /// Makes `<base>/.staging` and the staging dir `path` in it, one level at a time
-    /// without following symlinks, and checks both.
+    /// Makes `<base>/.staging` and the staging dir `path` in it (or takes back the one
+    /// `park_staging_dir` kept aside), one level at a time without following symlinks,
+    /// and checks both.
     fn ensure_staging_dir(&self, base: &Path, path: &Path) -> Result<(), PathError>;
     /// Checks `path` (under `base`) as above, just before it is handed to the driver.
     fn verify(&self, base: &Path, path: &Path) -> Result<Leaf, PathError>;
@@ -931,6 +932,13 @@ pub trait HostPaths: Send + Sync + fmt::Debug {
     /// `Ok(false)` when it is left in place (missing, or still holding files: data is
     /// never deleted here). A path that fails the check is `Err(Refused)`, untouched.
     fn remove_dir_if_empty(&self, base: &Path, path: &Path) -> Result<bool, PathError>;
+    /// What a last Detach does with the volume's staging dir: as `remove_dir_if_empty`,
+    /// but an implementation may keep the empty dir aside, out of `.staging`, for the
+    /// volume's next first Attach (`ensure_staging_dir` takes it back), and remove it
+    /// later if no Attach does. `Ok(true)`: it is gone from its path.
+    fn park_staging_dir(&self, base: &Path, path: &Path) -> Result<bool, PathError> {
+        self.remove_dir_if_empty(base, path)
+    }
     /// Whether the calls above may be made for `base` on the caller's own thread: its
     /// filesystem answers from memory or a local disk, so none of them can wait on a
     /// server (the leaves, perhaps mounts of a network filesystem, are asked without

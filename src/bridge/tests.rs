@@ -822,6 +822,10 @@ impl HostPaths for Fake {
         self.check_planted(path)?;
         crate::mount::HostDirs::default().remove_dir_if_empty(base, path)
     }
+    fn park_staging_dir(&self, base: &Path, path: &Path) -> Result<bool, PathError> {
+        self.check_planted(path)?;
+        crate::mount::HostDirs::default().park_staging_dir(base, path)
+    }
     fn answers_at_once(&self, _base: &Path) -> bool {
         self.planted.lock().unwrap().answers_at_once
     }
@@ -1145,27 +1149,49 @@ async fn path_checks_stay_on_the_hooks_thread_where_the_base_dir_answers_at_once
     }
 }
 
-/// Issue 20: a last Detach removes the volume's staging dir and leaves `.staging`, the
-/// bridge's own directory in the base dir, for the next first Attach: made and removed
-/// around every volume that attached alone, it cost an inode allocation each time.
+/// Issue 20: a last Detach parks the volume's empty staging dir in `.staging/.parked` and
+/// leaves `.staging`, the bridge's own directory in the base dir; the volume's next first
+/// Attach takes the same directory back. Made and removed around every volume that
+/// attached alone, each cost an inode allocation and release.
 #[tokio::test]
-async fn the_staging_parent_outlives_the_last_staged_volume() {
+async fn a_last_detach_parks_the_staging_dir_for_the_volumes_next_first_attach() {
     use std::os::unix::fs::MetadataExt;
     let w = World::new(Fake::new(true, false));
     w.attach("v", "ns1", "s1", 0).await.unwrap();
     let dot_staging = w.staging("v").parent().unwrap().to_path_buf();
-    let made = std::fs::metadata(&dot_staging).unwrap().ino();
+    let (made, staged) = (
+        std::fs::metadata(&dot_staging).unwrap().ino(),
+        std::fs::metadata(w.staging("v")).unwrap().ino(),
+    );
     w.detach("v", "ns1", "s1", 0).await.unwrap();
     w.assert_clean("v");
-    assert!(
-        !w.staging("v").exists(),
-        "the volume's staging dir is removed"
-    );
-    assert_eq!(std::fs::read_dir(&dot_staging).unwrap().count(), 0);
+    assert!(!w.staging("v").exists(), "out of .staging");
+    let names = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&dot_staging), [".parked"]);
+    let parked = dot_staging.join(".parked").join("fk+v");
+    assert_eq!(std::fs::metadata(&parked).unwrap().ino(), staged);
+    assert_eq!(std::fs::read_dir(&parked).unwrap().count(), 0);
+
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(std::fs::metadata(w.staging("v")).unwrap().ino(), staged);
+    assert!(!parked.exists(), "taken back");
     w.attach("v2", "ns1", "s1", 0).await.unwrap();
     assert_eq!(std::fs::metadata(&dot_staging).unwrap().ino(), made);
-    w.detach("v2", "ns1", "s1", 0).await.unwrap();
-    w.assert_clean("v2");
+    for volume in ["v", "v2"] {
+        w.detach(volume, "ns1", "s1", 0).await.unwrap();
+        w.assert_clean(volume);
+    }
+    assert_eq!(
+        names(&dot_staging.join(".parked")),
+        [".pruned", "fk+v", "fk+v2"]
+    );
 }
 
 #[tokio::test]

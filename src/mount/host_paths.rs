@@ -7,9 +7,13 @@ use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::path::{Component, Path, PathBuf};
 
+use std::time::Duration;
+
+use nix::dir::Dir;
 use nix::errno::Errno;
-use nix::fcntl::{AT_FDCWD, OFlag, openat, readlinkat};
+use nix::fcntl::{AT_FDCWD, OFlag, RenameFlags, openat, readlinkat, renameat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
+use nix::sys::time::TimeSpec;
 use nix::unistd::{UnlinkatFlags, unlinkat};
 
 use super::ops;
@@ -225,7 +229,8 @@ impl HostDirs {
                 return Err(refused(&at, problem, Some(found(&stat)), BELOW_HINT));
             }
         }
-        if make {
+        // A staging dir its volume's last Detach parked is taken back instead of made.
+        if make && !(between == [OsStr::new(STAGING)] && unpark(&dir, leaf)) {
             mkdir(&dir, leaf, path)?;
         }
         let leaf_is = match leaf_is_dir(&dir, leaf) {
@@ -235,6 +240,108 @@ impl HostDirs {
             Err(e) => return Err(io("check", path, e)),
         };
         Ok(Walk::At(dir, leaf_is))
+    }
+}
+
+/// The bridge's directory in the base dir, holding the staging dirs.
+const STAGING: &str = ".staging";
+/// Where a last Detach leaves its volume's empty staging dir, under its own name, for the
+/// volume's next first Attach (`.staging/.parked/<leaf>`): a rename each way, where an
+/// rmdir and a mkdir free and allocate an inode (on ext4 without a journal each new inode
+/// is found past every one freed in the last minutes, and with `discard` each rmdir waits
+/// for the device while it holds `.staging`'s lock). A dot name: no leaf is one.
+const PARKED: &str = ".parked";
+/// The file in `.parked` whose mtime says when it was last pruned.
+const PRUNED_STAMP: &str = ".pruned";
+/// A parked dir not taken back for this long is removed...
+const PARKED_KEEP: Duration = Duration::from_secs(3600);
+/// ...by the first park after this long since the last prune.
+const PRUNE_EVERY: Duration = Duration::from_secs(600);
+
+/// `name` in `dir`, a directory opened for walking, when it passes the check of the
+/// bridge's own directories; None otherwise (missing, a symlink, anyone else's).
+fn open_own_dir(dir: &OwnedFd, name: &str) -> Option<OwnedFd> {
+    let fd = openat(dir, name, dir_flags(), Mode::empty()).ok()?;
+    let stat = fstat(&fd).ok()?;
+    owned_and_closed(&stat).is_none().then_some(fd)
+}
+
+/// Moves the parked staging dir `leaf` back into `.staging` (`staging`); false when there
+/// is none (or `.parked` fails its check: a mkdir follows, as without one). Never over an
+/// existing entry.
+fn unpark(staging: &OwnedFd, leaf: &OsStr) -> bool {
+    let Some(parked) = open_own_dir(staging, PARKED) else {
+        return false;
+    };
+    renameat2(&parked, leaf, staging, leaf, RenameFlags::RENAME_NOREPLACE).is_ok()
+}
+
+/// Whether `name` in `dir` is a directory with nothing in it. A symlink or anything else
+/// is an error (ENOTDIR, ELOOP), as for an rmdir.
+fn is_empty_dir(dir: &OwnedFd, name: &OsStr) -> Result<bool, Errno> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut entries = Dir::openat(dir, name, flags, Mode::empty())?;
+    for entry in entries.iter() {
+        if !matches!(entry?.file_name().to_bytes(), b"." | b"..") {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Removes the parked dirs of `.parked` (`parked`) not taken back for `keep`, at most once
+/// per `every` across processes (the stamp's mtime). A rename sets the moved dir's ctime,
+/// so that is when it was parked. Best effort: what cannot be removed waits for the next
+/// prune, and one that holds files (nothing the bridge parks does) is only reported.
+fn prune_parked(parked: &OwnedFd, keep: Duration, every: Duration) {
+    use std::time::SystemTime;
+    let now = SystemTime::now();
+    let ago = |secs: i64, nanos: i64| {
+        let at = SystemTime::UNIX_EPOCH
+            + Duration::new(secs.max(0) as u64, nanos.clamp(0, 999_999_999) as u32);
+        now.duration_since(at).unwrap_or_default()
+    };
+    let nofollow = nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW;
+    if let Ok(stamp) = fstatat(parked, PRUNED_STAMP, nofollow)
+        && ago(stamp.st_mtime, stamp.st_mtime_nsec) < every
+    {
+        return;
+    }
+    let stamped = openat(
+        parked,
+        PRUNED_STAMP,
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(0o600),
+    )
+    .and_then(|fd| nix::sys::stat::futimens(&fd, &TimeSpec::UTIME_NOW, &TimeSpec::UTIME_NOW));
+    if let Err(error) = stamped {
+        tracing::debug!(%error, "could not stamp the pruning of parked staging dirs");
+        return;
+    }
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let Ok(mut entries) = Dir::openat(parked, ".", flags, Mode::empty()) else {
+        return;
+    };
+    let names: Vec<std::ffi::CString> = entries
+        .iter()
+        .filter_map(Result::ok)
+        .map(|entry| entry.file_name().to_owned())
+        .filter(|name| !name.to_bytes().starts_with(b"."))
+        .collect();
+    for name in names {
+        let Ok(stat) = fstatat(parked, name.as_c_str(), nofollow) else {
+            continue;
+        };
+        let is_dir = SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR;
+        if !is_dir || ago(stat.st_ctime, stat.st_ctime_nsec) < keep {
+            continue;
+        }
+        match unlinkat(parked, name.as_c_str(), UnlinkatFlags::RemoveDir) {
+            Ok(()) | Err(Errno::ENOENT) => {}
+            Err(error) => {
+                tracing::warn!(%error, dir = ?name, "could not remove a parked staging dir")
+            }
+        }
     }
 }
 
@@ -285,6 +392,38 @@ impl HostPaths for HostDirs {
             // Swapped for something else since the check: not ours to remove.
             Err(Errno::ENOTDIR) => Err(not_a_dir(&dir, leaf, path)),
             Err(e) => Err(io("remove directory", path, e)),
+        }
+    }
+
+    fn park_staging_dir(&self, base: &Path, path: &Path) -> Result<bool, PathError> {
+        if below(base, path)?.first() != Some(&OsStr::new(STAGING)) {
+            return self.remove_dir_if_empty(base, path);
+        }
+        let Walk::At(staging, Leaf::Dir) = self.walk(base, path, false)? else {
+            return Ok(false);
+        };
+        let leaf = path.file_name().expect("checked by below()");
+        match is_empty_dir(&staging, leaf) {
+            Ok(true) => {}
+            Ok(false) | Err(Errno::ENOENT) => return Ok(false),
+            Err(Errno::ENOTDIR | Errno::ELOOP) => return Err(not_a_dir(&staging, leaf, path)),
+            Err(e) => return Err(io("check", path, e)),
+        }
+        let _ = mkdirat(&staging, PARKED, Mode::from_bits_truncate(0o750));
+        let Some(parked) = open_own_dir(&staging, PARKED) else {
+            // .parked is not the bridge's (someone else's, a symlink): removed instead.
+            return self.remove_dir_if_empty(base, path);
+        };
+        match renameat2(&staging, leaf, &parked, leaf, RenameFlags::RENAME_NOREPLACE) {
+            Ok(()) => {
+                prune_parked(&parked, PARKED_KEEP, PRUNE_EVERY);
+                Ok(true)
+            }
+            // Mounted (in this namespace), or gone since the check.
+            Err(Errno::EBUSY | Errno::ENOENT) => Ok(false),
+            // One of that name is parked already (a process killed between a park and
+            // the record's removal), or `.parked` is not where `.staging` is: removed.
+            Err(_) => self.remove_dir_if_empty(base, path),
         }
     }
 
@@ -378,6 +517,138 @@ mod tests {
                 .unwrap()
         );
         assert!(!dirs.remove_dir_if_empty(&base, &staging).unwrap(), "gone");
+    }
+
+    /// Issue 20: an empty staging dir is parked in `.staging/.parked` and taken back by the
+    /// next `ensure_staging_dir` of its path; one that holds anything, a symlink, a target
+    /// dir, or a `.parked` that is not the bridge's is never parked (a `.parked` of
+    /// anyone else is never taken from either).
+    #[test]
+    fn only_an_empty_staging_dir_is_parked_and_only_from_the_bridges_own_parked_dir() {
+        use std::os::unix::fs::MetadataExt;
+        let (dir, base) = base();
+        let dirs = HostDirs::default();
+        let staging = base.join(".staging/d+v");
+        let parked = base.join(".staging/.parked/d+v");
+        dirs.ensure_staging_dir(&base, &staging).unwrap();
+        let ino = std::fs::metadata(&staging).unwrap().ino();
+        std::fs::write(staging.join("data"), "x").unwrap();
+        assert!(
+            !dirs.park_staging_dir(&base, &staging).unwrap(),
+            "data kept"
+        );
+        assert!(staging.join("data").exists());
+        std::fs::remove_file(staging.join("data")).unwrap();
+        assert!(dirs.park_staging_dir(&base, &staging).unwrap());
+        assert!(!staging.exists());
+        assert_eq!(std::fs::metadata(&parked).unwrap().ino(), ino);
+        assert!(!dirs.park_staging_dir(&base, &staging).unwrap(), "gone");
+        dirs.ensure_staging_dir(&base, &staging).unwrap();
+        assert_eq!(
+            std::fs::metadata(&staging).unwrap().ino(),
+            ino,
+            "taken back"
+        );
+        assert!(!parked.exists());
+
+        // A parked dir of the same name already there: this one is removed.
+        std::fs::create_dir(&parked).unwrap();
+        assert!(dirs.park_staging_dir(&base, &staging).unwrap());
+        assert!(!staging.exists() && parked.is_dir());
+        std::fs::remove_dir(&parked).unwrap();
+
+        // A target dir (in the base dir itself) is removed, never parked.
+        let target = base.join("d+v");
+        std::fs::create_dir(&target).unwrap();
+        assert!(dirs.park_staging_dir(&base, &target).unwrap());
+        assert!(!target.exists() && !parked.exists());
+
+        // A symlink where the staging dir was: refused, its target untouched.
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        symlink(&elsewhere, &staging).unwrap();
+        let error = dirs.park_staging_dir(&base, &staging).unwrap_err();
+        assert!(error.to_string().contains("is a symlink"), "{error}");
+        assert!(elsewhere.is_dir() && !parked.exists());
+        std::fs::remove_file(&staging).unwrap();
+
+        // A .parked another user could write to: not parked into, not taken from.
+        let dot_parked = base.join(".staging/.parked");
+        std::fs::set_permissions(&dot_parked, PermissionsExt::from_mode(0o777)).unwrap();
+        std::fs::create_dir(&parked).unwrap();
+        let planted = std::fs::metadata(&parked).unwrap().ino();
+        dirs.ensure_staging_dir(&base, &staging).unwrap();
+        assert_ne!(std::fs::metadata(&staging).unwrap().ino(), planted);
+        assert!(parked.is_dir(), "left where it was");
+        std::fs::remove_dir(&parked).unwrap();
+        assert!(dirs.park_staging_dir(&base, &staging).unwrap());
+        assert!(!staging.exists() && !parked.exists(), "removed instead");
+        // A symlink at .parked: the same.
+        std::fs::remove_dir_all(&dot_parked).unwrap();
+        symlink(&elsewhere, &dot_parked).unwrap();
+        dirs.ensure_staging_dir(&base, &staging).unwrap();
+        assert!(dirs.park_staging_dir(&base, &staging).unwrap());
+        assert!(!staging.exists());
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    }
+
+    /// Needs root (CI runs it as root): a staging dir still mounted is not parked (the
+    /// rename answers EBUSY, as an rmdir would), so the mount is never moved aside.
+    #[test]
+    fn a_mounted_staging_dir_is_not_parked() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root to mount");
+            return;
+        }
+        let (_dir, base) = base();
+        let dirs = HostDirs::default();
+        let staging = base.join(".staging/d+v");
+        dirs.ensure_staging_dir(&base, &staging).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &staging,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap();
+        let parked = dirs.park_staging_dir(&base, &staging);
+        ops::unmount(&staging).unwrap();
+        assert!(!parked.unwrap());
+        assert!(!base.join(".staging/.parked/d+v").exists());
+        assert!(dirs.park_staging_dir(&base, &staging).unwrap());
+    }
+
+    /// A parked dir not taken back for the keep time is removed by a later park, at most
+    /// once per prune interval; one that holds files is left.
+    #[test]
+    fn parked_staging_dirs_not_taken_back_are_pruned() {
+        let (_dir, base) = base();
+        let dirs = HostDirs::default();
+        for leaf in ["d+a", "d+b"] {
+            let staging = base.join(".staging").join(leaf);
+            dirs.ensure_staging_dir(&base, &staging).unwrap();
+            assert!(dirs.park_staging_dir(&base, &staging).unwrap());
+        }
+        let dot_parked = base.join(".staging/.parked");
+        std::fs::write(dot_parked.join("d+b/data"), "x").unwrap();
+        let fd = openat(AT_FDCWD, &dot_parked, dir_flags(), Mode::empty()).unwrap();
+        let names = || {
+            let mut names: Vec<String> = std::fs::read_dir(&dot_parked)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        // Pruned within the interval already (by the parks above): nothing goes.
+        prune_parked(&fd, Duration::ZERO, Duration::from_secs(600));
+        assert_eq!(names(), [".pruned", "d+a", "d+b"]);
+        // Kept for an hour: nothing goes either.
+        prune_parked(&fd, Duration::from_secs(3600), Duration::ZERO);
+        assert_eq!(names(), [".pruned", "d+a", "d+b"]);
+        prune_parked(&fd, Duration::ZERO, Duration::ZERO);
+        assert_eq!(names(), [".pruned", "d+b"], "the one with data stays");
     }
 
     #[test]

@@ -314,8 +314,14 @@ rollback_secs = 10
                 .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
                 .unwrap_or_default()
         };
+        // An empty staging dir parked for the volume's next first Attach is not staged.
+        let staging = self.base_dir.join(".staging");
+        let staged: Vec<PathBuf> = super::left_in_base_dir(&self.base_dir)
+            .into_iter()
+            .filter(|path| path.starts_with(&staging))
+            .collect();
         assert_eq!(
-            entries(&self.base_dir.join(".staging")),
+            staged,
             Vec::<PathBuf>::new(),
             "{}: nothing staged",
             context()

@@ -505,7 +505,7 @@ pub fn state_dir(text: &str) -> String {
 
 /// What is left in a volume base dir once every volume is detached: its entries and
 /// those of `.staging`, which itself stays (the bridge's own directory, kept for the next
-/// volume to stage).
+/// volume to stage), and anything but an empty directory in `.staging/.parked`.
 pub fn left_in_base_dir(base: &Path) -> Vec<PathBuf> {
     let entries = |dir: &Path| -> Vec<PathBuf> {
         std::fs::read_dir(dir)
@@ -517,6 +517,17 @@ pub fn left_in_base_dir(base: &Path) -> Vec<PathBuf> {
     if std::fs::symlink_metadata(&staging).is_ok_and(|m| m.is_dir()) {
         left.retain(|path| path != &staging);
         left.extend(entries(&staging));
+    }
+    // Staging dirs parked for their volume's next first Attach are the bridge's, and
+    // empty: one that holds anything is left over.
+    let parked = staging.join(".parked");
+    if std::fs::symlink_metadata(&parked).is_ok_and(|m| m.is_dir()) {
+        left.retain(|path| path != &parked);
+        left.extend(entries(&parked).into_iter().filter(|dir| {
+            dir.file_name() != Some(std::ffi::OsStr::new(".pruned"))
+                && !(std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir())
+                    && entries(dir).is_empty())
+        }));
     }
     left
 }
