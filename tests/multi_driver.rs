@@ -319,15 +319,23 @@ async fn one_daemon_serves_two_drivers_each_on_its_own() {
         host.base_dir().join("alpha+slow")
     );
 
-    // Metrics: one endpoint, every series labelled with its driver.
-    let text = common::scrape_metrics(host.metrics_port).await;
-    for needle in [
+    // Metrics: one endpoint, every series labelled with its driver. An Attach answers its
+    // caller before its last journal step, and is counted after it: scraped until the
+    // held Attach is counted too.
+    let needles = [
         "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\",driver=\"alpha\"} 2",
         "cube_csi_bridge_hook_calls_total{hook=\"attach\",outcome=\"success\",driver=\"beta\"} 2",
         "cube_csi_bridge_hook_calls_total{hook=\"create\",outcome=\"success\",driver=\"alpha\"} 3",
         "cube_csi_bridge_csi_call_duration_seconds_count{rpc=\"ControllerPublishVolume\",code=\"Ok\",driver=\"beta\"}",
         "driver=\"beta\"",
-    ] {
+    ];
+    let mut text = common::scrape_metrics(host.metrics_port).await;
+    let until = std::time::Instant::now() + WAIT;
+    while !needles.iter().all(|n| text.contains(n)) && std::time::Instant::now() < until {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        text = common::scrape_metrics(host.metrics_port).await;
+    }
+    for needle in needles {
         assert!(text.contains(needle), "{needle} missing from:\n{text}");
     }
     assert!(
