@@ -249,7 +249,8 @@ const STAGING: &str = ".staging";
 /// volume's next first Attach (`.staging/.parked/<leaf>`): a rename each way, where an
 /// rmdir and a mkdir free and allocate an inode (on ext4 without a journal each new inode
 /// is found past every one freed in the last minutes, and with `discard` each rmdir waits
-/// for the device while it holds `.staging`'s lock). A dot name: no leaf is one.
+/// for the device while it holds `.staging`'s lock). No leaf is named so: every leaf holds
+/// a `+` (or, legacy, a `-`).
 const PARKED: &str = ".parked";
 /// The file in `.parked` whose mtime says when it was last pruned.
 const PRUNED_STAMP: &str = ".pruned";
