@@ -410,8 +410,12 @@ impl HostPaths for HostDirs {
             Err(Errno::ENOTDIR | Errno::ELOOP) => return Err(not_a_dir(&staging, leaf, path)),
             Err(e) => return Err(io("check", path, e)),
         }
-        let _ = mkdirat(&staging, PARKED, Mode::from_bits_truncate(0o750));
-        let Some(parked) = open_own_dir(&staging, PARKED) else {
+        // Opened first: a mkdir that finds it takes .staging's lock for nothing.
+        let parked = open_own_dir(&staging, PARKED).or_else(|| {
+            let _ = mkdirat(&staging, PARKED, Mode::from_bits_truncate(0o750));
+            open_own_dir(&staging, PARKED)
+        });
+        let Some(parked) = parked else {
             // .parked is not the bridge's (someone else's, a symlink): removed instead.
             return self.remove_dir_if_empty(base, path);
         };
