@@ -2,7 +2,7 @@
 //! here changes nothing: no lock, no CSI call, no record.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::bridge::handoff::{AttachMetadata, VolumeHandle};
 use crate::bridge::naming::{validate_base_dir, validate_volume_id};
@@ -148,7 +148,38 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
 
 /// Where `dir` really is: symlinks resolved in the part that exists, the rest appended.
 /// None when nothing of it can be resolved.
-fn resolved(dir: &Path) -> Option<std::path::PathBuf> {
+///
+/// Remembered per process by what the kernel finds at `dir` (its device and inode): one
+/// `stat` on each hook instead of a `readlink` per component. Anything that leads `dir`
+/// somewhere else (a component swapped for a symlink, the directory replaced) finds
+/// another inode there, and `dir` is resolved afresh; the same inode is the same
+/// directory, wherever the path through it goes.
+fn resolved(dir: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    type Resolved = HashMap<PathBuf, ((u64, u64), PathBuf)>;
+    static REMEMBERED: std::sync::OnceLock<std::sync::Mutex<Resolved>> = std::sync::OnceLock::new();
+    /// Base dirs are a handful; a caller naming many only loses the memo.
+    const MOST: usize = 64;
+    let remembered = REMEMBERED.get_or_init(Default::default);
+    let found = std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()));
+    if let Some(found) = found
+        && let Some((seen, real)) = remembered.lock().expect("poisoned").get(dir)
+        && *seen == found
+    {
+        return Some(real.clone());
+    }
+    let real = resolved_afresh(dir)?;
+    if let Some(found) = found {
+        let mut remembered = remembered.lock().expect("poisoned");
+        if remembered.len() >= MOST {
+            remembered.clear();
+        }
+        remembered.insert(dir.to_path_buf(), (found, real.clone()));
+    }
+    Some(real)
+}
+
+fn resolved_afresh(dir: &Path) -> Option<PathBuf> {
     let mut existing = dir;
     let mut rest = Vec::new();
     loop {
@@ -198,6 +229,41 @@ mod tests {
             ref_count: 0,
             private_data: r#"{"v":1,"id":"h"}"#.into(),
         }
+    }
+
+    /// Issue 20: the base dir is resolved once per process, and again whenever its path
+    /// leads to another directory: a base dir swapped for a symlink out of the allowed
+    /// list after a hook passed is refused at the next hook, and a missing one is never
+    /// remembered.
+    #[test]
+    fn a_remembered_base_dir_is_resolved_again_once_it_leads_elsewhere() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap();
+        let (allowed, outside) = (real.join("allowed"), real.join("outside"));
+        std::fs::create_dir(&outside).unwrap();
+        let config = Config::parse(
+            &format!(
+                "driver = \"nfs\"\n[csi]\nendpoint = \"/run/x.sock\"\n[node]\nallowed_base_dirs = [{:?}]\ndefault_volume_base_dir = {:?}\n",
+                allowed.display().to_string(),
+                allowed.display().to_string()
+            ),
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert!(check_base_dir_allowed(&allowed, &config).is_ok(), "missing");
+        std::fs::create_dir(&allowed).unwrap();
+        for _ in 0..2 {
+            assert!(check_base_dir_allowed(&allowed, &config).is_ok());
+            assert_eq!(resolved(&allowed).as_deref(), Some(allowed.as_path()));
+        }
+        std::fs::remove_dir(&allowed).unwrap();
+        std::os::unix::fs::symlink(&outside, &allowed).unwrap();
+        let error = check_base_dir_allowed(&allowed, &config).unwrap_err();
+        assert!(error.contains("leads through a symlink"), "{error}");
+        // And back: allowed again.
+        std::fs::remove_file(&allowed).unwrap();
+        std::fs::create_dir(&allowed).unwrap();
+        assert!(check_base_dir_allowed(&allowed, &config).is_ok());
     }
 
     #[test]
