@@ -408,7 +408,8 @@ impl HostPaths for HostDirs {
             Ok(true) => {}
             Ok(false) | Err(Errno::ENOENT) => return Ok(false),
             Err(Errno::ENOTDIR | Errno::ELOOP) => return Err(not_a_dir(&staging, leaf, path)),
-            Err(e) => return Err(io("check", path, e)),
+            // Unreadable (a dead mount answering ENOTCONN, say): what an rmdir does.
+            Err(_) => return self.remove_dir_if_empty(base, path),
         }
         // Opened first: a mkdir that finds it takes .staging's lock for nothing.
         let parked = open_own_dir(&staging, PARKED).or_else(|| {
