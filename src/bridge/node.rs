@@ -1373,7 +1373,7 @@ impl NodeSide {
                 record.publish = Step::Absent;
                 self.save_progress(hook, record).await;
             }
-            remove_dir(&self.host_paths, &base, &target, deadline).await?;
+            remove_dir(&self.host_paths, &base, &target, deadline, DirEnd::Remove).await?;
         }
 
         if which.stage
@@ -1399,7 +1399,7 @@ impl NodeSide {
             // rmdir and a mkdir cost an inode each time: see mount/host_paths.rs). Its
             // parent, .staging, stays (the bridge's one directory in the base dir,
             // checked again at every use).
-            park_dir(&self.host_paths, &base, &staging, deadline).await?;
+            remove_dir(&self.host_paths, &base, &staging, deadline, DirEnd::Park).await?;
         }
 
         if which.controller_publish && record.controller_publish.needs_undo() {
@@ -1614,47 +1614,35 @@ async fn on_paths<T: Send + 'static>(
         })
 }
 
-/// Removes a directory the bridge or driver made, if it is empty and not mounted; one left
-/// in place because it still holds files is reported. A path that fails its check is left
-/// alone (it is not the bridge's: a symlink, a file), with a warning: removing it is no
-/// part of undoing the bridge's work. Bounded by the deadline where the base dir's
-/// filesystem may hang (`on_paths`).
+/// What a teardown does with a directory the bridge or driver made.
+#[derive(Debug, Clone, Copy)]
+enum DirEnd {
+    /// Removed (`HostPaths::remove_dir_if_empty`).
+    Remove,
+    /// A staging dir: parked for the volume's next first Attach where the host paths can,
+    /// removed otherwise (`HostPaths::park_staging_dir`).
+    Park,
+}
+
+/// Removes (or parks, `end`) a directory the bridge or driver made, if it is empty and not
+/// mounted; one left in place because it still holds files is reported. A path that fails
+/// its check is left alone (it is not the bridge's: a symlink, a file), with a warning:
+/// removing it is no part of undoing the bridge's work. Bounded by the deadline where the
+/// base dir's filesystem may hang (`on_paths`).
 async fn remove_dir(
     host_paths: &Arc<dyn HostPaths>,
     base: &Path,
     dir: &Path,
     deadline: &Deadline,
-) -> Result<(), BridgeError> {
-    leave_dir(host_paths, base, dir, deadline, |paths, base, dir| {
-        paths.remove_dir_if_empty(base, dir)
-    })
-    .await
-}
-
-/// `remove_dir` of a staging dir, which the host paths may park instead
-/// (`HostPaths::park_staging_dir`).
-async fn park_dir(
-    host_paths: &Arc<dyn HostPaths>,
-    base: &Path,
-    dir: &Path,
-    deadline: &Deadline,
-) -> Result<(), BridgeError> {
-    leave_dir(host_paths, base, dir, deadline, |paths, base, dir| {
-        paths.park_staging_dir(base, dir)
-    })
-    .await
-}
-
-async fn leave_dir(
-    host_paths: &Arc<dyn HostPaths>,
-    base: &Path,
-    dir: &Path,
-    deadline: &Deadline,
-    leave: fn(&dyn HostPaths, &Path, &Path) -> Result<bool, PathError>,
+    end: DirEnd,
 ) -> Result<(), BridgeError> {
     let (paths, owned_base, owned) = (host_paths.clone(), base.to_path_buf(), dir.to_path_buf());
     let outcome = on_paths(host_paths, base, dir, deadline, move || {
-        match leave(paths.as_ref(), &owned_base, &owned) {
+        let left = match end {
+            DirEnd::Remove => paths.remove_dir_if_empty(&owned_base, &owned),
+            DirEnd::Park => paths.park_staging_dir(&owned_base, &owned),
+        };
+        match left {
             Ok(removed) => Ok(Ok(removed)),
             Err(refused @ PathError::Refused { .. }) => Ok(Err(refused)),
             Err(error) => Err(error),

@@ -791,8 +791,13 @@ mod tests {
 
     /// The overwrite `append` offers for a save of `id`.
     fn offered(log: &IntentLog, id: &str, durable: bool) -> Overwrite {
+        offered_for(log, id, Some(b"{}"), durable)
+    }
+
+    /// The same for a save of `record` (None: a removal) that writes nothing.
+    fn offered_for(log: &IntentLog, id: &str, record: Option<&[u8]>, durable: bool) -> Overwrite {
         let mut offered = None;
-        log.append(id, Some(b"{}"), durable, |overwrite| {
+        log.append(id, record, durable, |overwrite| {
             offered = Some(overwrite);
             Ok(())
         })
@@ -922,13 +927,7 @@ mod tests {
     /// the record file's own content, or none for a volume without one).
     fn offered_nothing(log: &IntentLog, id: &str) -> Overwrite {
         let bytes = std::fs::read(log.record_path(id)).ok();
-        let mut offered = None;
-        log.append(id, bytes.as_deref(), false, |overwrite| {
-            offered = Some(overwrite);
-            Ok(())
-        })
-        .unwrap();
-        offered.unwrap()
+        offered_for(log, id, bytes.as_deref(), false)
     }
 
     /// Entries are read back exactly; a damaged one, or one whose volume id is not a
