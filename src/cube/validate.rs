@@ -149,19 +149,24 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
 /// Where `dir` really is: symlinks resolved in the part that exists, the rest appended.
 /// None when nothing of it can be resolved.
 ///
-/// Remembered per process by what the kernel finds at `dir` (its device and inode): one
-/// `stat` on each hook instead of a `readlink` per component. Anything that leads `dir`
-/// somewhere else (a component swapped for a symlink, the directory replaced) finds
-/// another inode there, and `dir` is resolved afresh; the same inode is the same
-/// directory, wherever the path through it goes.
+/// Remembered per process by what the kernel finds at `dir` (its device, inode and, where
+/// the filesystem keeps it, birth time): one `stat` on each hook instead of a `readlink`
+/// per component. Anything that leads `dir` somewhere else (a component swapped for a
+/// symlink, the directory replaced) finds another directory there, and `dir` is resolved
+/// afresh; the same directory is the same place, wherever the path through it goes. The
+/// birth time tells a directory made later under a freed inode's number from the one
+/// that had it.
 fn resolved(dir: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::MetadataExt;
-    type Resolved = HashMap<PathBuf, ((u64, u64), PathBuf)>;
+    type Identity = (u64, u64, Option<std::time::SystemTime>);
+    type Resolved = HashMap<PathBuf, (Identity, PathBuf)>;
     static REMEMBERED: std::sync::OnceLock<std::sync::Mutex<Resolved>> = std::sync::OnceLock::new();
     /// Base dirs are a handful; a caller naming many only loses the memo.
     const MOST: usize = 64;
     let remembered = REMEMBERED.get_or_init(Default::default);
-    let found = std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()));
+    let found = std::fs::metadata(dir)
+        .ok()
+        .map(|m| (m.dev(), m.ino(), m.created().ok()));
     if let Some(found) = found
         && let Some((seen, real)) = remembered.lock().expect("poisoned").get(dir)
         && *seen == found
