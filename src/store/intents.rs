@@ -805,6 +805,12 @@ mod tests {
         offered.unwrap()
     }
 
+    /// The log's header line.
+    fn first_line(log_path: &Path) -> String {
+        let text = std::fs::read_to_string(log_path).unwrap();
+        text.lines().next().unwrap().to_string()
+    }
+
     /// A record may be rewritten in place only once an fdatasync of this process has put
     /// an entry of it in the log on disk, and only until a checkpoint (of any process)
     /// empties the log; a removal forgets it.
@@ -833,15 +839,14 @@ mod tests {
         // Another process's saves fill the log until it checkpoints.
         let theirs = IntentLog::with_checkpoint(dir, "b", 2000).unwrap();
         let log_path = dir.join("intents/log");
-        let header = |path: &Path| {
-            let text = std::fs::read_to_string(path).unwrap();
-            text.lines().next().unwrap().to_string()
-        };
-        assert_eq!(header(&log_path), format!("{HEADER}b"));
-        while header(&log_path) == format!("{HEADER}b") {
+        assert_eq!(first_line(&log_path), format!("{HEADER}b"));
+        while first_line(&log_path) == format!("{HEADER}b") {
             save(&theirs, "x", &[b'1'; 100], false);
         }
-        assert_eq!(header(&log_path), format!("{HEADER}b\t{CHECKPOINT_TAG}1"));
+        assert_eq!(
+            first_line(&log_path),
+            format!("{HEADER}b\t{CHECKPOINT_TAG}1")
+        );
         assert_eq!(
             offered(&ours, "v", false),
             Overwrite::Replace,
@@ -888,11 +893,7 @@ mod tests {
             Overwrite::Replace,
             "never synced"
         );
-        let header = || {
-            let text = std::fs::read_to_string(&log_path).unwrap();
-            text.lines().next().unwrap().to_string()
-        };
-        while header() == format!("{HEADER}b") {
+        while first_line(&log_path) == format!("{HEADER}b") {
             save(&log, "w", &[b'1'; 100], false);
         }
         assert_eq!(offered_nothing(&log, "v"), Overwrite::InPlace);
