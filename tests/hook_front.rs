@@ -214,6 +214,39 @@ fn the_front_links_no_csi_or_kubernetes_client() {
     }
 }
 
+/// The front starts with no dynamic loader (build.rs links it static-pie): no
+/// `PT_INTERP` program header, and still position-independent (`ET_DYN`), so ASLR is
+/// kept. A toolchain change that brings back the loader, and its start-up on every forked
+/// hook, fails here. The full binary stays dynamically linked.
+#[test]
+fn the_front_is_linked_without_a_dynamic_loader() {
+    /// The ELF type and the program header types of a 64-bit little-endian executable.
+    fn elf_type_and_segments(path: &str) -> (u16, Vec<u32>) {
+        let elf = std::fs::read(path).unwrap();
+        assert_eq!(&elf[..6], b"\x7fELF\x02\x01", "{path}: not a 64-bit LE ELF");
+        let u16_at = |at: usize| u16::from_le_bytes(elf[at..at + 2].try_into().unwrap());
+        let u32_at = |at: usize| u32::from_le_bytes(elf[at..at + 4].try_into().unwrap());
+        let phoff = u64::from_le_bytes(elf[0x20..0x28].try_into().unwrap()) as usize;
+        let (entry_size, count) = (u16_at(0x36) as usize, u16_at(0x38) as usize);
+        let segments = (0..count).map(|i| u32_at(phoff + i * entry_size)).collect();
+        (u16_at(0x10), segments)
+    }
+    const ET_DYN: u16 = 3;
+    const PT_INTERP: u32 = 3;
+    let (front_type, front) = elf_type_and_segments(HOOK);
+    assert_eq!(front_type, ET_DYN, "the front is position-independent");
+    assert!(
+        !front.contains(&PT_INTERP),
+        "the front asks for a dynamic loader: build.rs could not link it static \
+         (see its cargo:warning)"
+    );
+    let (_, full) = elf_type_and_segments(BRIDGE);
+    assert!(
+        full.contains(&PT_INTERP),
+        "the full binary is linked as before"
+    );
+}
+
 /// The front runs the full binary as root: one that someone else could have changed or
 /// put there is refused, by the rule a config file is held to, and nothing runs.
 #[test]
