@@ -35,6 +35,13 @@ struct Host {
     metrics_port: u16,
 }
 
+impl Drop for Host {
+    fn drop(&mut self) {
+        // A test that fails with volumes attached must not leave their mounts behind.
+        common::unmount_everything_under(self.dir.path());
+    }
+}
+
 impl Host {
     async fn start() -> Host {
         let mut host = Host::prepare();

@@ -425,12 +425,21 @@ impl World {
 
 impl Drop for World {
     fn drop(&mut self) {
-        // Never let a failed test delete its temp dir through a live mount.
-        let mut mounts = self.mounts();
-        mounts.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
-        for m in mounts {
-            let _ = ops::unmount_lazy(&m);
-        }
+        unmount_everything_under(self.dir.path());
+    }
+}
+
+/// Detaches every mount under `dir`, deepest first. A test's world does this when it is
+/// dropped, so that a test that fails midway leaves no mount on the host and never has
+/// its temp dir deleted through a live one.
+pub fn unmount_everything_under(dir: &Path) {
+    let Ok(table) = MountTable::read(None) else {
+        return;
+    };
+    let mut mounts: Vec<PathBuf> = table.under(dir).map(Path::to_path_buf).collect();
+    mounts.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    for m in mounts {
+        let _ = ops::unmount_lazy(&m);
     }
 }
 
