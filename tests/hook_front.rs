@@ -247,6 +247,53 @@ fn the_front_is_linked_without_a_dynamic_loader() {
     );
 }
 
+/// The front loads the config as the full binary does, but looks a named
+/// `serve.socket_group` up in /etc/group alone: being static, it must not `dlopen` the
+/// host's NSS modules (and the host's libc with them). A group listed there is found and
+/// the front answers by itself; one it cannot find there hands the hook on to the full
+/// binary (here missing, so the error names it), which would ask NSS.
+#[test]
+fn a_front_looks_a_named_socket_group_up_in_etc_group_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let front = lonely_front(dir.path(), "cube-csi-hook");
+    let config = dir.path().join("bridge.toml");
+    let detach_by_front = |group: &str| {
+        let text = common::config_text(dir.path(), "").replace(
+            "[serve]\n",
+            &format!("[serve]\nsocket_group = \"{group}\"\n"),
+        );
+        std::fs::write(&config, text).unwrap();
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // A Detach that leaves holders of a volume with no record: the hot path answers it.
+        let out = output_of(
+            Command::new(&front)
+                .args([
+                    "--op",
+                    "detach",
+                    "--sandbox-id",
+                    "sb",
+                    "--namespace",
+                    "default",
+                ])
+                .args(["--volume-id", "v", "--ref-count", "1", "--metadata", "{}"])
+                .env("CUBE_CSI_BRIDGE_CONFIG", &config),
+        );
+        answer(&out)
+    };
+    // root is gid 0 in /etc/group on every host.
+    let (json, code) = detach_by_front("root");
+    assert_eq!(code, Some(0), "answered by the front: {json}");
+    let (json, code) = detach_by_front("no-such-group-ccb");
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("could not run the full binary")),
+        "{json}"
+    );
+    assert_eq!(code, Some(78));
+}
+
 /// The front runs the full binary as root: one that someone else could have changed or
 /// put there is refused, by the rule a config file is held to, and nothing runs.
 #[test]

@@ -1252,16 +1252,47 @@ fn accessibility(raw: file::AccessibilityFile) -> Result<TopologyRequirement, St
     })
 }
 
+/// Set once a process may look group names up in `/etc/group` alone.
+static GROUPS_FROM_FILE_ONLY: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Makes this process look group names (`serve.socket_group`) up in `/etc/group` alone,
+/// never through glibc's NSS. The hook front calls it: it is linked static, and NSS would
+/// `dlopen` the host's modules (libnss_systemd, …, and the host's libc with them) into it,
+/// which works only with the glibc it was built with. A group found nowhere else fails its
+/// config load, and the front then hands the hook to the full binary, which asks NSS.
+pub fn look_up_groups_in_etc_group_only() {
+    GROUPS_FROM_FILE_ONLY.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A group name or number as a gid.
 fn resolve_group(group: &str) -> Result<u32, String> {
     if let Ok(gid) = group.parse::<u32>() {
         return Ok(gid);
+    }
+    if GROUPS_FROM_FILE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+        let text = std::fs::read_to_string("/etc/group")
+            .map_err(|e| format!("looking up group {group:?} in /etc/group: {e}"))?;
+        return gid_in_group_file(&text, group).ok_or_else(|| {
+            format!("group {group:?} is not in /etc/group (the hook front looks nowhere else)")
+        });
     }
     match nix::unistd::Group::from_name(group) {
         Ok(Some(g)) => Ok(g.gid.as_raw()),
         Ok(None) => Err(format!("group {group:?} does not exist on this host")),
         Err(e) => Err(format!("looking up group {group:?}: {e}")),
     }
+}
+
+/// The gid of `name` in the text of a group(5) file (`name:password:gid:members`).
+fn gid_in_group_file(text: &str, name: &str) -> Option<u32> {
+    text.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        if fields.next()? != name {
+            return None;
+        }
+        fields.nth(1)?.trim().parse().ok()
+    })
 }
 
 /// Where and why the TOML is wrong, without quoting the file: toml's own message shows
@@ -1799,6 +1830,18 @@ access_mode = "single_node_writer"
             redact_literals("unknown field `bogus`, expected one of `a`"),
             "unknown field `bogus`, expected one of `a`"
         );
+    }
+
+    #[test]
+    fn a_group_file_gives_the_gid_of_the_named_line_only() {
+        let text = "root:x:0:\ncube:x:1234:alice,bob\ncubes:x:99:\nbroken:x\n";
+        assert_eq!(gid_in_group_file(text, "root"), Some(0));
+        assert_eq!(gid_in_group_file(text, "cube"), Some(1234));
+        // A name is matched whole, never as a prefix of another.
+        assert_eq!(gid_in_group_file(text, "cub"), None);
+        assert_eq!(gid_in_group_file(text, "broken"), None);
+        assert_eq!(gid_in_group_file(text, "x"), None);
+        assert_eq!(gid_in_group_file("", "root"), None);
     }
 
     #[test]

@@ -86,6 +86,7 @@ fn answer_here(args: &[OsString]) -> Option<HookOutput> {
         telemetry::init_hook(log_format);
     }
     let argv0 = args.first().and_then(|a| a.to_str());
+    crate::config::look_up_groups_in_etc_group_only();
     let config = cli::hook_config(&hook, argv0).ok()?;
     // Timers only: the hot path waits on no socket, and an I/O driver is an epoll set and
     // a signal registry made for nothing.
