@@ -149,39 +149,26 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
 /// Where `dir` really is: symlinks resolved in the part that exists, the rest appended.
 /// None when nothing of it can be resolved.
 ///
-/// Remembered per process by what the kernel finds at `dir` (its device, inode and, where
-/// the filesystem keeps it, birth time): one `stat` on each hook instead of a `readlink`
-/// per component. Anything that leads `dir` somewhere else (a component swapped for a
-/// symlink, the directory replaced) finds another directory there, and `dir` is resolved
-/// afresh; the same directory is the same place, wherever the path through it goes. The
-/// birth time tells a directory made later under a freed inode's number from the one
-/// that had it.
+/// A base dir that exists and leads through no symlink is where it says: one `openat2`
+/// with `RESOLVE_NO_SYMLINKS` proves that, on each hook, instead of a `readlink` per
+/// component. Anything else (a component that is a symlink, a part that is missing, a
+/// kernel without `openat2`) is resolved component by component. Nothing is remembered
+/// between hooks: a directory renamed away and replaced by a symlink to it is the same
+/// directory somewhere else, and is judged where it is now.
 fn resolved(dir: &Path) -> Option<PathBuf> {
-    use std::os::unix::fs::MetadataExt;
-    type Identity = (u64, u64, Option<std::time::SystemTime>);
-    type Resolved = HashMap<PathBuf, (Identity, PathBuf)>;
-    static REMEMBERED: std::sync::OnceLock<std::sync::Mutex<Resolved>> = std::sync::OnceLock::new();
-    /// Base dirs are a handful; a caller naming many only loses the memo.
-    const MOST: usize = 64;
-    let remembered = REMEMBERED.get_or_init(Default::default);
-    let found = std::fs::metadata(dir)
-        .ok()
-        .map(|m| (m.dev(), m.ino(), m.created().ok()));
-    if let Some(found) = found
-        && let Some((seen, real)) = remembered.lock().expect("poisoned").get(dir)
-        && *seen == found
-    {
-        return Some(real.clone());
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    use std::path::Component;
+    let plain = dir.is_absolute()
+        && dir
+            .components()
+            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS);
+    if plain && nix::fcntl::openat2(nix::fcntl::AT_FDCWD, dir, how).is_ok() {
+        return Some(dir.components().collect());
     }
-    let real = resolved_afresh(dir)?;
-    if let Some(found) = found {
-        let mut remembered = remembered.lock().expect("poisoned");
-        if remembered.len() >= MOST {
-            remembered.clear();
-        }
-        remembered.insert(dir.to_path_buf(), (found, real.clone()));
-    }
-    Some(real)
+    resolved_afresh(dir)
 }
 
 fn resolved_afresh(dir: &Path) -> Option<PathBuf> {
@@ -236,12 +223,12 @@ mod tests {
         }
     }
 
-    /// Issue 20: the base dir is resolved once per process, and again whenever its path
-    /// leads to another directory: a base dir swapped for a symlink out of the allowed
-    /// list after a hook passed is refused at the next hook, and a missing one is never
-    /// remembered.
+    /// Issue 20: a base dir without symlinks is taken as it is after one `openat2`, and
+    /// nothing is remembered between hooks: a base dir swapped for a symlink out of the
+    /// allowed list after a hook passed is refused at the next hook, also when the
+    /// symlink leads to the very directory that was allowed, renamed away.
     #[test]
-    fn a_remembered_base_dir_is_resolved_again_once_it_leads_elsewhere() {
+    fn a_base_dir_is_judged_where_it_leads_at_each_hook() {
         let tmp = tempfile::tempdir().unwrap();
         let real = tmp.path().canonicalize().unwrap();
         let (allowed, outside) = (real.join("allowed"), real.join("outside"));
@@ -269,6 +256,14 @@ mod tests {
         std::fs::remove_file(&allowed).unwrap();
         std::fs::create_dir(&allowed).unwrap();
         assert!(check_base_dir_allowed(&allowed, &config).is_ok());
+        // The same directory renamed out of the list, a symlink to it in its place: the
+        // directory is now outside, and refused (a memo keyed by the directory's
+        // identity took it for the one it had allowed).
+        let moved = real.join("moved");
+        std::fs::rename(&allowed, &moved).unwrap();
+        std::os::unix::fs::symlink(&moved, &allowed).unwrap();
+        let error = check_base_dir_allowed(&allowed, &config).unwrap_err();
+        assert!(error.contains("leads through a symlink"), "{error}");
     }
 
     #[test]
