@@ -156,16 +156,7 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
 /// between hooks: a directory renamed away and replaced by a symlink to it is the same
 /// directory somewhere else, and is judged where it is now.
 fn resolved(dir: &Path) -> Option<PathBuf> {
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-    use std::path::Component;
-    let plain = dir.is_absolute()
-        && dir
-            .components()
-            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
-    let how = OpenHow::new()
-        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
-        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS);
-    if plain && nix::fcntl::openat2(nix::fcntl::AT_FDCWD, dir, how).is_ok() {
+    if crate::mount::mountinfo::leads_through_no_symlink(dir) {
         return Some(dir.components().collect());
     }
     resolved_afresh(dir)

@@ -282,11 +282,30 @@ pub fn is_mount_point_in(text: &str, path: &Path) -> bool {
 /// kept as it is. A parent that cannot be resolved leaves `path` unchanged.
 pub fn resolve_parent(path: &Path) -> PathBuf {
     match (path.parent(), path.file_name()) {
+        (Some(parent), Some(_)) if leads_through_no_symlink(parent) => path.components().collect(),
         (Some(parent), Some(leaf)) => std::fs::canonicalize(parent)
             .map(|p| p.join(leaf))
             .unwrap_or_else(|_| path.to_path_buf()),
         _ => path.to_path_buf(),
     }
+}
+
+/// Whether `dir` is its own canonical form: an absolute path of plain components (no `.`,
+/// no `..`) naming a directory that opens with `RESOLVE_NO_SYMLINKS`, so no symlink lies
+/// on the way. One `openat2` and a `close`, where `canonicalize` makes a `readlink` per
+/// component; false (resolve it the long way) for anything else, also on a kernel
+/// without `openat2`. Asked afresh every time: nothing is remembered about a name.
+pub fn leads_through_no_symlink(dir: &Path) -> bool {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    use std::path::Component;
+    let plain = dir.is_absolute()
+        && dir
+            .components()
+            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS);
+    plain && nix::fcntl::openat2(nix::fcntl::AT_FDCWD, dir, how).is_ok()
 }
 
 /// mountinfo escapes space, tab, newline and backslash as `\ooo` octal.
@@ -431,6 +450,45 @@ mod tests {
         );
         let missing = Path::new("/nonexistent-parent/leaf");
         assert_eq!(resolve_parent(missing), missing);
+    }
+
+    /// The short way (one openat2) answers only for a name that is already canonical, and
+    /// then what canonicalize would; every other name is left to canonicalize.
+    #[test]
+    fn only_a_name_with_no_symlink_on_the_way_is_its_own_canonical_form() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap();
+        let dir = real.join("dir");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&dir, real.join("link")).unwrap();
+        std::fs::write(real.join("file"), b"").unwrap();
+
+        assert!(leads_through_no_symlink(&dir));
+        assert!(leads_through_no_symlink(Path::new("/")));
+        // Anything canonicalize would change, or cannot resolve, is not answered here.
+        for name in [
+            real.join("link"),
+            real.join("link/."),
+            real.join("dir/../dir"),
+            real.join("missing"),
+            real.join("file"),
+            PathBuf::from("relative/dir"),
+        ] {
+            assert!(!leads_through_no_symlink(&name), "{}", name.display());
+        }
+        // Where it answers, it agrees with canonicalize, `.` and trailing slashes and all.
+        for name in [
+            dir.clone(),
+            real.join("dir/./"),
+            PathBuf::from(format!("{}//", dir.display())),
+        ] {
+            assert!(leads_through_no_symlink(&name), "{}", name.display());
+            assert_eq!(
+                resolve_parent(&name.join("leaf")),
+                std::fs::canonicalize(&name).unwrap().join("leaf")
+            );
+        }
+        assert_eq!(resolve_parent(&real.join("link/leaf")), dir.join("leaf"));
     }
 
     #[test]
