@@ -85,7 +85,9 @@ fn refused(
 /// Whether the bridge (root, or this euid) could have made `stat` and nobody else can
 /// change what is in it.
 fn owned_and_closed(stat: &FileStat) -> Option<String> {
-    let euid = nix::unistd::Uid::effective().as_raw();
+    // The daemon never changes its euid: asked once, not at every directory of every walk.
+    static EUID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let euid = *EUID.get_or_init(|| nix::unistd::Uid::effective().as_raw());
     if stat.st_uid != 0 && stat.st_uid != euid {
         return Some(format!("is owned by uid {}, not root", stat.st_uid));
     }
@@ -215,10 +217,17 @@ impl HostDirs {
         let mut at = base.to_path_buf();
         for name in between {
             at.push(name);
-            if make {
-                mkdir(&dir, name, &at)?;
-            }
-            dir = match openat(&dir, *name, dir_flags(), Mode::empty()) {
+            // Opened before it is made: a mkdir that finds the directory there still takes
+            // the lock of the directory it is in, the base dir, where the driver makes and
+            // removes every target dir.
+            let opened = match openat(&dir, *name, dir_flags(), Mode::empty()) {
+                Err(Errno::ENOENT) if make => {
+                    mkdir(&dir, name, &at)?;
+                    openat(&dir, *name, dir_flags(), Mode::empty())
+                }
+                opened => opened,
+            };
+            dir = match opened {
                 Ok(fd) => fd,
                 Err(Errno::ENOENT) => return Ok(Walk::Missing),
                 Err(Errno::ENOTDIR | Errno::ELOOP) => return Err(not_a_dir(&dir, name, &at)),
@@ -356,6 +365,10 @@ fn mkdir(dir: &OwnedFd, name: &OsStr, path: &Path) -> Result<(), PathError> {
 
 impl HostPaths for HostDirs {
     fn ensure_base_dir(&self, base: &Path) -> Result<(), PathError> {
+        // Made only when it is missing (a mkdir that finds it takes its parent's lock).
+        if self.open_base(base)?.is_some() {
+            return Ok(());
+        }
         ops::ensure_dir(base, 0o755).map_err(|source| PathError::Io {
             op: "create the volume base dir",
             path: base.to_path_buf(),
