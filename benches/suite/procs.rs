@@ -130,6 +130,31 @@ pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
         .context("no VmRSS in /proc/<pid>/status")
 }
 
+/// CPU time (user + system, every thread the process has had) of `pid` so far, from
+/// /proc/<pid>/stat (clock ticks: 10 ms on most kernels, so measure over seconds).
+pub fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name is in parentheses and may hold spaces: fields count after it.
+    let after_name = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .context("no command name in /proc/<pid>/stat")?;
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // Fields 14 (utime) and 15 (stime) of proc(5); the state, field 3, is the first here.
+    let ticks = |i: usize| -> anyhow::Result<u64> {
+        Ok(fields
+            .get(i - 3)
+            .context("short /proc/<pid>/stat")?
+            .parse()?)
+    };
+    let per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?
+        .filter(|t| *t > 0)
+        .context("no CLK_TCK")? as f64;
+    Ok(Duration::from_secs_f64(
+        (ticks(14)? + ticks(15)?) as f64 / per_second,
+    ))
+}
+
 /// The last `n` lines of a log file.
 pub fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
