@@ -292,9 +292,10 @@ pub fn resolve_parent(path: &Path) -> PathBuf {
 
 /// Whether `dir` is its own canonical form: an absolute path of plain components (no `..`;
 /// a `.` inside is dropped, as `Path::components` drops it) naming a directory that opens
-/// with `RESOLVE_NO_SYMLINKS`, so no symlink lies on the way. One `openat2` and a `close`, where `canonicalize` makes a `readlink` per
-/// component; false (resolve it the long way) for anything else, also on a kernel
-/// without `openat2`. Asked afresh every time: nothing is remembered about a name.
+/// with `RESOLVE_NO_SYMLINKS`, so no symlink lies on the way. One `openat2` and a `close`,
+/// where `canonicalize` makes a `readlink` per component; false (resolve it the long way)
+/// for anything else, also on a kernel without `openat2`. Asked afresh every time:
+/// nothing is remembered about a name.
 pub fn leads_through_no_symlink(dir: &Path) -> bool {
     use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
     use std::path::Component;
