@@ -55,6 +55,14 @@ fn answer(out: &std::process::Output) -> (serde_json::Value, Option<i32>) {
     (value, out.status.code())
 }
 
+/// The error of a hook the front refused as an incomplete or untrusted install: its JSON
+/// `error`, once the exit code has been checked to be EX_CONFIG (78).
+fn install_error(out: &std::process::Output) -> String {
+    let (json, code) = answer(out);
+    assert_eq!(code, Some(78), "EX_CONFIG: {json}");
+    json["error"].as_str().unwrap_or_default().to_string()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_front_answers_the_hot_paths_by_itself_and_hands_on_the_rest() {
     require_root!();
@@ -135,14 +143,12 @@ async fn the_front_answers_the_hot_paths_by_itself_and_hands_on_the_rest() {
 fn a_front_without_its_full_binary_names_the_missing_file() {
     let bin = tempfile::tempdir().unwrap();
     let out = create_by_lonely_front(bin.path(), "cube-csi-hook");
-    let (json, code) = answer(&out);
-    let error = json["error"].as_str().unwrap_or_default();
+    let error = install_error(&out);
     assert!(
         error.contains(&bin.path().join("cube-csi-bridge").display().to_string())
             && error.contains("install cube-csi-bridge beside cube-csi-hook"),
-        "{json}"
+        "{error}"
     );
-    assert_eq!(code, Some(78));
     // Cube shows a failed hook's stderr: the same message ends it.
     assert!(String::from_utf8_lossy(&out.stderr).contains("could not run the full binary"));
 }
@@ -151,14 +157,11 @@ fn a_front_without_its_full_binary_names_the_missing_file() {
 fn a_front_installed_under_the_full_binarys_name_says_so_instead_of_running_itself() {
     let bin = tempfile::tempdir().unwrap();
     let out = create_by_lonely_front(bin.path(), "cube-csi-bridge");
-    let (json, code) = answer(&out);
+    let error = install_error(&out);
     assert!(
-        json["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("installed under the full binary's name")),
-        "{json}"
+        error.contains("installed under the full binary's name"),
+        "{error}"
     );
-    assert_eq!(code, Some(78));
 }
 
 #[test]
@@ -273,7 +276,7 @@ fn a_front_looks_a_named_socket_group_up_in_etc_group_only() {
         std::fs::write(&config, text).unwrap();
         std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
         // A Detach that leaves holders of a volume with no record: the hot path answers it.
-        let out = output_of(
+        output_of(
             Command::new(&front)
                 .args([
                     "--op",
@@ -285,20 +288,13 @@ fn a_front_looks_a_named_socket_group_up_in_etc_group_only() {
                 ])
                 .args(["--volume-id", "v", "--ref-count", "1", "--metadata", "{}"])
                 .env("CUBE_CSI_BRIDGE_CONFIG", &config),
-        );
-        answer(&out)
+        )
     };
     // root is gid 0 in /etc/group on every host.
-    let (json, code) = detach_by_front("root");
+    let (json, code) = answer(&detach_by_front("root"));
     assert_eq!(code, Some(0), "answered by the front: {json}");
-    let (json, code) = detach_by_front("no-such-group-ccb");
-    assert!(
-        json["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("could not run the full binary")),
-        "{json}"
-    );
-    assert_eq!(code, Some(78));
+    let error = install_error(&detach_by_front("no-such-group-ccb"));
+    assert!(error.contains("could not run the full binary"), "{error}");
 }
 
 /// The front runs the full binary as root: one that someone else could have changed or
@@ -314,14 +310,11 @@ fn a_full_binary_others_could_change_is_not_run() {
     assert!(help().status.success(), "a trusted install runs");
 
     std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o775)).unwrap();
-    let out = help();
-    let (json, code) = answer(&out);
-    let error = json["error"].as_str().unwrap_or_default();
+    let error = install_error(&help());
     assert!(
         error.contains("refuses to run the full binary") && error.contains("chmod go-w"),
-        "{json}"
+        "{error}"
     );
-    assert_eq!(code, Some(78));
 
     std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
