@@ -61,7 +61,19 @@ struct Shared {
     path: PathBuf,
     lock_path: PathBuf,
     state: Mutex<SharedState>,
-    changed: Condvar,
+    // One condition per event, each notified only when it happens, so that a change
+    // wakes only the callers waiting for it: with one condition for all, each of a
+    // storm's writes woke every caller waiting for a durable commit (and the closer) to
+    // find nothing for it, and back to sleep.
+    /// The writer's place was given up: one caller queued for it takes it.
+    writer_free: Condvar,
+    /// A durable commit ended (or broke the file): callers waiting for theirs look.
+    commit_done: Condvar,
+    /// The file was opened or closed, or its last caller left: callers waiting to open,
+    /// close or join afresh look.
+    opening_changed: Condvar,
+    /// Wakes the closer before its time (a test that shortened the linger).
+    closer: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +101,10 @@ struct SharedState {
     /// Callers waiting for the writer's place: a write that has them commits without a
     /// sync, so that they join the group commit after it.
     writers_waiting: usize,
+    /// Callers waiting on `commit_done` and on `opening_changed`: a change no one waits
+    /// for wakes no one (a notify is a syscall even then).
+    commit_waiters: usize,
+    opening_waiters: usize,
     /// A write with no one to share a commit with syncs its own (see `Session::commit`);
     /// true but in the tests of writes that wait for a group commit.
     sync_lone_writes: bool,
@@ -151,8 +167,11 @@ impl Drop for Write<'_> {
     fn drop(&mut self) {
         // An uncommitted transaction aborts here, before the next writer goes.
         drop(self.txn.take());
-        self.shared.lock().writer = false;
-        self.shared.changed.notify_all();
+        let mut state = self.shared.lock();
+        state.writer = false;
+        if state.writers_waiting > 0 {
+            self.shared.writer_free.notify_one();
+        }
     }
 }
 
@@ -203,14 +222,14 @@ impl Session<'_> {
                 state.durable_commits += 1;
                 state.synced = state.synced.max(ticket);
                 self.ticket.set(Some(ticket));
-                self.shared.changed.notify_all();
+                self.shared.commit_ended(&state);
             }
             (Some(_), Err(e)) => {
                 // As a failed group commit: the writes it would have covered fail too.
                 state.flushing = false;
                 state.durable_commits += 1;
                 state.broken = Some(e.to_string());
-                self.shared.changed.notify_all();
+                self.shared.commit_ended(&state);
             }
             (None, Ok(())) => {
                 state.issued += 1;
@@ -272,7 +291,10 @@ impl Shared {
                 sync_lone_writes: true,
                 ..SharedState::default()
             }),
-            changed: Condvar::new(),
+            writer_free: Condvar::new(),
+            commit_done: Condvar::new(),
+            opening_changed: Condvar::new(),
+            closer: Condvar::new(),
         });
         all.push((path.to_path_buf(), Arc::downgrade(&shared)));
         shared
@@ -303,21 +325,61 @@ impl Shared {
         }
     }
 
-    /// Waits on `changed` until `until`; false when the time is up.
-    fn wait<'g>(
-        &self,
+    /// Waits on `condition` until it is notified or `until`; the guard back, and false
+    /// when the time was up before the wait.
+    fn wait_on<'g>(
+        condition: &Condvar,
         state: MutexGuard<'g, SharedState>,
         until: Instant,
-    ) -> Option<MutexGuard<'g, SharedState>> {
+    ) -> (MutexGuard<'g, SharedState>, bool) {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return None;
+            return (state, false);
         }
-        let (state, _) = self
-            .changed
+        let (state, _) = condition
             .wait_timeout(state, left)
             .unwrap_or_else(|p| p.into_inner());
-        Some(state)
+        (state, true)
+    }
+
+    /// Waits (see `wait_on`) for a durable commit to end.
+    fn wait_for_commit<'g>(
+        &self,
+        mut state: MutexGuard<'g, SharedState>,
+        until: Instant,
+    ) -> (MutexGuard<'g, SharedState>, bool) {
+        state.commit_waiters += 1;
+        let (mut state, waited) = Self::wait_on(&self.commit_done, state, until);
+        state.commit_waiters -= 1;
+        (state, waited)
+    }
+
+    /// Waits (see `wait_on`) for the file to be opened or closed, or its last caller to
+    /// leave.
+    fn wait_for_opening<'g>(
+        &self,
+        mut state: MutexGuard<'g, SharedState>,
+        until: Instant,
+    ) -> (MutexGuard<'g, SharedState>, bool) {
+        state.opening_waiters += 1;
+        let (mut state, waited) = Self::wait_on(&self.opening_changed, state, until);
+        state.opening_waiters -= 1;
+        (state, waited)
+    }
+
+    /// Tells the callers waiting for a durable commit that one ended (the caller holds
+    /// `state` and has set what it changed).
+    fn commit_ended(&self, state: &SharedState) {
+        if state.commit_waiters > 0 {
+            self.commit_done.notify_all();
+        }
+    }
+
+    /// Tells the callers waiting on the opening that it changed.
+    fn tell_opening_changed(&self, state: &SharedState) {
+        if state.opening_waiters > 0 {
+            self.opening_changed.notify_all();
+        }
     }
 
     /// Joins the open file, opening it (lock, database, format check) when none is.
@@ -344,7 +406,7 @@ impl Shared {
                     let opened = self.open_file(until);
                     state = self.lock();
                     state.changing = false;
-                    self.changed.notify_all();
+                    self.tell_opening_changed(&state);
                     let open = Arc::new(opened?);
                     state.open = Some(open.clone());
                     state.opened_at = Some(Instant::now());
@@ -354,9 +416,11 @@ impl Shared {
                 }
                 _ => {}
             }
-            state = self
-                .wait(state, until)
-                .ok_or_else(|| self.waited_too_long("the opening or closing"))?;
+            let (next, waited) = self.wait_for_opening(state, until);
+            if !waited {
+                return Err(self.waited_too_long("the opening or closing"));
+            }
+            state = next;
         }
     }
 
@@ -376,6 +440,8 @@ impl Shared {
         if state.users > 0 {
             return;
         }
+        // A caller may be waiting to close an opening too old to join, or to shut down.
+        self.tell_opening_changed(&state);
         if state.linger.is_zero() || !Self::joinable(&state) {
             self.close(state);
             return;
@@ -404,8 +470,9 @@ impl Shared {
         state.changing = true;
         drop(state);
         drop(closing);
-        self.lock().changing = false;
-        self.changed.notify_all();
+        let mut state = self.lock();
+        state.changing = false;
+        self.tell_opening_changed(&state);
     }
 
     /// The closer of a file kept open: closes it once it has been idle for the linger
@@ -427,8 +494,9 @@ impl Shared {
                 return;
             }
             let pause = state.linger - idle_for.unwrap_or_default().min(state.linger);
+            // Woken by its time, not by the callers: they come and go on every call.
             let (next, _) = self
-                .changed
+                .closer
                 .wait_timeout(state, pause.max(Duration::from_micros(100)))
                 .unwrap_or_else(|p| p.into_inner());
             state = next;
@@ -437,13 +505,14 @@ impl Shared {
 
     /// Closes the file once no caller uses it, waiting at most `LOCK_WAIT` for them.
     fn close_now(&self) {
-        let until = Instant::now() + LOCK_WAIT;
         let mut state = self.lock();
+        let until = Instant::now() + state.lock_wait.unwrap_or(LOCK_WAIT);
         while state.users > 0 || state.changing {
-            match self.wait(state, until) {
-                Some(next) => state = next,
-                None => return,
+            let (next, waited) = self.wait_for_opening(state, until);
+            if !waited {
+                return;
             }
+            state = next;
         }
         if state.open.is_some() {
             self.close(state);
@@ -536,12 +605,14 @@ impl Shared {
                     Ok(()) => state.synced = state.synced.max(covers),
                     Err(e) => state.broken = Some(e.to_string()),
                 }
-                self.changed.notify_all();
+                self.commit_ended(&state);
                 continue;
             }
-            state = self
-                .wait(state, until)
-                .ok_or_else(|| self.waited_too_long("the durable commit"))?;
+            let (next, waited) = self.wait_for_commit(state, until);
+            if !waited {
+                return Err(self.waited_too_long("the durable commit"));
+            }
+            state = next;
         }
     }
 
@@ -575,13 +646,8 @@ impl Shared {
             return;
         };
         let give_up = Instant::now() + Duration::from_secs(10);
-        let mut state = self.lock();
-        while state.issued < tickets && Instant::now() < give_up {
-            state = self
-                .changed
-                .wait_timeout(state, Duration::from_millis(1))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        while self.lock().issued < tickets && Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
@@ -593,13 +659,15 @@ impl Shared {
     ) -> Result<Write<'s>, StoreError> {
         let mut state = self.lock();
         while state.writer {
+            // Woken one at a time (`Write::drop`): whoever takes the place wakes the next
+            // when it gives it up, so a waiter that gives up or finds it taken again
+            // loses no one their turn.
             state.writers_waiting += 1;
-            let waited = self.wait(state, until);
-            let Some(mut next) = waited else {
-                self.lock().writers_waiting -= 1;
-                return Err(self.waited_too_long("the write transaction before this one"));
-            };
+            let (mut next, waited) = Self::wait_on(&self.writer_free, state, until);
             next.writers_waiting -= 1;
+            if !waited {
+                return Err(self.waited_too_long("the write transaction before this one"));
+            }
             state = next;
         }
         state.writer = true;
@@ -1517,7 +1585,7 @@ mod tests {
         );
         // Another process waits for the lock until the file has been idle long enough.
         store.shared.lock().linger = Duration::from_millis(100);
-        store.shared.changed.notify_all();
+        store.shared.closer.notify_all();
         let other = crate::store::fsutil::lock_exclusive_within(
             &path.with_extension("lock"),
             Duration::from_secs(10),
@@ -1531,6 +1599,61 @@ mod tests {
         close_idle_files();
         assert!(store.shared.lock().open.is_none());
         assert_eq!(store.list().unwrap().len(), 3);
+    }
+
+    /// The end of `serve` closes a file kept open once the caller still inside leaves,
+    /// not after its whole wait: that caller's leaving wakes it even though the file is
+    /// kept open (before, nothing did, and it gave up with the file left open for redb
+    /// to repair at the next opening).
+    #[test]
+    fn closing_at_the_end_waits_for_the_caller_inside_then_closes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
+        {
+            let mut state = store.shared.lock();
+            state.linger = Duration::from_secs(600);
+            state.share_span = Some(Duration::from_secs(600));
+            // Far longer than the test waits for the closing below.
+            state.lock_wait = Some(Duration::from_secs(600));
+        }
+        store.put(&record("a")).unwrap();
+        let store = Arc::new(store);
+        let (entered, inside) = std::sync::mpsc::channel();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let caller = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                store
+                    .with_db(|_| {
+                        entered.send(()).unwrap();
+                        let _ = held.recv_timeout(Duration::from_secs(60));
+                        Ok(())
+                    })
+                    .unwrap();
+            })
+        };
+        inside.recv().unwrap();
+        let (closed, done) = std::sync::mpsc::channel();
+        {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                store.shared.close_now();
+                let _ = closed.send(());
+            });
+        }
+        while store.shared.lock().opening_waiters == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        release.send(()).unwrap();
+        caller.join().unwrap();
+        // A hang check, not a speed one: unwoken, the closing waits out its 600 s.
+        done.recv_timeout(Duration::from_secs(60))
+            .expect("the caller's leaving woke the closing");
+        assert!(
+            store.shared.lock().open.is_none(),
+            "closed once its last caller left"
+        );
+        assert_eq!(EmbeddedStore::list(&store).unwrap().len(), 1);
     }
 
     /// A caller that hangs inside a write (a disk that stopped answering) holds up the
