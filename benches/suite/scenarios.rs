@@ -972,13 +972,20 @@ fn store_rows_at(store: &str, small: &Pairs, big: &Pairs, stored: &str) -> Vec<R
 /// Creates at once in the create-storm figures.
 const STORM: usize = 64;
 
-/// One round of the create storm: `STORM` Creates on fresh ids released together (their
-/// wall time in ns), then their Destroys.
-fn create_storm(runner: &mut Runner, via: &Via, tag: &str, round: usize) -> anyhow::Result<i64> {
+/// One round of the create storm: `STORM` Creates on fresh ids released together, then
+/// their Destroys. Their wall time in ns, and the CPU `watched` spent on the Creates.
+fn create_storm(
+    runner: &mut Runner,
+    via: &Via,
+    tag: &str,
+    round: usize,
+    watched: &CpuWatch,
+) -> anyhow::Result<(i64, Vec<Duration>)> {
     let ids: Vec<String> = (0..STORM)
         .map(|i| format!("{tag}-{round}-{i:02}"))
         .collect();
     let creates: Vec<Call> = ids.iter().map(|id| Call::create(id)).collect();
+    let before = watched.read()?;
     let wall = runner
         .run(
             &format!("{STORM} creates round {round}"),
@@ -987,6 +994,7 @@ fn create_storm(runner: &mut Runner, via: &Via, tag: &str, round: usize) -> anyh
             &creates,
         )?
         .wall_ns;
+    let cpu = watched.since(&before)?;
     let destroys: Vec<Call> = ids.iter().map(|id| Call::destroy(id)).collect();
     runner.run(
         &format!("{STORM} destroys round {round}"),
@@ -994,7 +1002,29 @@ fn create_storm(runner: &mut Runner, via: &Via, tag: &str, round: usize) -> anyh
         8,
         &destroys,
     )?;
-    Ok(wall)
+    Ok((wall, cpu))
+}
+
+/// The CPU time of a few processes (their live threads), read before and after a span.
+struct CpuWatch(Vec<u32>);
+
+impl CpuWatch {
+    fn read(&self) -> anyhow::Result<Vec<Duration>> {
+        self.0
+            .iter()
+            .map(|pid| crate::procs::threads_cpu(*pid))
+            .collect()
+    }
+
+    /// What each process spent since `before` (a `read` of this watch).
+    fn since(&self, before: &[Duration]) -> anyhow::Result<Vec<Duration>> {
+        Ok(self
+            .read()?
+            .iter()
+            .zip(before)
+            .map(|(now, then)| now.saturating_sub(*then))
+            .collect())
+    }
 }
 
 /// Fills the embedded store from `from` records to `to` (see seed.rs) plus one that the
@@ -1063,12 +1093,21 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
     };
     let (direct_create, _) = direct.create_delete("direct-cd", s.create_destroy_pairs)?;
     let (mut storm_walls, mut direct_storm_walls) = (Vec::new(), Vec::new());
+    // Where a storm's CPU goes: the bridge's daemon, and this process (the fake driver,
+    // and in the direct storm also the client making the calls). The Go client of the
+    // bridged storm is not counted.
+    let watch = CpuWatch(vec![bridge.pid(), std::process::id()]);
+    let (mut storm_cpu, mut direct_storm_cpu) = (vec![Duration::ZERO; 2], Duration::ZERO);
     for round in 0..s.rounds {
-        storm_walls.push(create_storm(&mut runner, &via, "storm", round)?);
+        let (wall, cpu) = create_storm(&mut runner, &via, "storm", round, &watch)?;
+        storm_walls.push(wall);
+        storm_cpu.iter_mut().zip(cpu).for_each(|(sum, c)| *sum += c);
         let direct_ids: Vec<String> = (0..STORM)
             .map(|i| format!("direct-storm-{round}-{i:02}"))
             .collect();
+        let before = watch.read()?;
         direct_storm_walls.push(direct.creates_at_once(&direct_ids)?.as_nanos() as i64);
+        direct_storm_cpu += watch.since(&before)?[1];
     }
 
     // To 10,000 records.
@@ -1138,6 +1177,23 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         ms(storm.median),
         ms(storm_direct.median),
         Target::Ratio(1.5),
+        "ms",
+    ));
+    let per_create = |cpu: Duration| fmt_duration(cpu / (STORM * s.rounds.max(1)) as u32);
+    rows.push(Row::judged(
+        format!("{STORM} Creates at once, embedded store: CPU (user + system) per Create"),
+        format!(
+            "bridge daemon {}, the fake driver {}",
+            per_create(storm_cpu[0]),
+            per_create(storm_cpu[1])
+        ),
+        format!(
+            "direct: the fake driver with its client {}",
+            per_create(direct_storm_cpu)
+        ),
+        0.0,
+        0.0,
+        Target::Info,
         "ms",
     ));
     let mib = |kib: u64| kib as f64 / 1024.0;
@@ -1243,7 +1299,8 @@ fn kubernetes(world: &World) -> anyhow::Result<Vec<Row>> {
     // the API at once, interleaved round by round (at 10,000 stored).
     let (mut storm_walls, mut direct_walls) = (Vec::new(), Vec::new());
     for round in 0..s.rounds {
-        storm_walls.push(create_storm(&mut runner, &via, "k8s-storm", round)?);
+        let unwatched = CpuWatch(Vec::new());
+        storm_walls.push(create_storm(&mut runner, &via, "k8s-storm", round, &unwatched)?.0);
         let direct_ids: Vec<String> = (0..STORM)
             .map(|i| format!("k8s-direct-storm-{round}-{i:02}"))
             .collect();
