@@ -3,8 +3,9 @@
 //! attached to the daemon (all its threads): hot Attach + Detach pairs (ref_count 1),
 //! first Attach + last Detach cycles, and Create + Destroy pairs, each under `strace -f -c`
 //! (system time), `strace -f -c -w` (wall time) and `strace -f -tt -T` of one iteration;
-//! 256 first Attaches at once under `strace -f -c -w`; and the hot pairs under `perf stat`
-//! and `perf record` (cpu-clock, DWARF call graphs) with its reports.
+//! 256 first Attaches at once under `strace -f -c -w`; and the hot pairs and the Create +
+//! Destroy pairs under `perf stat` and `perf record` (cpu-clock, DWARF call graphs) with
+//! their reports.
 
 use std::path::Path;
 use std::process::Command;
@@ -126,35 +127,41 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
             calls(1, &tag),
         )?;
     }
-    let (stat, data) = (path("hot-perf-stat.txt"), path("hot-perf.data"));
+    // perf of the hot pairs and of the Create + Destroy pairs (where a create storm's CPU
+    // goes): a count, then samples.
     let events = "task-clock,context-switches,cpu-migrations,page-faults";
-    traced(
-        "perf",
-        &["stat", "-e", events, "-o", &stat, "-p", &pid],
-        "hot-perf-stat",
-        hot(HOT_PAIRS, "perf-stat"),
-    )?;
-    // No hardware counters in a VM: sample on cpu-clock; Rust keeps no frame pointers,
-    // so stacks are unwound from DWARF.
-    let record = [
-        "record",
-        "-e",
-        "cpu-clock",
-        "-F",
-        "999",
-        "--call-graph",
-        "dwarf,16384",
-        "-o",
-        &data,
-        "-p",
-        &pid,
-    ];
-    traced(
-        "perf",
-        &record,
-        "hot-perf-record",
-        hot(HOT_PAIRS, "perf-record"),
-    )?;
+    for (name, n) in [("hot", HOT_PAIRS), ("create", CREATE_PAIRS * 3)] {
+        let calls = |tag: &str| match name {
+            "hot" => hot(n, tag),
+            _ => create(n, tag),
+        };
+        let stat = path(&format!("{name}-perf-stat.txt"));
+        let data = path(&format!("{name}-perf.data"));
+        let tag = format!("{name}-perf-stat");
+        traced(
+            "perf",
+            &["stat", "-e", events, "-o", &stat, "-p", &pid],
+            &tag,
+            calls(&tag),
+        )?;
+        // No hardware counters in a VM: sample on cpu-clock; Rust keeps no frame
+        // pointers, so stacks are unwound from DWARF.
+        let record = [
+            "record",
+            "-e",
+            "cpu-clock",
+            "-F",
+            "999",
+            "--call-graph",
+            "dwarf,16384",
+            "-o",
+            &data,
+            "-p",
+            &pid,
+        ];
+        let tag = format!("{name}-perf-record");
+        traced("perf", &record, &tag, calls(&tag))?;
+    }
     // 256 first Attaches at once (then their Detaches, untraced): where concurrency waits.
     let ids: Vec<String> = (0..CONCURRENT).map(|i| format!("c-{i:03}")).collect();
     let attaches = ids
@@ -182,6 +189,10 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     runner.run("256 detaches", &via, CONCURRENT, &detaches)?;
 
     let report = |args: &[&str], name: &str| -> anyhow::Result<()> {
+        let data = path(&format!(
+            "{}-perf.data",
+            name.split('-').next().unwrap_or(name)
+        ));
         let o = Command::new("perf")
             .args(["report", "--stdio", "-i", &data])
             .args(args)
@@ -198,7 +209,6 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "-g",
         "none",
     ];
-    report(&flat, "hot-perf-self.txt")?;
     let tree = [
         "--children",
         "--sort",
@@ -208,7 +218,10 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "-g",
         "caller,0.5,callee,function,percent",
     ];
-    report(&tree, "hot-perf-children.txt")?;
+    for name in ["hot", "create"] {
+        report(&flat, &format!("{name}-perf-self.txt"))?;
+        report(&tree, &format!("{name}-perf-children.txt"))?;
+    }
     runner.run(
         "release",
         &via,
@@ -263,6 +276,13 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     show(
         format!("hot: perf stat over {HOT_PAIRS} pairs"),
         "hot-perf-stat.txt",
+    )?;
+    show(
+        format!(
+            "create: perf stat over {} Create + Destroy pairs",
+            CREATE_PAIRS * 3
+        ),
+        "create-perf-stat.txt",
     )?;
     Ok(())
 }
