@@ -4,11 +4,12 @@
 //! the file is opened under an exclusive flock on a side lock file (waited for at most
 //! `LOCK_WAIT`) and closed again when this process's callers are done with it (`serve`
 //! keeps it open a few ms longer, `keep_open_when_idle`). Callers of one process that
-//! overlap share the open file (`Shared`), and their writes share one
-//! durable commit: each write commits without a sync, and no caller returns before a
-//! durable commit that began after its own write (or after any write it could have read)
-//! has finished. docs/reliability.md, *The controller store's group commit*, says why
-//! that is as durable as a synced commit per write.
+//! overlap share the open file (`Shared`), their volume writes share one write transaction
+//! (`EmbeddedStore::write_volume`), and their writes share one durable commit: each write
+//! commits without a sync, and no caller returns before a durable commit that began after
+//! its own write (or after any write it could have read) has finished.
+//! docs/reliability.md, *The controller store's group commit*, says why that is as
+//! durable as a synced commit per write.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -74,6 +75,8 @@ struct Shared {
     opening_changed: Condvar,
     /// Wakes the closer before its time (a test that shortened the linger).
     closer: Condvar,
+    /// A batch of queued volume writes was applied: their callers take their outcomes.
+    batch_done: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -105,6 +108,20 @@ struct SharedState {
     /// for wakes no one (a notify is a syscall even then).
     commit_waiters: usize,
     opening_waiters: usize,
+    /// Volume writes of this process's callers queued for the next batch (see
+    /// `EmbeddedStore::write_volume`), by id.
+    queued: Vec<(u64, VolumeWrite)>,
+    /// A caller is applying a batch of queued writes.
+    combining: bool,
+    next_write: u64,
+    /// Outcomes of applied writes until their callers take them.
+    outcomes: std::collections::HashMap<u64, WriteOutcome>,
+    /// Writes whose callers stopped waiting while theirs was applied: no one takes
+    /// their outcomes.
+    abandoned: std::collections::HashSet<u64>,
+    batch_waiters: usize,
+    /// Batches applied (one write transaction each), for the tests.
+    batches: u64,
     /// A write with no one to share a commit with syncs its own (see `Session::commit`);
     /// true but in the tests of writes that wait for a group commit.
     sync_lone_writes: bool,
@@ -135,6 +152,20 @@ struct OpenFile {
     db: redb::Database,
     _lock: Flock<File>,
 }
+
+/// A volume write queued for the next batch: writes that overlap share one write
+/// transaction and its commit (`EmbeddedStore::write_volume`).
+#[derive(Debug)]
+enum VolumeWrite {
+    /// Store the record if the stored copy is at its revision.
+    Put(VolumeRecord),
+    /// Delete the record if it is still at its revision (any when None).
+    Delete(VolumeRecord),
+}
+
+/// What a queued write came to: a put's new revision (None for a delete), and the ticket
+/// of the commit that carried it (None when it changed nothing).
+type WriteOutcome = (Result<Option<String>, StoreError>, Option<u64>);
 
 /// One caller's use of the open file: the transactions it begins and commits.
 struct Session<'a> {
@@ -295,6 +326,7 @@ impl Shared {
             commit_done: Condvar::new(),
             opening_changed: Condvar::new(),
             closer: Condvar::new(),
+            batch_done: Condvar::new(),
         });
         all.push((path.to_path_buf(), Arc::downgrade(&shared)));
         shared
@@ -639,14 +671,14 @@ impl Shared {
     }
 
     /// A test's way to make writes overlap a durable commit however fast the disk is:
-    /// the commit waits (up to 10 s) until the writes the test expects have their tickets.
+    /// the commit waits (up to 10 s) until the writes the test expects are queued.
     #[cfg(test)]
     fn hold_for_test_writers(&self) {
-        let Some(tickets) = tests::durable_commit_waits_for(&self.path) else {
+        let Some(queued) = tests::durable_commit_waits_for(&self.path) else {
             return;
         };
         let give_up = Instant::now() + Duration::from_secs(10);
-        while self.lock().issued < tickets && Instant::now() < give_up {
+        while self.lock().next_write < queued && Instant::now() < give_up {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -839,18 +871,140 @@ impl EmbeddedStore {
 
     /// Writes `record` if the stored revision is `record.revision`; returns the new one.
     fn put(&self, record: &VolumeRecord) -> Result<String, StoreError> {
-        self.with_db(|db| {
-            let txn = db.write()?;
-            let revision = {
-                let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
-                let stored = self.stored_revision(&table, &record.volume_id)?;
+        let revision = self.write_volume(VolumeWrite::Put(record.clone()))?;
+        Ok(revision.expect("a put returns its revision"))
+    }
+
+    /// Deletes the record if it is still at `record.revision` (any revision when None).
+    fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        self.write_volume(VolumeWrite::Delete(record.clone()))
+            .map(|_| ())
+    }
+
+    /// Applies `write` in the next batch: the caller that finds no batch being applied
+    /// applies every write queued by then in one write transaction, and commits it once;
+    /// the others wait for it. In a create storm each Create's two writes would otherwise
+    /// take the writer's place in turn, each with its own commit (a write of every page
+    /// it changed): the writes of a storm's callers now share them.
+    fn write_volume(&self, write: VolumeWrite) -> Result<Option<String>, StoreError> {
+        self.with_db(|session| {
+            let shared = session.shared;
+            let mut state = shared.lock();
+            let id = state.next_write;
+            state.next_write += 1;
+            state.queued.push((id, write));
+            loop {
+                if let Some((result, ticket)) = state.outcomes.remove(&id) {
+                    drop(state);
+                    if ticket.is_some() {
+                        session.ticket.set(ticket);
+                    }
+                    return result;
+                }
+                if !state.combining {
+                    state.combining = true;
+                    let batch = std::mem::take(&mut state.queued);
+                    drop(state);
+                    let ids: Vec<u64> = batch.iter().map(|(id, _)| *id).collect();
+                    let applied = shared.unpanicked(|| Ok(self.apply_batch(session, batch)));
+                    state = shared.lock();
+                    state.combining = false;
+                    state.batches += 1;
+                    let outcomes: Vec<WriteOutcome> = match applied {
+                        Ok(outcomes) => outcomes,
+                        Err(e) => ids.iter().map(|_| (Err(copy_error(&e)), None)).collect(),
+                    };
+                    for (id, outcome) in ids.into_iter().zip(outcomes) {
+                        if !state.abandoned.remove(&id) {
+                            state.outcomes.insert(id, outcome);
+                        }
+                    }
+                    if state.batch_waiters > 0 {
+                        shared.batch_done.notify_all();
+                    }
+                    continue;
+                }
+                state.batch_waiters += 1;
+                let (mut next, waited) = Shared::wait_on(&shared.batch_done, state, session.until);
+                next.batch_waiters -= 1;
+                state = next;
+                if !waited {
+                    if let Some(at) = state.queued.iter().position(|(q, _)| *q == id) {
+                        // Not begun: withdrawn, so the error is the whole truth.
+                        state.queued.remove(at);
+                    } else if !state.outcomes.contains_key(&id) {
+                        // In the batch being applied: it may yet be committed (as a write
+                        // whose durable commit outlasts the caller's time).
+                        state.abandoned.insert(id);
+                    } else {
+                        continue;
+                    }
+                    return Err(shared.waited_too_long("the writes queued before this one"));
+                }
+            }
+        })
+    }
+
+    /// Applies a batch of queued writes in one write transaction, in their order, and
+    /// commits it: one outcome per write. A write refused for a conflict changes nothing
+    /// and leaves the others to go on; any other failure fails them all.
+    fn apply_batch(&self, session: &Session, batch: Vec<(u64, VolumeWrite)>) -> Vec<WriteOutcome> {
+        let fail_all = |e: &StoreError| -> Vec<WriteOutcome> {
+            batch.iter().map(|_| (Err(copy_error(e)), None)).collect()
+        };
+        let txn = match session.write() {
+            Ok(txn) => txn,
+            Err(e) => return fail_all(&e),
+        };
+        let mut results = Vec::with_capacity(batch.len());
+        let mut changed = false;
+        let applied = (|| {
+            let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
+            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+            for (_, write) in &batch {
+                match self.apply_one(&mut table, &mut meta, write) {
+                    Ok((result, changes)) => {
+                        changed |= changes;
+                        results.push(Ok(result));
+                    }
+                    Err(conflict @ StoreError::Conflict { .. }) => results.push(Err(conflict)),
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = applied {
+            return fail_all(&e); // the transaction aborts as `txn` drops
+        }
+        if !changed {
+            // Nothing to commit: the reads behind these answers are made durable by
+            // `with_db` if they need to be.
+            return results.into_iter().map(|r| (r, None)).collect();
+        }
+        if let Err(e) = session.commit(txn) {
+            return fail_all(&e);
+        }
+        let ticket = session.ticket.get();
+        results.into_iter().map(|r| (r, ticket)).collect()
+    }
+
+    /// One queued write inside the batch's transaction: a put's new revision, and whether
+    /// it changed anything (a conflict changes nothing).
+    fn apply_one(
+        &self,
+        table: &mut redb::Table<&str, &[u8]>,
+        meta: &mut redb::Table<&str, u64>,
+        write: &VolumeWrite,
+    ) -> Result<(Option<String>, bool), StoreError> {
+        match write {
+            VolumeWrite::Put(record) => {
+                let stored = self.stored_revision(table, &record.volume_id)?;
                 if stored != record.revision {
                     return Err(StoreError::Conflict {
                         volume_id: record.volume_id.clone(),
                     });
                 }
-                let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
-                let next = self.last_revision(&meta, &table)? + 1;
+                let next = self.last_revision(meta, table)? + 1;
                 meta.insert(REVISION_KEY, next).map_err(|e| self.err(e))?;
                 let mut copy = record.clone();
                 copy.revision = Some(next.to_string());
@@ -858,22 +1012,12 @@ impl EmbeddedStore {
                 table
                     .insert(record.volume_id.as_str(), bytes.as_slice())
                     .map_err(|e| self.err(e))?;
-                next.to_string()
-            };
-            db.commit(txn)?;
-            Ok(revision)
-        })
-    }
-
-    /// Deletes the record if it is still at `record.revision` (any revision when None).
-    fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
-        self.with_db(|db| {
-            let txn = db.write()?;
-            {
-                let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
-                let stored = self.stored_revision(&table, &record.volume_id)?;
+                Ok((Some(next.to_string()), true))
+            }
+            VolumeWrite::Delete(record) => {
+                let stored = self.stored_revision(table, &record.volume_id)?;
                 match (&stored, &record.revision) {
-                    (None, _) => return Ok(()),
+                    (None, _) => return Ok((None, false)),
                     (Some(s), Some(r)) if s != r => {
                         return Err(StoreError::Conflict {
                             volume_id: record.volume_id.clone(),
@@ -883,15 +1027,14 @@ impl EmbeddedStore {
                 }
                 // Keep the revision being deleted counted (it matters only for a file
                 // from before the counter, where it would otherwise be forgotten).
-                let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
-                let last = self.last_revision(&meta, &table)?;
+                let last = self.last_revision(meta, table)?;
                 meta.insert(REVISION_KEY, last).map_err(|e| self.err(e))?;
                 table
                     .remove(record.volume_id.as_str())
                     .map_err(|e| self.err(e))?;
+                Ok((None, true))
             }
-            db.commit(txn)
-        })
+        }
     }
 
     fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
@@ -1092,6 +1235,36 @@ impl ControllerStore for Arc<EmbeddedStore> {
     }
 }
 
+/// The same error for each caller of a failed batch (a `StoreError` holds its source
+/// boxed, so it is rebuilt from its text).
+fn copy_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Conflict { volume_id } => StoreError::Conflict {
+            volume_id: volume_id.clone(),
+        },
+        StoreError::Backend {
+            store,
+            action,
+            transient,
+            source,
+        } => StoreError::Backend {
+            store: store.clone(),
+            action: action.clone(),
+            transient: *transient,
+            source: source.to_string().into(),
+        },
+        StoreError::Corrupt {
+            store,
+            what,
+            message,
+        } => StoreError::Corrupt {
+            store: store.clone(),
+            what: what.clone(),
+            message: message.clone(),
+        },
+    }
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
@@ -1118,7 +1291,7 @@ mod tests {
             .then_some("injected: the durable commit failed")
     }
 
-    /// Store files whose durable commits wait until this many tickets are issued.
+    /// Store files whose durable commits wait until this many volume writes are queued.
     static HELD: Mutex<Vec<(PathBuf, u64)>> = Mutex::new(Vec::new());
 
     pub(super) fn durable_commit_waits_for(path: &Path) -> Option<u64> {
@@ -1442,12 +1615,12 @@ mod tests {
         let (opens_before, commits_before) = store.activity();
         let writers = 8;
         // On a fast disk each writer could finish its own durable commit before the next
-        // one starts; the first durable commit waits until every write has its ticket, as
+        // one starts; the first durable commit waits until every write is queued, as
         // on a disk whose sync takes as long as a burst of writes (CI saw 8 for 9).
-        let issued_before = store.shared.lock().issued;
+        let queued_before = store.shared.lock().next_write;
         HELD.lock()
             .unwrap()
-            .push((path.clone(), issued_before + writers + 1));
+            .push((path.clone(), queued_before + writers));
         let for_writers = store.clone();
         let holder = inside_a_caller(&store, "first", move || {
             let threads: Vec<_> = (0..writers)
@@ -1476,6 +1649,73 @@ mod tests {
         drop(store);
         let again = EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap();
         assert_eq!(again.list().unwrap().len(), writers as usize + 1);
+    }
+
+    /// Writes that queue while another caller applies a batch are applied together: one
+    /// write transaction and one commit for all of them (a create storm's writes), and a
+    /// write refused for a conflict fails alone.
+    #[test]
+    fn writes_queued_together_share_one_transaction_and_a_conflict_fails_only_its_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        store.shared.lock().share_span = Some(Duration::from_secs(600));
+        // The writer's place held, so that the writes queue behind the first of them.
+        let (entered, inside) = std::sync::mpsc::channel();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let holder = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                store.with_db(|db| {
+                    let _txn = db.write()?;
+                    entered.send(()).unwrap();
+                    let _ = held.recv_timeout(Duration::from_secs(60));
+                    Ok(())
+                })
+            })
+        };
+        inside.recv().unwrap();
+        let (queued_before, batches_before) = {
+            let state = store.shared.lock();
+            (state.next_write, state.batches)
+        };
+        // Five new volumes, and two creations of the same one: one of them must lose.
+        let names = ["v0", "v1", "v2", "v3", "v4", "twice", "twice"];
+        let writers: Vec<_> = names
+            .iter()
+            .map(|name| {
+                let (store, record) = (store.clone(), record(name));
+                std::thread::spawn(move || EmbeddedStore::put(&store, &record))
+            })
+            .collect();
+        while store.shared.lock().next_write < queued_before + names.len() as u64 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        release.send(()).unwrap();
+        holder.join().unwrap().unwrap();
+        let results: Vec<_> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+        for result in &results[..5] {
+            assert!(result.is_ok(), "{result:?}");
+        }
+        let twice: Vec<_> = results[5..].iter().collect();
+        assert_eq!(
+            twice.iter().filter(|r| r.is_ok()).count(),
+            1,
+            "one creation of the same volume wins: {twice:?}"
+        );
+        assert!(
+            twice
+                .iter()
+                .any(|r| matches!(r, Err(StoreError::Conflict { .. }))),
+            "the other is refused as a conflict: {twice:?}"
+        );
+        // The first write's batch held only itself (it found no batch running); every
+        // write queued behind it went in the next one.
+        assert_eq!(
+            store.shared.lock().batches - batches_before,
+            2,
+            "seven writes in two transactions"
+        );
+        assert_eq!(EmbeddedStore::list(&store).unwrap().len(), 6);
     }
 
     /// A caller that read a write not yet durable does not answer with it before it is
