@@ -357,46 +357,49 @@ impl Shared {
         }
     }
 
-    /// Waits on `condition` until it is notified or `until`; the guard back, and false
-    /// when the time was up before the wait.
+    /// Waits on `condition` until it is notified or `until`, counted among its `waiters`
+    /// meanwhile (whoever notifies it does so only when some wait); the guard back, and
+    /// false when the time was up before the wait.
     fn wait_on<'g>(
         condition: &Condvar,
-        state: MutexGuard<'g, SharedState>,
+        waiters: fn(&mut SharedState) -> &mut usize,
+        mut state: MutexGuard<'g, SharedState>,
         until: Instant,
     ) -> (MutexGuard<'g, SharedState>, bool) {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return (state, false);
         }
-        let (state, _) = condition
+        *waiters(&mut state) += 1;
+        let (mut state, _) = condition
             .wait_timeout(state, left)
             .unwrap_or_else(|p| p.into_inner());
+        *waiters(&mut state) -= 1;
         (state, true)
     }
 
     /// Waits (see `wait_on`) for a durable commit to end.
     fn wait_for_commit<'g>(
         &self,
-        mut state: MutexGuard<'g, SharedState>,
+        state: MutexGuard<'g, SharedState>,
         until: Instant,
     ) -> (MutexGuard<'g, SharedState>, bool) {
-        state.commit_waiters += 1;
-        let (mut state, waited) = Self::wait_on(&self.commit_done, state, until);
-        state.commit_waiters -= 1;
-        (state, waited)
+        Self::wait_on(&self.commit_done, |s| &mut s.commit_waiters, state, until)
     }
 
     /// Waits (see `wait_on`) for the file to be opened or closed, or its last caller to
     /// leave.
     fn wait_for_opening<'g>(
         &self,
-        mut state: MutexGuard<'g, SharedState>,
+        state: MutexGuard<'g, SharedState>,
         until: Instant,
     ) -> (MutexGuard<'g, SharedState>, bool) {
-        state.opening_waiters += 1;
-        let (mut state, waited) = Self::wait_on(&self.opening_changed, state, until);
-        state.opening_waiters -= 1;
-        (state, waited)
+        Self::wait_on(
+            &self.opening_changed,
+            |s| &mut s.opening_waiters,
+            state,
+            until,
+        )
     }
 
     /// Tells the callers waiting for a durable commit that one ended (the caller holds
@@ -694,9 +697,8 @@ impl Shared {
             // Woken one at a time (`Write::drop`): whoever takes the place wakes the next
             // when it gives it up, so a waiter that gives up or finds it taken again
             // loses no one their turn.
-            state.writers_waiting += 1;
-            let (mut next, waited) = Self::wait_on(&self.writer_free, state, until);
-            next.writers_waiting -= 1;
+            let (next, waited) =
+                Self::wait_on(&self.writer_free, |s| &mut s.writers_waiting, state, until);
             if !waited {
                 return Err(self.waited_too_long("the write transaction before this one"));
             }
@@ -924,9 +926,9 @@ impl EmbeddedStore {
                     }
                     continue;
                 }
-                state.batch_waiters += 1;
-                let (mut next, waited) = Shared::wait_on(&shared.batch_done, state, session.until);
-                next.batch_waiters -= 1;
+                let waiters: fn(&mut SharedState) -> &mut usize = |s| &mut s.batch_waiters;
+                let (next, waited) =
+                    Shared::wait_on(&shared.batch_done, waiters, state, session.until);
                 state = next;
                 if !waited {
                     if let Some(at) = state.queued.iter().position(|(q, _)| *q == id) {
@@ -1651,6 +1653,29 @@ mod tests {
         assert_eq!(again.list().unwrap().len(), writers as usize + 1);
     }
 
+    /// A caller on its own thread that holds the writer's place (as one whose disk stopped
+    /// answering would) until the sender is used or dropped; returns once it holds it.
+    fn holding_the_writer(
+        store: &Arc<EmbeddedStore>,
+    ) -> (
+        std::thread::JoinHandle<Result<(), StoreError>>,
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let (entered, inside) = std::sync::mpsc::channel();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let store = store.clone();
+        let holder = std::thread::spawn(move || {
+            store.with_db(|db| {
+                let _txn = db.write()?;
+                entered.send(()).unwrap();
+                let _ = held.recv_timeout(Duration::from_secs(60));
+                Ok(())
+            })
+        });
+        inside.recv().unwrap();
+        (holder, release)
+    }
+
     /// Writes that queue while another caller applies a batch are applied together: one
     /// write transaction and one commit for all of them (a create storm's writes), and a
     /// write refused for a conflict fails alone.
@@ -1660,20 +1685,7 @@ mod tests {
         let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
         store.shared.lock().share_span = Some(Duration::from_secs(600));
         // The writer's place held, so that the writes queue behind the first of them.
-        let (entered, inside) = std::sync::mpsc::channel();
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        let holder = {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                store.with_db(|db| {
-                    let _txn = db.write()?;
-                    entered.send(()).unwrap();
-                    let _ = held.recv_timeout(Duration::from_secs(60));
-                    Ok(())
-                })
-            })
-        };
-        inside.recv().unwrap();
+        let (holder, release) = holding_the_writer(&store);
         let (queued_before, batches_before) = {
             let state = store.shared.lock();
             (state.next_write, state.batches)
@@ -1907,20 +1919,7 @@ mod tests {
             state.share_span = Some(Duration::from_secs(600));
             state.lock_wait = Some(Duration::from_millis(200));
         }
-        let (entered, inside) = std::sync::mpsc::channel();
-        let (release, hung) = std::sync::mpsc::channel::<()>();
-        let holder = {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                store.with_db(|db| {
-                    let _txn = db.write()?;
-                    entered.send(()).unwrap();
-                    let _ = hung.recv_timeout(Duration::from_secs(60));
-                    Ok(())
-                })
-            })
-        };
-        inside.recv().unwrap();
+        let (holder, release) = holding_the_writer(&store);
         let (answer_tx, answer) = std::sync::mpsc::channel();
         let behind = store.clone();
         std::thread::spawn(move || {
