@@ -1730,6 +1730,50 @@ mod tests {
         assert_eq!(EmbeddedStore::list(&store).unwrap().len(), 6);
     }
 
+    /// A caller whose deadline passes while its write is still queued (another caller's
+    /// batch is stuck before it) withdraws the write: it fails with a timeout and is never
+    /// written, while the batch before it goes on once unstuck.
+    #[test]
+    fn a_queued_write_whose_caller_gives_up_is_withdrawn_and_never_written() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        {
+            let mut state = store.shared.lock();
+            state.share_span = Some(Duration::from_secs(600));
+            state.lock_wait = Some(Duration::from_secs(60));
+        }
+        let (holder, release) = holding_the_writer(&store);
+        // The first write takes a batch of its own and waits for the writer's place.
+        let queued_before = store.shared.lock().next_write;
+        let first = {
+            let store = store.clone();
+            std::thread::spawn(move || EmbeddedStore::put(&store, &record("first")))
+        };
+        while !(store.shared.lock().combining && store.shared.lock().next_write > queued_before) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The second queues behind it, with a deadline that passes while it is stuck.
+        store.shared.lock().lock_wait = Some(Duration::from_millis(200));
+        let second = {
+            let store = store.clone();
+            std::thread::spawn(move || EmbeddedStore::put(&store, &record("second")))
+        };
+        match second.join().unwrap() {
+            Err(
+                error @ StoreError::Backend {
+                    transient: true, ..
+                },
+            ) => assert!(error.to_string().contains("queued before"), "{error}"),
+            other => panic!("expected a timeout in the queue, got {other:?}"),
+        }
+        assert!(store.shared.lock().queued.is_empty(), "withdrawn");
+        release.send(()).unwrap();
+        holder.join().unwrap().unwrap();
+        first.join().unwrap().unwrap();
+        assert!(EmbeddedStore::get(&store, "first").unwrap().is_some());
+        assert!(EmbeddedStore::get(&store, "second").unwrap().is_none());
+    }
+
     /// A caller that read a write not yet durable does not answer with it before it is
     /// durable: when that durable commit fails, the read fails too, and so does the write.
     #[test]
