@@ -950,20 +950,25 @@ impl EmbeddedStore {
     /// Applies a batch of queued writes in one write transaction, in their order, and
     /// commits it: one outcome per write. A write refused for a conflict changes nothing
     /// and leaves the others to go on; any other failure fails them all.
-    fn apply_batch(&self, session: &Session, batch: Vec<(u64, VolumeWrite)>) -> Vec<WriteOutcome> {
+    fn apply_batch(
+        &self,
+        session: &Session,
+        mut batch: Vec<(u64, VolumeWrite)>,
+    ) -> Vec<WriteOutcome> {
+        let writes = batch.len();
         let fail_all = |e: &StoreError| -> Vec<WriteOutcome> {
-            batch.iter().map(|_| (Err(copy_error(e)), None)).collect()
+            (0..writes).map(|_| (Err(copy_error(e)), None)).collect()
         };
         let txn = match session.write() {
             Ok(txn) => txn,
             Err(e) => return fail_all(&e),
         };
-        let mut results = Vec::with_capacity(batch.len());
+        let mut results = Vec::with_capacity(writes);
         let mut changed = false;
         let applied = (|| {
             let mut table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
-            for (_, write) in &batch {
+            for (_, write) in &mut batch {
                 match self.apply_one(&mut table, &mut meta, write) {
                     Ok((result, changes)) => {
                         changed |= changes;
@@ -991,12 +996,13 @@ impl EmbeddedStore {
     }
 
     /// One queued write inside the batch's transaction: a put's new revision, and whether
-    /// it changed anything (a conflict changes nothing).
+    /// it changed anything (a conflict changes nothing). A put's record takes its new
+    /// revision in place (the batch is the record's last use).
     fn apply_one(
         &self,
         table: &mut redb::Table<&str, &[u8]>,
         meta: &mut redb::Table<&str, u64>,
-        write: &VolumeWrite,
+        write: &mut VolumeWrite,
     ) -> Result<(Option<String>, bool), StoreError> {
         match write {
             VolumeWrite::Put(record) => {
@@ -1008,13 +1014,12 @@ impl EmbeddedStore {
                 }
                 let next = self.last_revision(meta, table)? + 1;
                 meta.insert(REVISION_KEY, next).map_err(|e| self.err(e))?;
-                let mut copy = record.clone();
-                copy.revision = Some(next.to_string());
-                let bytes = serde_json::to_vec(&copy).map_err(|e| self.err(e))?;
+                record.revision = Some(next.to_string());
+                let bytes = serde_json::to_vec(&*record).map_err(|e| self.err(e))?;
                 table
                     .insert(record.volume_id.as_str(), bytes.as_slice())
                     .map_err(|e| self.err(e))?;
-                Ok((Some(next.to_string()), true))
+                Ok((record.revision.clone(), true))
             }
             VolumeWrite::Delete(record) => {
                 let stored = self.stored_revision(table, &record.volume_id)?;
