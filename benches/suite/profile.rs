@@ -188,16 +188,14 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     )?;
     runner.run("256 detaches", &via, CONCURRENT, &detaches)?;
 
-    let report = |args: &[&str], name: &str| -> anyhow::Result<()> {
-        let data = path(&format!(
-            "{}-perf.data",
-            name.split('-').next().unwrap_or(name)
-        ));
+    // `perf report` of the `workload`'s samples into <workload>-perf-<kind>.txt.
+    let report = |workload: &str, args: &[&str], kind: &str| -> anyhow::Result<()> {
+        let data = path(&format!("{workload}-perf.data"));
         let o = Command::new("perf")
             .args(["report", "--stdio", "-i", &data])
             .args(args)
             .output()?;
-        std::fs::write(out.join(name), &o.stdout)?;
+        std::fs::write(out.join(format!("{workload}-perf-{kind}.txt")), &o.stdout)?;
         Ok(())
     };
     let flat = [
@@ -219,8 +217,8 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "caller,0.5,callee,function,percent",
     ];
     for name in ["hot", "create"] {
-        report(&flat, &format!("{name}-perf-self.txt"))?;
-        report(&tree, &format!("{name}-perf-children.txt"))?;
+        report(name, &flat, "self")?;
+        report(name, &tree, "children")?;
     }
     runner.run(
         "release",
