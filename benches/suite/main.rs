@@ -5,8 +5,9 @@
 //! setup, a failing call) is printed as such, and the exit status is then non-zero.
 //!
 //! The same executable is also the suite's own child processes: `fake-csi` (the project's
-//! fake CSI driver with a fixed latency per call) and `tonic-floor` (a trivial tonic Cube
-//! plugin).
+//! fake CSI driver with a fixed latency per call), `tonic-floor` (a trivial tonic Cube
+//! plugin) and `tonic-relay` (a tonic Cube plugin that only relays a first Attach and a
+//! last Detach to the driver).
 
 mod fake_csi;
 mod flood;
@@ -47,6 +48,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("fake-csi") => fake_csi::Options::parse(&args[1..]).and_then(fake_csi::run),
         Some("tonic-floor") => tonic_side::run_floor(&args[1..]),
+        Some("tonic-relay") => tonic_side::run_relay(&args[1..]),
         _ => return suite(&args),
     };
     match result {

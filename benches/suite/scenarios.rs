@@ -564,13 +564,19 @@ fn first(world: &World) -> anyhow::Result<Vec<Row>> {
         };
         let (bridge, files) = world.bridge(&spec)?;
         let direct_base = world.dir(&format!("{}/direct-volumes", case.name))?;
+        // The bare relay in front of the fake driver (csi-mock would need its volume
+        // created first): the share of the figure any tonic bridge pays.
+        let relay = match latency {
+            Some(_) => Some(world.relay(&format!("{}-relay", case.name), &spec.csi_socket)?),
+            None => None,
+        };
         let mut runner = world.runner()?;
         let via = Via::Socket(files.socket.clone());
-        let cycle = |n: usize| -> Vec<Call> {
+        let cycle = |n: usize, base: &Path| -> Vec<Call> {
             (0..n)
                 .flat_map(|_| {
                     [
-                        Call::attach("first", "sandbox", 0, &files.base_dir),
+                        Call::attach("first", "sandbox", 0, base),
                         Call::detach("first", "sandbox", 0),
                     ]
                 })
@@ -578,27 +584,43 @@ fn first(world: &World) -> anyhow::Result<Vec<Row>> {
         };
         runner.run("create", &via, 1, &[Call::create("first")])?;
         let warm = (case.rounds / 10).max(3);
-        run_pairs(&mut runner, "warm-up", &via, &cycle(warm))?;
+        run_pairs(&mut runner, "warm-up", &via, &cycle(warm, &files.base_dir))?;
         direct.attach_detach(&direct_base, "direct", warm)?;
+        if let Some((_, socket, base)) = &relay {
+            let relay_via = Via::Socket(socket.clone());
+            run_pairs(&mut runner, "warm-up relay", &relay_via, &cycle(warm, base))?;
+        }
         let (mut bridged, mut direct_pairs) = (Pairs::default(), Pairs::default());
+        let (mut relayed, mut relay_cpu) = (Pairs::default(), Duration::ZERO);
         let mut fsyncs = Vec::new();
         // The daemon's own CPU over the bridged rounds (it is idle during the direct ones):
         // steadier than wall time on a shared host, and what a burst is bound by.
-        let cpu_before = crate::procs::cpu_time(bridge.pid())?;
+        let mut cpu = Duration::ZERO;
         for round in 0..s.rounds {
             let n = case.rounds / s.rounds;
+            let cpu_before = crate::procs::cpu_time(bridge.pid())?;
             bridged.add(run_pairs(
                 &mut runner,
                 &format!("first {} round {round}", case.label),
                 &via,
-                &cycle(n),
+                &cycle(n, &files.base_dir),
             )?);
+            cpu += crate::procs::cpu_time(bridge.pid())?.saturating_sub(cpu_before);
             direct_pairs.add(direct.attach_detach(&direct_base, "direct", n)?);
+            if let Some((proc, socket, base)) = &relay {
+                let cpu_before = crate::procs::cpu_time(proc.pid())?;
+                relayed.add(run_pairs(
+                    &mut runner,
+                    &format!("first {} relay round {round}", case.label),
+                    &Via::Socket(socket.clone()),
+                    &cycle(n, base),
+                )?);
+                relay_cpu += crate::procs::cpu_time(proc.pid())?.saturating_sub(cpu_before);
+            }
             fsyncs.extend(fresh_file_fdatasyncs(&files.state_dir, FSYNC_SAMPLES)?);
         }
-        let cpu = crate::procs::cpu_time(bridge.pid())?.saturating_sub(cpu_before);
         runner.run("destroy", &via, 1, &[Call::destroy("first")])?;
-        drop((runner, bridge, driver));
+        drop((runner, bridge, relay, driver));
 
         // The target: the direct calls + one fdatasync of a fresh 4 KiB file in the state
         // dir (its median in this run) + 0.3 ms.
@@ -647,8 +669,83 @@ fn first(world: &World) -> anyhow::Result<Vec<Row>> {
             Target::Info,
             "ms",
         ));
+        if !relayed.attach.is_empty() {
+            rows.extend(relay_rows(
+                case.label,
+                &relayed,
+                relay_cpu,
+                &measured,
+                &direct_attach,
+                &direct_detach,
+            ));
+        }
     }
     Ok(rows)
+}
+
+/// The bare relay's first Attach and last Detach beside the direct calls, and the share
+/// of the bridge's first Attach above the relay's (its own work: journal, locks, checks).
+fn relay_rows(
+    label: &str,
+    relayed: &Pairs,
+    cpu: Duration,
+    bridged_attach: &Summary,
+    direct_attach: &Summary,
+    direct_detach: &Summary,
+) -> Vec<Row> {
+    let (attach, detach) = (
+        Summary::of_ns(&relayed.attach),
+        Summary::of_ns(&relayed.detach),
+    );
+    let over = |a: &Summary, b: &Summary| ms(a.median) - ms(b.median);
+    let pairs = relayed.attach.len().max(1);
+    vec![
+        Row::judged(
+            format!(
+                "first Attach, bare tonic relay (the same CSI calls, nothing kept), {label} — median"
+            ),
+            format!(
+                "{} ({:+.2} ms over direct; the bridge {:+.2} ms over the relay)",
+                shown(&attach),
+                over(&attach, direct_attach),
+                over(bridged_attach, &attach)
+            ),
+            format!("NodeStage + NodePublish direct: {}", shown(direct_attach)),
+            ms(attach.median),
+            ms(direct_attach.median),
+            Target::Info,
+            "ms",
+        ),
+        Row::judged(
+            format!("last Detach, bare tonic relay, {label} — median"),
+            format!(
+                "{} ({:+.2} ms over direct)",
+                shown(&detach),
+                over(&detach, direct_detach)
+            ),
+            format!(
+                "NodeUnpublish + NodeUnstage direct: {}",
+                shown(direct_detach)
+            ),
+            ms(detach.median),
+            ms(direct_detach.median),
+            Target::Info,
+            "ms",
+        ),
+        Row::judged(
+            format!("bare tonic relay CPU per first Attach + last Detach, {label}"),
+            format!(
+                "{} ({} in {pairs} pairs)",
+                fmt_duration(cpu / pairs as u32),
+                fmt_duration(cpu)
+            ),
+            String::new(),
+            0.0,
+            0.0,
+            Target::Info,
+            "ms",
+        ),
+    ]
 }
 
 /// fdatasync samples of a fresh 4 KiB file per round of the first-Attach figures.
@@ -816,6 +913,14 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
     };
     let direct_base = world.dir("concurrent/direct-volumes")?;
     let direct_names: Vec<String> = (0..N).map(|i| format!("d-{i:03}")).collect();
+    // The bare relay's share: the same hooks through a tonic plugin that only relays them.
+    let (_relay, relay_socket, relay_base) = world.relay("concurrent-relay", &socket)?;
+    let relay_via = Via::Socket(relay_socket);
+    let relay_attaches = ids
+        .iter()
+        .map(|id| Call::attach_handle(id, &format!("relay-{id}"), "sandbox", &relay_base))
+        .collect::<anyhow::Result<Vec<Call>>>()?;
+    let (mut relay_walls, mut relay_detach_walls) = (Vec::new(), Vec::new());
 
     let (mut single, mut walls, mut detach_walls) = (Pairs::default(), Vec::new(), Vec::new());
     let (mut direct_walls, mut direct_detach_walls) = (Vec::new(), Vec::new());
@@ -829,6 +934,8 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
     runner.run("warm-up 256", &via, N, &attaches)?;
     runner.run("warm-up 256 detach", &via, N, &detaches)?;
     direct.all_at_once(&direct_base, &direct_names)?;
+    runner.run("warm-up relay 256", &relay_via, N, &relay_attaches)?;
+    runner.run("warm-up relay 256 detach", &relay_via, N, &detaches)?;
     for round in 0..s.concurrent_rounds {
         for _ in 0..3 {
             single.add(run_pairs(
@@ -851,7 +958,31 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
                 .run(&format!("256 detaches round {round}"), &via, N, &detaches)?
                 .wall_ns,
         );
+        relay_walls.push(
+            runner
+                .run(
+                    &format!("relay 256 attaches round {round}"),
+                    &relay_via,
+                    N,
+                    &relay_attaches,
+                )?
+                .wall_ns,
+        );
+        relay_detach_walls.push(
+            runner
+                .run(
+                    &format!("relay 256 detaches round {round}"),
+                    &relay_via,
+                    N,
+                    &detaches,
+                )?
+                .wall_ns,
+        );
     }
+    let (relay_all, relay_all_d) = (
+        Summary::of_ns(&relay_walls),
+        Summary::of_ns(&relay_detach_walls),
+    );
 
     let (direct_all, direct_all_d) = (
         Summary::of_ns(&direct_walls),
@@ -887,6 +1018,38 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
             ms(all_d.median),
             ms(direct_all_d.median),
             Target::Ratio(1.3),
+            "ms",
+        ),
+        Row::judged(
+            "256 first Attaches at once, bare tonic relay (the same CSI calls, nothing kept): total wall",
+            format!(
+                "{} {}",
+                fmt_duration(relay_all.median),
+                spread(&relay_walls)
+            ),
+            format!(
+                "the same 256 NodeStage + NodePublish directly at once: {}",
+                fmt_duration(direct_all.median)
+            ),
+            ms(relay_all.median),
+            ms(direct_all.median),
+            Target::Info,
+            "ms",
+        ),
+        Row::judged(
+            "256 last Detaches at once, bare tonic relay: total wall",
+            format!(
+                "{} {}",
+                fmt_duration(relay_all_d.median),
+                spread(&relay_detach_walls)
+            ),
+            format!(
+                "the same 256 NodeUnpublish + NodeUnstage directly at once: {}",
+                fmt_duration(direct_all_d.median)
+            ),
+            ms(relay_all_d.median),
+            ms(direct_all_d.median),
+            Target::Info,
             "ms",
         ),
         Row::judged(
@@ -1092,6 +1255,14 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         stage: true,
     };
     let (direct_create, _) = direct.create_delete("direct-cd", s.create_destroy_pairs)?;
+    // The bare relay's share of both (a Create relayed as CreateVolume, nothing kept).
+    let (relay, relay_socket, _) = world.relay("store-relay", &socket)?;
+    let relay_via = Via::Socket(relay_socket);
+    create_destroy(&mut runner, &relay_via, "relay-warm", 20)?;
+    let (relay_create, _) =
+        create_destroy(&mut runner, &relay_via, "relay-cd", s.create_destroy_pairs)?;
+    let relay_watch = CpuWatch(vec![relay.pid()]);
+    let (mut relay_storm_walls, mut relay_storm_cpu) = (Vec::new(), Duration::ZERO);
     let (mut storm_walls, mut direct_storm_walls) = (Vec::new(), Vec::new());
     // Where a storm's CPU goes: the bridge's daemon, and this process (the fake driver,
     // and in the direct storm also the client making the calls). The Go client of the
@@ -1108,7 +1279,12 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         let before = watch.read()?;
         direct_storm_walls.push(direct.creates_at_once(&direct_ids)?.as_nanos() as i64);
         direct_storm_cpu += watch.since(&before)?[1];
+        let (wall, cpu) =
+            create_storm(&mut runner, &relay_via, "relay-storm", round, &relay_watch)?;
+        relay_storm_walls.push(wall);
+        relay_storm_cpu += cpu[0];
     }
+    drop(relay);
 
     // To 10,000 records.
     let store_file = files.state_dir.join("controller.redb");
@@ -1193,6 +1369,39 @@ fn store(world: &World) -> anyhow::Result<Vec<Row>> {
         ),
         0.0,
         0.0,
+        Target::Info,
+        "ms",
+    ));
+    let relay_one = Summary::of_ns(&relay_create);
+    rows.push(Row::judged(
+        "Create, bare tonic relay (CreateVolume, nothing kept), one at a time — median",
+        format!(
+            "{} ({:+.2} ms over direct; the bridge {:+.2} ms over the relay)",
+            shown(&relay_one),
+            ms(relay_one.median) - ms(one_direct.median),
+            ms(one.median) - ms(relay_one.median)
+        ),
+        format!("CreateVolume direct: {}", shown(&one_direct)),
+        ms(relay_one.median),
+        ms(one_direct.median),
+        Target::Info,
+        "ms",
+    ));
+    let relay_storm = Summary::of_ns(&relay_storm_walls);
+    rows.push(Row::judged(
+        format!("{STORM} Creates at once, bare tonic relay: total wall"),
+        format!(
+            "{} {}; relay CPU per Create {}",
+            fmt_duration(relay_storm.median),
+            spread(&relay_storm_walls),
+            per_create(relay_storm_cpu)
+        ),
+        format!(
+            "the same {STORM} CreateVolume directly on the driver at once: {}",
+            fmt_duration(storm_direct.median)
+        ),
+        ms(relay_storm.median),
+        ms(storm_direct.median),
         Target::Info,
         "ms",
     ));

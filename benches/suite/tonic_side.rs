@@ -107,6 +107,177 @@ pub fn run_floor(args: &[String]) -> anyhow::Result<()> {
     })
 }
 
+/// The bare relay: a tonic Cube plugin that turns a first Attach into the same NodeStage +
+/// NodePublish the bridge makes (at `<base>/.staging/relay+<id>` and `<base>/relay+<id>`),
+/// a last Detach into their inverses, and a Create or Destroy into CreateVolume or
+/// DeleteVolume, on one tonic channel to the driver, and keeps nothing: no record, no
+/// lock, no path check, no durable write. What any tonic bridge
+/// pays for the relaying alone; the bridge's figures minus this are its own work.
+#[derive(Debug, Clone)]
+struct RelayPlugin {
+    driver: DirectCsi,
+    channel: Channel,
+    /// The one base dir it attaches under (Detach names none).
+    base: PathBuf,
+    /// The CSI volume id of each attached volume, for its Detach.
+    handles: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
+}
+
+impl RelayPlugin {
+    fn name(volume_id: &str) -> String {
+        format!("relay+{volume_id}")
+    }
+
+    fn volume(csi_volume_id: &str) -> csi::Volume {
+        csi::Volume {
+            volume_id: csi_volume_id.into(),
+            ..Default::default()
+        }
+    }
+}
+
+fn relay_error(e: anyhow::Error) -> Status {
+    Status::internal(format!("{e:#}"))
+}
+
+#[tonic::async_trait]
+impl VolumePluginService for RelayPlugin {
+    async fn attach(
+        &self,
+        request: Request<pb::AttachRequest>,
+    ) -> Result<Response<pb::AttachResponse>, Status> {
+        let req = request.into_inner();
+        let base = &self.base;
+        let name = Self::name(&req.volume_id);
+        if req.ref_count == 0 {
+            // The handle travels in private_data when the caller has one (as from a
+            // bridge's Create); the suite's fake driver makes any other id on first use.
+            let csi_volume_id = if req.private_data.is_empty() {
+                req.volume_id.clone()
+            } else {
+                cube_csi_bridge::bridge::handoff::VolumeHandle::decode(&req.private_data)
+                    .map_err(Status::invalid_argument)?
+                    .csi_volume_id
+            };
+            // The CO makes the staging dir (CSI spec).
+            std::fs::create_dir_all(base.join(".staging").join(&name))
+                .map_err(|e| Status::internal(e.to_string()))?;
+            self.driver
+                .stage_publish(&self.channel, &Self::volume(&csi_volume_id), base, &name)
+                .await
+                .map_err(relay_error)?;
+            self.handles
+                .lock()
+                .expect("relay handles")
+                .insert(req.volume_id.clone(), csi_volume_id);
+        }
+        let host_path = base.join(&name).display().to_string();
+        Ok(Response::new(pb::AttachResponse {
+            metadata: [("mount_dir".to_string(), host_path.clone())].into(),
+            host_path,
+        }))
+    }
+
+    async fn detach(
+        &self,
+        request: Request<pb::DetachRequest>,
+    ) -> Result<Response<pb::DetachResponse>, Status> {
+        let req = request.into_inner();
+        if req.ref_count == 0 {
+            let csi_volume_id = self
+                .handles
+                .lock()
+                .expect("relay handles")
+                .remove(&req.volume_id)
+                .ok_or_else(|| Status::not_found("the relay never attached this volume"))?;
+            self.driver
+                .unpublish_unstage(
+                    &self.channel,
+                    &Self::volume(&csi_volume_id),
+                    &self.base,
+                    &Self::name(&req.volume_id),
+                )
+                .await
+                .map_err(relay_error)?;
+        }
+        Ok(Response::new(pb::DetachResponse {}))
+    }
+}
+
+#[tonic::async_trait]
+impl VolumeControllerService for RelayPlugin {
+    /// CreateVolume of the Cube volume's id, nothing recorded but the handle in memory.
+    async fn create(
+        &self,
+        request: Request<pb::CreateRequest>,
+    ) -> Result<Response<pb::CreateResponse>, Status> {
+        let req = request.into_inner();
+        let volume = self
+            .driver
+            .create(&self.channel, &req.volume_id)
+            .await
+            .map_err(relay_error)?;
+        self.handles
+            .lock()
+            .expect("relay handles")
+            .insert(req.volume_id, volume.volume_id);
+        Ok(Response::new(pb::CreateResponse::default()))
+    }
+
+    async fn destroy(
+        &self,
+        request: Request<pb::DestroyRequest>,
+    ) -> Result<Response<pb::DestroyResponse>, Status> {
+        let req = request.into_inner();
+        let csi_volume_id = self
+            .handles
+            .lock()
+            .expect("relay handles")
+            .remove(&req.volume_id)
+            .ok_or_else(|| Status::not_found("the relay never created this volume"))?;
+        self.driver
+            .delete(&self.channel, Self::volume(&csi_volume_id))
+            .await
+            .map_err(relay_error)?;
+        Ok(Response::new(pb::DestroyResponse {}))
+    }
+}
+
+/// `suite tonic-relay --listen SOCK --driver CSI_SOCK --base DIR`: serves the bare relay
+/// (attaching under DIR, whatever base dir an Attach names) until SIGTERM.
+pub fn run_relay(args: &[String]) -> anyhow::Result<()> {
+    let (socket, driver, base) = match args {
+        [l, socket, d, driver, b, base] if l == "--listen" && d == "--driver" && b == "--base" => (
+            PathBuf::from(socket),
+            PathBuf::from(driver),
+            PathBuf::from(base),
+        ),
+        _ => anyhow::bail!("usage: tonic-relay --listen SOCK --driver CSI_SOCK --base DIR"),
+    };
+    // The runtime `serve` uses: tokio's default multi-thread runtime.
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let relay = RelayPlugin {
+            channel: unix_channel(&driver).await?,
+            driver: DirectCsi {
+                socket: driver,
+                access_mode: csi::volume_capability::access_mode::Mode::MultiNodeMultiWriter,
+                capacity_bytes: 0,
+                stage: true,
+            },
+            handles: Default::default(),
+            base,
+        };
+        let listener = bind(&socket)?;
+        tonic::transport::Server::builder()
+            .add_service(VolumePluginServiceServer::new(relay.clone()))
+            .add_service(VolumeControllerServiceServer::new(relay))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop_signal())
+            .await?;
+        Ok(())
+    })
+}
+
 /// Hot Attach + Detach pairs (ref_count 1) from a tonic client on one channel, each call
 /// timed: the bare tonic unary hop. Returns (attach, detach) samples in ns.
 pub fn tonic_hop(socket: &Path, pairs: usize) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {

@@ -282,6 +282,25 @@ impl World {
         Ok((proc, socket))
     }
 
+    /// Starts the bare tonic relay (`suite tonic-relay`) in front of the driver at
+    /// `driver`: returns it, its socket and the base dir it attaches under.
+    pub fn relay(&self, name: &str, driver: &Path) -> anyhow::Result<(Proc, PathBuf, PathBuf)> {
+        let dir = self.dir(name)?;
+        let (socket, base) = (dir.join("plugin.sock"), dir.join("volumes"));
+        std::fs::create_dir_all(&base)?;
+        let mut cmd = Command::new(&self.suite);
+        cmd.arg("tonic-relay")
+            .arg("--listen")
+            .arg(&socket)
+            .arg("--driver")
+            .arg(driver)
+            .arg("--base")
+            .arg(&base);
+        let mut proc = Proc::spawn(name, cmd, &dir.join("plugin.log"))?;
+        proc.wait_for_socket(&socket, Duration::from_secs(20))?;
+        Ok((proc, socket, base))
+    }
+
     /// Starts the Go runner, logging to the work directory.
     pub fn runner(&self) -> anyhow::Result<crate::runner::Runner> {
         crate::runner::Runner::start(&self.cubeclient, &self.root.path().join("runner.log"))
