@@ -127,12 +127,18 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
             calls(1, &tag),
         )?;
     }
-    // perf of the hot pairs and of the Create + Destroy pairs (where a create storm's CPU
-    // goes): a count, then samples.
+    // perf of the hot pairs, the first Attach + last Detach pairs (where a burst's CPU
+    // goes) and the Create + Destroy pairs (where a create storm's goes): a count, then
+    // samples.
     let events = "task-clock,context-switches,cpu-migrations,page-faults";
-    for (name, n) in [("hot", HOT_PAIRS), ("create", CREATE_PAIRS * 3)] {
+    for (name, n) in [
+        ("hot", HOT_PAIRS),
+        ("first", FIRST_CYCLES * 3),
+        ("create", CREATE_PAIRS * 3),
+    ] {
         let calls = |tag: &str| match name {
             "hot" => hot(n, tag),
+            "first" => first(n, tag),
             _ => create(n, tag),
         };
         let stat = path(&format!("{name}-perf-stat.txt"));
@@ -216,7 +222,7 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "-g",
         "caller,0.5,callee,function,percent",
     ];
-    for name in ["hot", "create"] {
+    for name in ["hot", "first", "create"] {
         report(name, &flat, "self")?;
         report(name, &tree, "children")?;
     }
@@ -274,6 +280,13 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     show(
         format!("hot: perf stat over {HOT_PAIRS} pairs"),
         "hot-perf-stat.txt",
+    )?;
+    show(
+        format!(
+            "first: perf stat over {} first Attach + last Detach pairs",
+            FIRST_CYCLES * 3
+        ),
+        "first-perf-stat.txt",
     )?;
     show(
         format!(
