@@ -3,9 +3,10 @@
 //! attached to the daemon (all its threads): hot Attach + Detach pairs (ref_count 1),
 //! first Attach + last Detach cycles, and Create + Destroy pairs, each under `strace -f -c`
 //! (system time), `strace -f -c -w` (wall time) and `strace -f -tt -T` of one iteration;
-//! 256 first Attaches at once under `strace -f -c -w`; and the hot pairs and the Create +
-//! Destroy pairs under `perf stat` and `perf record` (cpu-clock, DWARF call graphs) with
-//! their reports.
+//! 256 first Attaches at once under `strace -f -c -w`; the hot pairs, the first Attach +
+//! last Detach pairs and the Create + Destroy pairs under `perf stat` and `perf record`
+//! (cpu-clock, DWARF call graphs), and create storms (64 at once) under `perf record`,
+//! with their reports.
 
 use std::path::Path;
 use std::process::Command;
@@ -22,6 +23,9 @@ use crate::world::{BridgeSpec, World};
 /// Iterations watched by each `strace -c` and perf run.
 const HOT_PAIRS: usize = 1000;
 const FIRST_CYCLES: usize = 100;
+/// Create storms profiled, each of `STORM` Creates at once (then their Destroys).
+const STORMS: usize = 30;
+const STORM: usize = 64;
 const CREATE_PAIRS: usize = 100;
 const CONCURRENT: usize = 256;
 
@@ -194,6 +198,41 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     )?;
     runner.run("256 detaches", &via, CONCURRENT, &detaches)?;
 
+    // Create storms (64 at once, then their Destroys 64 at once) under perf stat and perf
+    // record: where a storm's CPU goes when its writes share transactions.
+    let (storm_stat, storm_data) = (path("storm-perf-stat.txt"), path("storm-perf.data"));
+    let stat = ["stat", "-e", events, "-o", &storm_stat, "-p", &pid];
+    let record = [
+        "record",
+        "-e",
+        "cpu-clock",
+        "-F",
+        "999",
+        "--call-graph",
+        "dwarf,16384",
+        "-o",
+        &storm_data,
+        "-p",
+        &pid,
+    ];
+    for (tag, args) in [
+        ("storm-perf-stat", &stat[..]),
+        ("storm-perf-record", &record[..]),
+    ] {
+        watched(&out, "perf", args, tag, || {
+            for round in 0..STORMS {
+                let ids: Vec<String> = (0..STORM)
+                    .map(|i| format!("{tag}-{round}-{i:02}"))
+                    .collect();
+                let creates: Vec<Call> = ids.iter().map(|id| Call::create(id)).collect();
+                let destroys: Vec<Call> = ids.iter().map(|id| Call::destroy(id)).collect();
+                runner.run("storm", &via, STORM, &creates)?;
+                runner.run("storm destroys", &via, STORM, &destroys)?;
+            }
+            Ok(())
+        })?;
+    }
+
     // `perf report` of the `workload`'s samples into <workload>-perf-<kind>.txt.
     let report = |workload: &str, args: &[&str], kind: &str| -> anyhow::Result<()> {
         let data = path(&format!("{workload}-perf.data"));
@@ -222,7 +261,7 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "-g",
         "caller,0.5,callee,function,percent",
     ];
-    for name in ["hot", "first", "create"] {
+    for name in ["hot", "first", "create", "storm"] {
         report(name, &flat, "self")?;
         report(name, &tree, "children")?;
     }
@@ -294,6 +333,10 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
             CREATE_PAIRS * 3
         ),
         "create-perf-stat.txt",
+    )?;
+    show(
+        format!("storm: perf stat over {STORMS} storms of {STORM} Creates, then their Destroys"),
+        "storm-perf-stat.txt",
     )?;
     Ok(())
 }

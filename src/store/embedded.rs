@@ -75,8 +75,9 @@ struct Shared {
     opening_changed: Condvar,
     /// Wakes the closer before its time (a test that shortened the linger).
     closer: Condvar,
-    /// A batch of queued volume writes was applied: their callers take their outcomes.
-    batch_done: Condvar,
+    // A queued volume write's caller waits on a condition of its own (`write_wakers`):
+    // the end of a batch wakes the callers whose writes it applied and the one caller
+    // that applies the next, not every caller queued.
 }
 
 #[derive(Debug, Default)]
@@ -111,6 +112,9 @@ struct SharedState {
     /// Volume writes of this process's callers queued for the next batch (see
     /// `EmbeddedStore::write_volume`), by id.
     queued: Vec<(u64, VolumeWrite)>,
+    /// The condition each queued or applied write's caller waits on, by id, until it
+    /// takes its outcome or gives up.
+    write_wakers: std::collections::HashMap<u64, Arc<Condvar>>,
     /// A caller is applying a batch of queued writes.
     combining: bool,
     next_write: u64,
@@ -119,9 +123,11 @@ struct SharedState {
     /// Writes whose callers stopped waiting while theirs was applied: no one takes
     /// their outcomes.
     abandoned: std::collections::HashSet<u64>,
-    batch_waiters: usize,
     /// Batches applied (one write transaction each), for the tests.
     batches: u64,
+    /// Callers of queued writes woken to find neither their outcome nor a batch to
+    /// apply, for the tests (a herd of wake-ups counts here).
+    idle_write_wakes: u64,
     /// A write with no one to share a commit with syncs its own (see `Session::commit`);
     /// true but in the tests of writes that wait for a group commit.
     sync_lone_writes: bool,
@@ -326,7 +332,6 @@ impl Shared {
             commit_done: Condvar::new(),
             opening_changed: Condvar::new(),
             closer: Condvar::new(),
-            batch_done: Condvar::new(),
         });
         all.push((path.to_path_buf(), Arc::downgrade(&shared)));
         shared
@@ -891,12 +896,15 @@ impl EmbeddedStore {
     fn write_volume(&self, write: VolumeWrite) -> Result<Option<String>, StoreError> {
         self.with_db(|session| {
             let shared = session.shared;
+            let waker = Arc::new(Condvar::new());
             let mut state = shared.lock();
             let id = state.next_write;
             state.next_write += 1;
             state.queued.push((id, write));
+            state.write_wakers.insert(id, waker.clone());
             loop {
                 if let Some((result, ticket)) = state.outcomes.remove(&id) {
+                    state.write_wakers.remove(&id);
                     drop(state);
                     if ticket.is_some() {
                         session.ticket.set(ticket);
@@ -916,35 +924,65 @@ impl EmbeddedStore {
                         Ok(outcomes) => outcomes,
                         Err(e) => ids.iter().map(|_| (Err(copy_error(&e)), None)).collect(),
                     };
-                    for (id, outcome) in ids.into_iter().zip(outcomes) {
-                        if !state.abandoned.remove(&id) {
-                            state.outcomes.insert(id, outcome);
+                    for (applied_id, outcome) in ids.into_iter().zip(outcomes) {
+                        if state.abandoned.remove(&applied_id) {
+                            continue;
+                        }
+                        state.outcomes.insert(applied_id, outcome);
+                        if applied_id != id {
+                            Self::wake_writer(&state, applied_id);
                         }
                     }
-                    if state.batch_waiters > 0 {
-                        shared.batch_done.notify_all();
+                    Self::wake_next_combiner(&state);
+                    continue;
+                }
+                let left = session.until.saturating_duration_since(Instant::now());
+                if !left.is_zero() {
+                    let (next, timeout) = waker
+                        .wait_timeout(state, left)
+                        .unwrap_or_else(|p| p.into_inner());
+                    state = next;
+                    if !timeout.timed_out() && state.combining && !state.outcomes.contains_key(&id)
+                    {
+                        state.idle_write_wakes += 1;
                     }
                     continue;
                 }
-                let waiters: fn(&mut SharedState) -> &mut usize = |s| &mut s.batch_waiters;
-                let (next, waited) =
-                    Shared::wait_on(&shared.batch_done, waiters, state, session.until);
-                state = next;
-                if !waited {
-                    if let Some(at) = state.queued.iter().position(|(q, _)| *q == id) {
-                        // Not begun: withdrawn, so the error is the whole truth.
-                        state.queued.remove(at);
-                    } else if !state.outcomes.contains_key(&id) {
-                        // In the batch being applied: it may yet be committed (as a write
-                        // whose durable commit outlasts the caller's time).
-                        state.abandoned.insert(id);
-                    } else {
-                        continue;
-                    }
-                    return Err(shared.waited_too_long("the writes queued before this one"));
+                state.write_wakers.remove(&id);
+                if let Some(at) = state.queued.iter().position(|(q, _)| *q == id) {
+                    // Not begun: withdrawn, so the error is the whole truth. Had this
+                    // caller been woken to apply the next batch, another one does.
+                    state.queued.remove(at);
+                    Self::wake_next_combiner(&state);
+                } else if !state.outcomes.contains_key(&id) {
+                    // In the batch being applied: it may yet be committed (as a write
+                    // whose durable commit outlasts the caller's time).
+                    state.abandoned.insert(id);
+                } else {
+                    // Applied after all, just in time: its outcome stands.
+                    continue;
                 }
+                return Err(shared.waited_too_long("the writes queued before this one"));
             }
         })
+    }
+
+    /// Wakes the caller of queued write `id` (its outcome is ready, or it is to apply
+    /// the next batch).
+    fn wake_writer(state: &SharedState, id: u64) {
+        if let Some(waker) = state.write_wakers.get(&id) {
+            waker.notify_one();
+        }
+    }
+
+    /// When no batch is being applied and writes are queued, wakes the caller of the
+    /// first: it applies them all.
+    fn wake_next_combiner(state: &SharedState) {
+        if !state.combining
+            && let Some((first, _)) = state.queued.first()
+        {
+            Self::wake_writer(state, *first);
+        }
     }
 
     /// Applies a batch of queued writes in one write transaction, in their order, and
@@ -1733,6 +1771,51 @@ mod tests {
             "seven writes in two transactions"
         );
         assert_eq!(EmbeddedStore::list(&store).unwrap().len(), 6);
+    }
+
+    /// The end of a batch wakes the callers whose writes it applied and the one caller
+    /// that applies the next batch, not every caller queued: in a create storm each
+    /// batch's end woke every queued caller, to find the next batch taken by one of them
+    /// and sleep again. Fails if a batch's end wakes every queued caller.
+    #[test]
+    fn the_end_of_a_batch_wakes_only_the_callers_it_concerns() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
+        store.shared.lock().share_span = Some(Duration::from_secs(600));
+        let (holder, release) = holding_the_writer(&store);
+        // The first write takes a batch of its own and waits for the writer's place.
+        let queued_before = store.shared.lock().next_write;
+        let first = {
+            let store = store.clone();
+            std::thread::spawn(move || EmbeddedStore::put(&store, &record("first")))
+        };
+        while !(store.shared.lock().combining && store.shared.lock().next_write > queued_before) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Six more queue behind it, each asleep until its turn.
+        let writers: Vec<_> = (0..6)
+            .map(|i| {
+                let (store, record) = (store.clone(), record(&format!("v{i}")));
+                std::thread::spawn(move || EmbeddedStore::put(&store, &record))
+            })
+            .collect();
+        while store.shared.lock().next_write < queued_before + 7 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Asleep on their conditions, not about to wait: nothing but a wake-up moves them.
+        std::thread::sleep(Duration::from_millis(50));
+        release.send(()).unwrap();
+        holder.join().unwrap().unwrap();
+        first.join().unwrap().unwrap();
+        for writer in writers {
+            writer.join().unwrap().unwrap();
+        }
+        assert_eq!(EmbeddedStore::list(&store).unwrap().len(), 7);
+        assert_eq!(
+            store.shared.lock().idle_write_wakes,
+            0,
+            "a caller was woken with nothing to do"
+        );
     }
 
     /// A caller whose deadline passes while its write is still queued (another caller's
