@@ -8,7 +8,7 @@
 #   scripts/bench.sh                 # the full suite (several minutes on 2 cores)
 #   scripts/bench.sh --quick         # fewer iterations
 #   scripts/bench.sh --only hot,ready
-#   scripts/bench.sh --profile DIR   # strace/perf of 1,000 hot Attach+Detach pairs
+#   scripts/bench.sh --profile DIR   # strace/perf of the hot, first-Attach and Create paths, and storms
 #
 # Run as root: the suite mounts (in a private mount namespace of its own).
 set -euo pipefail

@@ -32,8 +32,8 @@ usage: cargo bench --bench suite -- [--quick] [--only SECTIONS] [--keep] [--prof
                    store, kubernetes, ready (default: all)
   --keep           keep the work directory (logs, configs, state) and print its path
   --profile DIR    instead of the table: where the daemon's time goes (strace of hot
-                   Attach/Detach, first Attach/Detach, Create/Destroy; perf of the hot
-                   pairs), written into DIR
+                   Attach/Detach, first Attach/Detach, Create/Destroy; perf of those
+                   and of create storms), written into DIR
   --bridge EXE     measure this build of cube-csi-bridge instead of the one cargo built
   --work-dir DIR   make the work directory (state, journal, locks) in DIR, not /var/tmp;
                    a tmpfs there shows what durable writes cost
