@@ -154,23 +154,8 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
             &tag,
             calls(&tag),
         )?;
-        // No hardware counters in a VM: sample on cpu-clock; Rust keeps no frame
-        // pointers, so stacks are unwound from DWARF.
-        let record = [
-            "record",
-            "-e",
-            "cpu-clock",
-            "-F",
-            "999",
-            "--call-graph",
-            "dwarf,16384",
-            "-o",
-            &data,
-            "-p",
-            &pid,
-        ];
         let tag = format!("{name}-perf-record");
-        traced("perf", &record, &tag, calls(&tag))?;
+        traced("perf", &perf_record(&data, &pid), &tag, calls(&tag))?;
     }
     // 256 first Attaches at once (then their Detaches, untraced): where concurrency waits.
     let ids: Vec<String> = (0..CONCURRENT).map(|i| format!("c-{i:03}")).collect();
@@ -202,19 +187,7 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
     // record: where a storm's CPU goes when its writes share transactions.
     let (storm_stat, storm_data) = (path("storm-perf-stat.txt"), path("storm-perf.data"));
     let stat = ["stat", "-e", events, "-o", &storm_stat, "-p", &pid];
-    let record = [
-        "record",
-        "-e",
-        "cpu-clock",
-        "-F",
-        "999",
-        "--call-graph",
-        "dwarf,16384",
-        "-o",
-        &storm_data,
-        "-p",
-        &pid,
-    ];
+    let record = perf_record(&storm_data, &pid);
     for (tag, args) in [
         ("storm-perf-stat", &stat[..]),
         ("storm-perf-record", &record[..]),
@@ -339,6 +312,24 @@ pub fn profile(world: &World, out: &Path) -> anyhow::Result<()> {
         "storm-perf-stat.txt",
     )?;
     Ok(())
+}
+
+/// `perf record` of the daemon `pid` into `data`. No hardware counters in a VM: it
+/// samples on cpu-clock; Rust keeps no frame pointers, so stacks are unwound from DWARF.
+fn perf_record<'a>(data: &'a str, pid: &'a str) -> [&'a str; 11] {
+    [
+        "record",
+        "-e",
+        "cpu-clock",
+        "-F",
+        "999",
+        "--call-graph",
+        "dwarf,16384",
+        "-o",
+        data,
+        "-p",
+        pid,
+    ]
 }
 
 /// Attaches `tool` (its args name the daemon's pid) to the daemon, runs `work`, and stops

@@ -652,22 +652,13 @@ fn first(world: &World) -> anyhow::Result<Vec<Row>> {
             Target::Info,
             None,
         ));
-        let pairs = bridged.attach.len().max(1);
-        rows.push(Row::judged(
+        rows.push(cpu_per_pair(
             format!(
                 "bridge daemon CPU (user + system) per first Attach + last Detach, rpc, {}",
                 case.label
             ),
-            format!(
-                "{} ({} in {pairs} pairs)",
-                fmt_duration(cpu / pairs as u32),
-                fmt_duration(cpu)
-            ),
-            String::new(),
-            0.0,
-            0.0,
-            Target::Info,
-            "ms",
+            cpu,
+            bridged.attach.len(),
         ));
         if !relayed.attach.is_empty() {
             rows.extend(relay_rows(
@@ -698,7 +689,6 @@ fn relay_rows(
         Summary::of_ns(&relayed.detach),
     );
     let over = |a: &Summary, b: &Summary| ms(a.median) - ms(b.median);
-    let pairs = relayed.attach.len().max(1);
     vec![
         Row::judged(
             format!(
@@ -732,20 +722,30 @@ fn relay_rows(
             Target::Info,
             "ms",
         ),
-        Row::judged(
+        cpu_per_pair(
             format!("bare tonic relay CPU per first Attach + last Detach, {label}"),
-            format!(
-                "{} ({} in {pairs} pairs)",
-                fmt_duration(cpu / pairs as u32),
-                fmt_duration(cpu)
-            ),
-            String::new(),
-            0.0,
-            0.0,
-            Target::Info,
-            "ms",
+            cpu,
+            relayed.attach.len(),
         ),
     ]
+}
+
+/// An info row: a process's CPU over `pairs` first Attach + last Detach pairs, per pair.
+fn cpu_per_pair(figure: String, cpu: Duration, pairs: usize) -> Row {
+    let pairs = pairs.max(1);
+    Row::judged(
+        figure,
+        format!(
+            "{} ({} in {pairs} pairs)",
+            fmt_duration(cpu / pairs as u32),
+            fmt_duration(cpu)
+        ),
+        String::new(),
+        0.0,
+        0.0,
+        Target::Info,
+        "ms",
+    )
 }
 
 /// fdatasync samples of a fresh 4 KiB file per round of the first-Attach figures.

@@ -1696,6 +1696,22 @@ mod tests {
         assert_eq!(again.list().unwrap().len(), writers as usize + 1);
     }
 
+    /// A write (of volume "first") that takes a batch of its own and, the writer's place
+    /// being held, waits inside it; returns its thread and the write id it took.
+    fn first_write_applying(
+        store: &Arc<EmbeddedStore>,
+    ) -> (std::thread::JoinHandle<Result<String, StoreError>>, u64) {
+        let queued_before = store.shared.lock().next_write;
+        let first = {
+            let store = store.clone();
+            std::thread::spawn(move || EmbeddedStore::put(&store, &record("first")))
+        };
+        while !(store.shared.lock().combining && store.shared.lock().next_write > queued_before) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (first, queued_before)
+    }
+
     /// A caller on its own thread that holds the writer's place (as one whose disk stopped
     /// answering would) until the sender is used or dropped; returns once it holds it.
     fn holding_the_writer(
@@ -1783,15 +1799,7 @@ mod tests {
         let store = Arc::new(EmbeddedStore::open(&tmp.path().join("c.redb")).unwrap());
         store.shared.lock().share_span = Some(Duration::from_secs(600));
         let (holder, release) = holding_the_writer(&store);
-        // The first write takes a batch of its own and waits for the writer's place.
-        let queued_before = store.shared.lock().next_write;
-        let first = {
-            let store = store.clone();
-            std::thread::spawn(move || EmbeddedStore::put(&store, &record("first")))
-        };
-        while !(store.shared.lock().combining && store.shared.lock().next_write > queued_before) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let (first, queued_before) = first_write_applying(&store);
         // Six more queue behind it, each asleep until its turn.
         let writers: Vec<_> = (0..6)
             .map(|i| {
@@ -1831,15 +1839,7 @@ mod tests {
             state.lock_wait = Some(Duration::from_secs(60));
         }
         let (holder, release) = holding_the_writer(&store);
-        // The first write takes a batch of its own and waits for the writer's place.
-        let queued_before = store.shared.lock().next_write;
-        let first = {
-            let store = store.clone();
-            std::thread::spawn(move || EmbeddedStore::put(&store, &record("first")))
-        };
-        while !(store.shared.lock().combining && store.shared.lock().next_write > queued_before) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let (first, _) = first_write_applying(&store);
         // The second queues behind it, with a deadline that passes while it is stuck.
         store.shared.lock().lock_wait = Some(Duration::from_millis(200));
         let second = {
