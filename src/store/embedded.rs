@@ -371,16 +371,33 @@ impl Shared {
         mut state: MutexGuard<'g, SharedState>,
         until: Instant,
     ) -> (MutexGuard<'g, SharedState>, bool) {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        if until <= Instant::now() {
             return (state, false);
         }
         *waiters(&mut state) += 1;
-        let (mut state, _) = condition
+        let (mut state, waited) = Self::wait_until(condition, state, until);
+        *waiters(&mut state) -= 1;
+        (state, waited.is_some())
+    }
+
+    /// Waits on `condition` until it is notified or `until`: the guard back, and how the
+    /// wait ended (None when the time was up before it).
+    fn wait_until<'g>(
+        condition: &Condvar,
+        state: MutexGuard<'g, SharedState>,
+        until: Instant,
+    ) -> (
+        MutexGuard<'g, SharedState>,
+        Option<std::sync::WaitTimeoutResult>,
+    ) {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return (state, None);
+        }
+        let (state, ended) = condition
             .wait_timeout(state, left)
             .unwrap_or_else(|p| p.into_inner());
-        *waiters(&mut state) -= 1;
-        (state, true)
+        (state, Some(ended))
     }
 
     /// Waits (see `wait_on`) for a durable commit to end.
@@ -936,14 +953,10 @@ impl EmbeddedStore {
                     Self::wake_next_combiner(&state);
                     continue;
                 }
-                let left = session.until.saturating_duration_since(Instant::now());
-                if !left.is_zero() {
-                    let (next, timeout) = waker
-                        .wait_timeout(state, left)
-                        .unwrap_or_else(|p| p.into_inner());
-                    state = next;
-                    if !timeout.timed_out() && state.combining && !state.outcomes.contains_key(&id)
-                    {
+                let (next, waited) = Shared::wait_until(&waker, state, session.until);
+                state = next;
+                if let Some(ended) = waited {
+                    if !ended.timed_out() && state.combining && !state.outcomes.contains_key(&id) {
                         state.idle_write_wakes += 1;
                     }
                     continue;
