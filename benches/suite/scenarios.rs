@@ -948,36 +948,15 @@ fn concurrent(world: &World) -> anyhow::Result<Vec<Row>> {
         let (attach, detach) = direct.all_at_once(&direct_base, &direct_names)?;
         direct_walls.push(attach.as_nanos() as i64);
         direct_detach_walls.push(detach.as_nanos() as i64);
-        walls.push(
-            runner
-                .run(&format!("256 attaches round {round}"), &via, N, &attaches)?
-                .wall_ns,
-        );
-        detach_walls.push(
-            runner
-                .run(&format!("256 detaches round {round}"), &via, N, &detaches)?
-                .wall_ns,
-        );
-        relay_walls.push(
-            runner
-                .run(
-                    &format!("relay 256 attaches round {round}"),
-                    &relay_via,
-                    N,
-                    &relay_attaches,
-                )?
-                .wall_ns,
-        );
-        relay_detach_walls.push(
-            runner
-                .run(
-                    &format!("relay 256 detaches round {round}"),
-                    &relay_via,
-                    N,
-                    &detaches,
-                )?
-                .wall_ns,
-        );
+        // One burst of all `calls` at once through `via`: its wall time.
+        let mut burst = |tag: &str, via: &Via, calls: &[Call]| -> anyhow::Result<i64> {
+            let name = format!("{tag} round {round}");
+            Ok(runner.run(&name, via, N, calls)?.wall_ns)
+        };
+        walls.push(burst("256 attaches", &via, &attaches)?);
+        detach_walls.push(burst("256 detaches", &via, &detaches)?);
+        relay_walls.push(burst("relay 256 attaches", &relay_via, &relay_attaches)?);
+        relay_detach_walls.push(burst("relay 256 detaches", &relay_via, &detaches)?);
     }
     let (relay_all, relay_all_d) = (
         Summary::of_ns(&relay_walls),

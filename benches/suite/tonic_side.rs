@@ -120,7 +120,30 @@ struct RelayPlugin {
     /// The one base dir it attaches under (Detach names none).
     base: PathBuf,
     /// The CSI volume id of each attached volume, for its Detach.
-    handles: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
+    attached: Handles,
+    /// The CSI volume id of each created volume, for its Destroy (kept apart from the
+    /// attached ones: a volume's Detach must not forget its Create).
+    created: Handles,
+}
+
+/// CSI volume ids by Cube volume id.
+type Handles = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>;
+
+/// Records `volume_id`'s CSI volume id in `handles`.
+fn remember(handles: &Handles, volume_id: String, csi_volume_id: String) {
+    handles
+        .lock()
+        .expect("relay handles")
+        .insert(volume_id, csi_volume_id);
+}
+
+/// Takes `volume_id`'s CSI volume id out of `handles`; `what` says what never happened.
+fn take(handles: &Handles, volume_id: &str, what: &str) -> Result<String, Status> {
+    handles
+        .lock()
+        .expect("relay handles")
+        .remove(volume_id)
+        .ok_or_else(|| Status::not_found(format!("the relay never {what} this volume")))
 }
 
 impl RelayPlugin {
@@ -166,10 +189,7 @@ impl VolumePluginService for RelayPlugin {
                 .stage_publish(&self.channel, &Self::volume(&csi_volume_id), base, &name)
                 .await
                 .map_err(relay_error)?;
-            self.handles
-                .lock()
-                .expect("relay handles")
-                .insert(req.volume_id.clone(), csi_volume_id);
+            remember(&self.attached, req.volume_id.clone(), csi_volume_id);
         }
         let host_path = base.join(&name).display().to_string();
         Ok(Response::new(pb::AttachResponse {
@@ -184,12 +204,7 @@ impl VolumePluginService for RelayPlugin {
     ) -> Result<Response<pb::DetachResponse>, Status> {
         let req = request.into_inner();
         if req.ref_count == 0 {
-            let csi_volume_id = self
-                .handles
-                .lock()
-                .expect("relay handles")
-                .remove(&req.volume_id)
-                .ok_or_else(|| Status::not_found("the relay never attached this volume"))?;
+            let csi_volume_id = take(&self.attached, &req.volume_id, "attached")?;
             self.driver
                 .unpublish_unstage(
                     &self.channel,
@@ -217,10 +232,7 @@ impl VolumeControllerService for RelayPlugin {
             .create(&self.channel, &req.volume_id)
             .await
             .map_err(relay_error)?;
-        self.handles
-            .lock()
-            .expect("relay handles")
-            .insert(req.volume_id, volume.volume_id);
+        remember(&self.created, req.volume_id, volume.volume_id);
         Ok(Response::new(pb::CreateResponse::default()))
     }
 
@@ -229,12 +241,7 @@ impl VolumeControllerService for RelayPlugin {
         request: Request<pb::DestroyRequest>,
     ) -> Result<Response<pb::DestroyResponse>, Status> {
         let req = request.into_inner();
-        let csi_volume_id = self
-            .handles
-            .lock()
-            .expect("relay handles")
-            .remove(&req.volume_id)
-            .ok_or_else(|| Status::not_found("the relay never created this volume"))?;
+        let csi_volume_id = take(&self.created, &req.volume_id, "created")?;
         self.driver
             .delete(&self.channel, Self::volume(&csi_volume_id))
             .await
@@ -265,7 +272,8 @@ pub fn run_relay(args: &[String]) -> anyhow::Result<()> {
                 capacity_bytes: 0,
                 stage: true,
             },
-            handles: Default::default(),
+            attached: Default::default(),
+            created: Default::default(),
             base,
         };
         let listener = bind(&socket)?;
