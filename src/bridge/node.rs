@@ -1278,8 +1278,9 @@ impl NodeSide {
         record
     }
 
-    /// Undoes whatever the record says may exist, in reverse order, saving progress so a
-    /// later Detach resumes where this one stopped. Removes the record when done.
+    /// Undoes whatever the record says may exist, in reverse order; a step that fails
+    /// leaves the record saying what is left, so a later Detach resumes where this one
+    /// stopped. Removes the record when done.
     pub(crate) async fn teardown(
         &self,
         hook: HookKind,
@@ -1326,7 +1327,28 @@ impl NodeSide {
 
     /// NodeUnpublish (when anything may be mounted or the driver may still count a
     /// publish, unless `which` keeps others' mount), then the steps in `which`.
+    ///
+    /// The record is saved when a step fails, so that it then says which steps are left;
+    /// not after each step that succeeds: every caller saves or removes the record once
+    /// the steps are done, and a crash in between only makes the next teardown repeat
+    /// an inverse call that CSI requires to be idempotent (the record never says less
+    /// than may exist). Two saves fewer per last Detach (issue 20).
     async fn undo_steps(
+        &self,
+        hook: HookKind,
+        record: &mut NodeRecord,
+        which: UndoSteps,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let undone = self.undo_each(hook, record, which, deadline).await;
+        if undone.is_err() {
+            self.save_progress(hook, record).await;
+        }
+        undone
+    }
+
+    /// `undo_steps`' calls, each step marked Absent in `record` once undone.
+    async fn undo_each(
         &self,
         hook: HookKind,
         record: &mut NodeRecord,
@@ -1371,7 +1393,6 @@ impl NodeSide {
                 self.undo_result(reply, &target, "NodeUnpublishVolume", deadline)
                     .await?;
                 record.publish = Step::Absent;
-                self.save_progress(hook, record).await;
             }
             remove_dir(&self.host_paths, &base, &target, deadline, DirEnd::Remove).await?;
         }
@@ -1393,7 +1414,6 @@ impl NodeSide {
                 self.undo_result(reply, &staging, "NodeUnstageVolume", deadline)
                     .await?;
                 record.stage = Step::Absent;
-                self.save_progress(hook, record).await;
             }
             // Parked for the volume's next first Attach where the host paths can (an
             // rmdir and a mkdir cost an inode each time: see mount/host_paths.rs). Its
@@ -1413,7 +1433,6 @@ impl NodeSide {
             faults::point(hook, When::After, "ControllerUnpublishVolume");
             self.driver.driver(reply).await?;
             record.controller_publish = Step::Absent;
-            self.save_progress(hook, record).await;
         }
         Ok(())
     }

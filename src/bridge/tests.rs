@@ -2517,6 +2517,8 @@ struct FailingSaves {
     /// The disk fills up right after the next durable save (the one before the first CSI
     /// call): every later save fails.
     fill_after_durable: std::sync::atomic::AtomicBool,
+    /// Every record written, in order.
+    saved: Mutex<Vec<NodeRecord>>,
 }
 
 impl NodeJournal for FailingSaves {
@@ -2532,6 +2534,7 @@ impl NodeJournal for FailingSaves {
             });
         }
         self.inner.save(record, durable)?;
+        self.saved.lock().unwrap().push(record.clone());
         if durable && self.fill_after_durable.swap(false, SeqCst) {
             self.fail.store(true, SeqCst);
         }
@@ -2588,6 +2591,7 @@ impl World {
             inner: crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
             fail: Default::default(),
             fill_after_durable: Default::default(),
+            saved: Default::default(),
         });
         self.bridge = sides_over(
             &config,
@@ -3031,6 +3035,62 @@ async fn a_last_detach_on_a_full_disk_still_tears_down() {
         .fail
         .store(true, std::sync::atomic::Ordering::SeqCst);
     w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+/// Issue 20: a last Detach writes its record once, saying nobody holds the volume, before
+/// the first inverse call, and then removes it: not again after each inverse call (a crash
+/// between them only repeats an idempotent one, which the crash matrix proves).
+#[tokio::test]
+async fn a_last_detach_saves_its_record_once_before_undoing() {
+    let mut w = World::new(Fake::new(true, true));
+    let journal = w.with_failing_saves();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    journal.saved.lock().unwrap().clear();
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]
+    );
+    let saved = journal.saved.lock().unwrap().clone();
+    assert_eq!(saved.len(), 1, "{saved:#?}");
+    assert!(saved[0].holders.is_empty());
+    assert_eq!(
+        (
+            saved[0].publish,
+            saved[0].stage,
+            saved[0].controller_publish
+        ),
+        (Step::Done, Step::Done, Step::Done),
+        "written before anything was undone"
+    );
+    w.assert_clean("v");
+}
+
+/// A teardown stopped by a failing inverse call leaves the record saying exactly what is
+/// left (the steps undone before it are Absent), and the next Detach resumes there.
+#[tokio::test]
+async fn a_teardown_that_stops_records_the_steps_it_undid() {
+    let mut w = World::new(Fake::new(true, true));
+    let journal = w.with_failing_saves();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.script("ControllerUnpublishVolume", Fault::Final);
+    w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    let left = w.record("v").expect("kept for the retry");
+    assert_eq!(
+        (left.publish, left.stage, left.controller_publish),
+        (Step::Absent, Step::Absent, Step::Done)
+    );
+    assert!(left.holders.is_empty());
+    assert_eq!(journal.saved.lock().unwrap().last(), Some(&left));
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(w.fake.mutating_calls(), ["ControllerUnpublishVolume"]);
     w.assert_clean("v");
 }
 
