@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
-pub use caller::{Answer, Caller, Delivery};
+pub use caller::{Answer, Caller, Delivery, LeaveOnDrop};
 pub use controller::{ControllerPorts, ControllerSide};
 pub use deadline::Deadline;
 pub use error::{BridgeError, HookError, HookKind};

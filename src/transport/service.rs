@@ -2,22 +2,24 @@
 //! VolumePluginService (Cubelet).
 //!
 //! A hot Attach or Detach (the volume mounted, other holders left) is answered in the
-//! handler itself (`run`). Every other hook runs as its own task, tracked for the drain
-//! on shutdown, so that it finishes (or undoes its work) even when the caller's deadline
-//! fires and tonic drops the handler: dropping the handler only tells the hook that its
-//! caller is gone. An
-//! Attach's or a Create's answer is handed to the handler while the hook still holds the
-//! volume, and counts only if the handler took it (see `ToHandler`).
+//! handler itself (`run`). Every other hook runs in the handler's poll too, until it
+//! answers; what is left of it then, or when tonic drops the handler (the caller's
+//! deadline fired), runs on as a task of its own, tracked for the drain on shutdown, so
+//! that it finishes (or undoes its work): dropping the handler only tells the hook that
+//! its caller is gone (`InlineHook`). An Attach's or a Create's answer is handed to the
+//! handler while the hook still holds the volume, and counts only if the handler took it
+//! (see `InHandler`).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio::sync::oneshot;
-use tokio_util::task::TaskTracker;
+use std::task::Poll;
+
+use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
 use tonic::{Request, Response, Status};
 
-use crate::bridge::{Answer, Bridge, Caller, Delivery};
+use crate::bridge::{Answer, Bridge, Caller, Delivery, HookError, LeaveOnDrop};
 use crate::config::Config;
 use crate::cube::errors::to_status;
 use crate::cube::hooks::{self, Attach, Create, Destroy, Detach, HookReply, HookRequest, Listed};
@@ -25,41 +27,149 @@ use crate::proto::cube::v1 as pb;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;
 
-/// An answer handed to the rpc handler, with the handler's word that it took it.
-type Handed = (HookReply, oneshot::Sender<()>);
-
-/// The rpc side of `Delivery`: the core hands an Attach's or a Create's answer to the
-/// handler, and it reached Cube as far as the daemon can tell once the handler took it.
-/// A handler already dropped (the caller's deadline passed, the stream was reset) never
-/// takes it, and the hook undoes what it reported instead of keeping a holder or a volume
-/// for a caller that was answered an error.
-struct ToHandler(tokio::sync::Mutex<Handoff>);
-
-enum Handoff {
-    Waiting(oneshot::Sender<Handed>),
-    /// Delivered once (taken or not); a second delivery gets the same verdict.
+/// What a hook the handler runs has done with its answer (`InHandler`).
+enum Slot {
+    /// Nothing delivered yet, and the handler is still there.
+    Waiting,
+    /// Delivered in the handler's poll; the handler returns it before that poll ends.
+    Handed(HookReply),
+    /// Delivered once (taken or not), or the handler is gone: a later delivery gets this
+    /// verdict.
     Done(bool),
 }
 
-impl Delivery for ToHandler {
+/// The rpc side of `Delivery`: the core hands an Attach's or a Create's answer to the
+/// handler, and it reached Cube as far as the daemon can tell once the handler took it.
+/// The hook runs inside the handler's poll (`InlineHook`) until the handler returns or is
+/// dropped, so an answer delivered while the slot is `Waiting` is delivered in that poll,
+/// and the handler returns it before the poll ends: nothing can drop the handler in
+/// between. A handler already dropped (the caller's deadline passed, the stream was
+/// reset) has set `Done(false)`, and the hook undoes what it reported instead of keeping
+/// a holder or a volume for a caller that was answered an error.
+struct InHandler(std::sync::Mutex<Slot>);
+
+impl InHandler {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        // No code panics while holding it; a poisoned slot still holds a valid state.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The answer delivered in the poll that just ended, now taken.
+    fn take_handed(&self) -> Option<HookReply> {
+        let mut slot = self.slot();
+        match std::mem::replace(&mut *slot, Slot::Done(true)) {
+            Slot::Handed(reply) => Some(reply),
+            other => {
+                *slot = other;
+                None
+            }
+        }
+    }
+
+    /// The handler is gone: no answer is taken any more.
+    fn refuse(&self) {
+        let mut slot = self.slot();
+        if matches!(*slot, Slot::Waiting) {
+            *slot = Slot::Done(false);
+        }
+    }
+}
+
+impl Delivery for InHandler {
     fn deliver(&self, answer: Answer) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
-        Box::pin(async move {
-            let mut handoff = self.0.lock().await;
-            let to_handler = match std::mem::replace(&mut *handoff, Handoff::Done(false)) {
-                Handoff::Done(taken) => {
-                    *handoff = Handoff::Done(taken);
-                    return taken;
+        let taken = {
+            let mut slot = self.slot();
+            match &*slot {
+                Slot::Waiting => {
+                    *slot = Slot::Handed(hooks::answer_reply(&answer));
+                    true
                 }
-                Handoff::Waiting(to_handler) => to_handler,
-            };
-            let (taken_tx, taken_rx) = oneshot::channel();
-            let taken = to_handler
-                .send((hooks::answer_reply(&answer), taken_tx))
-                .is_ok()
-                && taken_rx.await.is_ok();
-            *handoff = Handoff::Done(taken);
-            taken
-        })
+                Slot::Handed(_) => true,
+                Slot::Done(taken) => *taken,
+            }
+        };
+        Box::pin(std::future::ready(taken))
+    }
+}
+
+type HookFuture = Pin<Box<dyn Future<Output = Result<HookReply, HookError>> + Send>>;
+
+/// A hook run in the rpc handler's own poll, with no task of its own and no hand-off
+/// between threads on the way to the answer (issue 20: a spawned task and two oneshot
+/// wake-ups per cold hook). What is left of it once the handler no longer waits for it
+/// (the answer was taken, or the handler was dropped) is spawned, tracked for the drain
+/// on shutdown like every hook: a hook always runs to completion, or to its undo.
+struct InlineHook {
+    /// None once it completed (or panicked in a poll: never polled again).
+    hook: Option<HookFuture>,
+    handoff: Arc<InHandler>,
+    left: Option<LeaveOnDrop>,
+    tasks: TaskTracker,
+    runtime: tokio::runtime::Handle,
+    /// Counts this hook in `tasks` while the handler runs it.
+    _tracked: TaskTrackerToken,
+}
+
+impl InlineHook {
+    /// Spawns what is left of the hook, if anything.
+    fn finish_elsewhere(&mut self) {
+        if let Some(hook) = self.hook.take() {
+            self.tasks.spawn_on(
+                async move {
+                    // Its outcome is logged and counted by the hook itself.
+                    let _ = hook.await;
+                },
+                &self.runtime,
+            );
+        }
+    }
+}
+
+impl Future for InlineHook {
+    type Output = Result<HookReply, HookError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let Some(mut hook) = this.hook.take() else {
+            unreachable!("an InlineHook is not polled after it answered")
+        };
+        let polled = hook.as_mut().poll(cx);
+        if polled.is_pending() {
+            this.hook = Some(hook);
+        }
+        // Taken and returned to tonic in this one poll: once the hook hears that it was
+        // taken, the reply is tonic's to write, and no deadline can turn it into an error
+        // any more. The hook finishes on its own.
+        if let Some(reply) = this.handoff.take_handed() {
+            this.finish_elsewhere();
+            if let Some(left) = this.left.take() {
+                left.disarm();
+            }
+            return Poll::Ready(Ok(reply));
+        }
+        match polled {
+            Poll::Ready(result) => {
+                if let Some(left) = this.left.take() {
+                    left.disarm();
+                }
+                Poll::Ready(result)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for InlineHook {
+    /// The handler was dropped before the hook answered: its caller is gone (the hook
+    /// hears it before its next step), and the hook goes on in a task of its own.
+    fn drop(&mut self) {
+        if self.hook.is_some() {
+            self.handoff.refuse();
+            drop(self.left.take());
+            self.finish_elsewhere();
+        }
     }
 }
 
@@ -91,33 +201,22 @@ impl CubeService {
         if let Some(result) = hooks::run_if_hot(&self.bridge, &checked).await {
             return result.map_err(|e| to_status(&e));
         }
-        let (to_handler, mut handed) = oneshot::channel();
-        let caller = Caller::confirming(Arc::new(ToHandler(tokio::sync::Mutex::new(
-            Handoff::Waiting(to_handler),
-        ))));
+        let handoff = Arc::new(InHandler(std::sync::Mutex::new(Slot::Waiting)));
+        let caller = Caller::confirming(handoff.clone());
         let left = caller.leave_on_drop();
         let bridge = self.bridge.clone();
-        let hook_caller = caller.clone();
-        let mut task = self
-            .tasks
-            .spawn(async move { hooks::run(&bridge, checked, &hook_caller).await });
-        let result = tokio::select! {
-            biased;
-            Ok((reply, taken)) = &mut handed => {
-                // Taken and returned to tonic in this one poll: once the hook hears that it
-                // was taken, the reply is tonic's to write, and no deadline can turn it into
-                // an error any more. The hook finishes on its own (tracked for the drain).
-                let _ = taken.send(());
-                left.disarm();
-                return Ok(reply);
-            }
-            joined = &mut task => match joined {
-                Ok(result) => result,
-                Err(join) => std::panic::resume_unwind(join.into_panic()),
-            },
-        };
-        left.disarm();
-        result.map_err(|e| to_status(&e))
+        InlineHook {
+            hook: Some(Box::pin(async move {
+                hooks::run(&bridge, checked, &caller).await
+            })),
+            handoff,
+            left: Some(left),
+            tasks: self.tasks.clone(),
+            runtime: tokio::runtime::Handle::current(),
+            _tracked: self.tasks.token(),
+        }
+        .await
+        .map_err(|e| to_status(&e))
     }
 
     /// Serves one hook of the table (`cube::hooks`).
@@ -163,5 +262,134 @@ impl VolumePluginService for CubeService {
         request: Request<pb::DetachRequest>,
     ) -> Result<Response<pb::DetachResponse>, Status> {
         self.serve::<Detach>(request).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::sync::oneshot;
+
+    use super::*;
+    use crate::bridge::Created;
+
+    fn created() -> Answer {
+        Answer::Created(Created {
+            token: "t".into(),
+            private_data: "p".into(),
+        })
+    }
+
+    /// The handler's side of one hook, over `hook`, whose caller is `caller`.
+    fn inline(
+        tasks: &TaskTracker,
+        handoff: Arc<InHandler>,
+        caller: &Caller,
+        hook: HookFuture,
+    ) -> InlineHook {
+        InlineHook {
+            hook: Some(hook),
+            handoff,
+            left: Some(caller.leave_on_drop()),
+            tasks: tasks.clone(),
+            runtime: tokio::runtime::Handle::current(),
+            _tracked: tasks.token(),
+        }
+    }
+
+    fn caller() -> (Arc<InHandler>, Caller) {
+        let handoff = Arc::new(InHandler(std::sync::Mutex::new(Slot::Waiting)));
+        (handoff.clone(), Caller::confirming(handoff))
+    }
+
+    /// A handler dropped before its hook answers (the caller's deadline fired) leaves the
+    /// hook running in a task the drain waits for; the hook hears that its caller is gone
+    /// and that its answer was not taken, so it undoes instead of keeping what it did.
+    #[tokio::test]
+    async fn a_dropped_handler_leaves_its_hook_running_and_refuses_the_answer() {
+        let tasks = TaskTracker::new();
+        let (handoff, caller) = caller();
+        let (go, wait) = oneshot::channel::<()>();
+        let (heard, hears) = oneshot::channel();
+        let hook_caller = caller.clone();
+        let hook = inline(
+            &tasks,
+            handoff,
+            &caller,
+            Box::pin(async move {
+                wait.await.unwrap();
+                let gone = hook_caller.is_gone();
+                let answer = created();
+                let taken = hook_caller.deliver(answer.clone()).await;
+                heard.send((gone, taken)).unwrap();
+                Ok(hooks::answer_reply(&answer))
+            }),
+        );
+        let handler = tokio::time::timeout(Duration::from_millis(20), hook).await;
+        assert!(handler.is_err(), "the hook waits: the handler times out");
+        assert!(caller.is_gone());
+        tasks.close();
+        assert_eq!(
+            tasks.len(),
+            1,
+            "the rest of the hook is tracked for the drain"
+        );
+        go.send(()).unwrap();
+        assert_eq!(hears.await.unwrap(), (true, false));
+        tasks.wait().await;
+    }
+
+    /// An answer delivered in the handler's poll is returned by that poll, while the hook
+    /// goes on (its lock released, its marker cleared) in a tracked task; the caller was
+    /// answered, so it is not gone, and a second delivery gets the same verdict.
+    #[tokio::test]
+    async fn an_answer_is_returned_at_once_and_the_hook_finishes_on_its_own() {
+        let tasks = TaskTracker::new();
+        let (handoff, caller) = caller();
+        let (go, wait) = oneshot::channel::<()>();
+        let (heard, hears) = oneshot::channel();
+        let hook_caller = caller.clone();
+        let hook = inline(
+            &tasks,
+            handoff,
+            &caller,
+            Box::pin(async move {
+                let answer = created();
+                let first = hook_caller.deliver(answer.clone()).await;
+                wait.await.unwrap();
+                let again = hook_caller.deliver(answer.clone()).await;
+                heard.send((first, again)).unwrap();
+                Ok(hooks::answer_reply(&answer))
+            }),
+        );
+        let reply = tokio::time::timeout(Duration::from_secs(5), hook)
+            .await
+            .expect("answered before the hook ended")
+            .expect("the answer");
+        assert!(matches!(reply, HookReply::Create(r) if r.private_data == "p"));
+        assert!(!caller.is_gone());
+        tasks.close();
+        assert_eq!(tasks.len(), 1);
+        go.send(()).unwrap();
+        assert_eq!(hears.await.unwrap(), (true, true));
+        tasks.wait().await;
+    }
+
+    /// A hook that ends without answering (a Detach, a failure) is returned as it ended,
+    /// with nothing left to run.
+    #[tokio::test]
+    async fn a_hook_that_ends_in_the_handler_leaves_no_task() {
+        let tasks = TaskTracker::new();
+        let (handoff, caller) = caller();
+        let hook = inline(
+            &tasks,
+            handoff,
+            &caller,
+            Box::pin(async { Ok(hooks::answer_reply(&created())) }),
+        );
+        hook.await.unwrap();
+        assert!(!caller.is_gone());
+        assert!(tasks.is_empty());
     }
 }
