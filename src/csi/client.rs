@@ -8,6 +8,7 @@ use tonic::transport::{Channel, Uri};
 use tonic::{Code, Status};
 
 use super::Endpoint;
+use super::direct::UnixConnection;
 use super::redact::Redactions;
 use super::retry::{Backoff, status_finality};
 use crate::bridge::Deadline;
@@ -42,6 +43,52 @@ pub fn channel(endpoint: &Endpoint) -> Channel {
     }
 }
 
+/// What a `CsiClient` sends its calls on: a driver's Unix socket directly (`direct.rs`),
+/// or a tonic channel to `host:port`.
+#[derive(Debug, Clone)]
+pub enum CsiChannel {
+    Unix(UnixConnection),
+    Tcp(Channel),
+}
+
+impl CsiChannel {
+    fn new(endpoint: &Endpoint) -> Self {
+        match endpoint {
+            Endpoint::Unix(path) => CsiChannel::Unix(UnixConnection::new(path.clone())),
+            Endpoint::Tcp(_) => CsiChannel::Tcp(channel(endpoint)),
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower::Service<http::Request<tonic::body::Body>> for CsiChannel {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = BoxError;
+    type Future =
+        std::pin::Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        match self {
+            CsiChannel::Unix(connection) => connection.poll_ready(cx),
+            CsiChannel::Tcp(channel) => channel.poll_ready(cx).map_err(Into::into),
+        }
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        match self {
+            CsiChannel::Unix(connection) => connection.call(request),
+            CsiChannel::Tcp(channel) => {
+                let call = channel.call(request);
+                Box::pin(async move { call.await.map_err(Into::into) })
+            }
+        }
+    }
+}
+
 /// Retries stop when less than this would be left for the next attempt.
 const MIN_ATTEMPT_TIME: std::time::Duration = std::time::Duration::from_millis(50);
 
@@ -49,7 +96,7 @@ const MIN_ATTEMPT_TIME: std::time::Duration = std::time::Duration::from_millis(5
 /// the driver restarts; nothing is cached across a dead connection.
 #[derive(Debug, Clone)]
 pub struct CsiClient {
-    channel: Channel,
+    channel: CsiChannel,
     endpoint: String,
     /// The driver label of this client's call metrics.
     metrics: crate::metrics::DriverLabel,
@@ -59,7 +106,7 @@ impl CsiClient {
     /// Creates the client without dialing (a driver that is down fails the first call,
     /// not the start of the bridge).
     pub fn new(endpoint: &Endpoint) -> Self {
-        let channel = channel(endpoint);
+        let channel = CsiChannel::new(endpoint);
         Self {
             channel,
             endpoint: endpoint.to_string(),
@@ -106,7 +153,7 @@ impl CsiClient {
         deadline: &Deadline,
         req: &Req,
         redact: &Redactions,
-        send: impl Fn(Channel, tonic::Request<Req>) -> Fut,
+        send: impl Fn(CsiChannel, tonic::Request<Req>) -> Fut,
     ) -> Result<Resp, DriverError>
     where
         Req: Clone,

@@ -2,6 +2,7 @@
 //! the core's driver ports implemented over gRPC. Nothing here knows about Cube.
 
 pub mod client;
+mod direct;
 pub mod driver;
 pub mod endpoint;
 pub mod redact;
