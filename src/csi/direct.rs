@@ -115,70 +115,12 @@ impl tower::Service<http::Request<Body>> for UnixConnection {
 mod tests {
     use std::time::Duration;
 
-    use tokio_stream::wrappers::UnixListenerStream;
-
     use crate::bridge::Deadline;
     use crate::bridge::ports::Finality;
+    use crate::csi::fake_identity::serve;
     use crate::csi::redact::Redactions;
     use crate::csi::{CsiClient, Endpoint};
     use crate::proto::csi::v1 as csi;
-
-    /// A driver whose Probe answers `ready` (the generation it was started as).
-    struct Generation(bool);
-
-    #[tonic::async_trait]
-    impl csi::identity_server::Identity for Generation {
-        async fn get_plugin_info(
-            &self,
-            _: tonic::Request<csi::GetPluginInfoRequest>,
-        ) -> Result<tonic::Response<csi::GetPluginInfoResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not needed"))
-        }
-        async fn get_plugin_capabilities(
-            &self,
-            _: tonic::Request<csi::GetPluginCapabilitiesRequest>,
-        ) -> Result<tonic::Response<csi::GetPluginCapabilitiesResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not needed"))
-        }
-        async fn probe(
-            &self,
-            request: tonic::Request<csi::ProbeRequest>,
-        ) -> Result<tonic::Response<csi::ProbeResponse>, tonic::Status> {
-            // The bridge's deadline travels with the call, as kubelet's does.
-            if request.metadata().get("grpc-timeout").is_none() {
-                return Err(tonic::Status::invalid_argument("no grpc-timeout"));
-            }
-            Ok(tonic::Response::new(csi::ProbeResponse {
-                ready: Some(self.0),
-            }))
-        }
-    }
-
-    /// A driver on `path`; sending on the returned channel stops it, closing its
-    /// connections (as a driver that exits does).
-    fn serve(
-        path: &std::path::Path,
-        generation: bool,
-    ) -> (
-        tokio::sync::oneshot::Sender<()>,
-        tokio::task::JoinHandle<()>,
-    ) {
-        let _ = std::fs::remove_file(path);
-        let listener = tokio::net::UnixListener::bind(path).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(csi::identity_server::IdentityServer::new(Generation(
-                    generation,
-                )))
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                })
-                .await
-                .unwrap();
-        });
-        (stop, server)
-    }
 
     async fn probe(client: &CsiClient, within: Duration) -> Result<Option<bool>, String> {
         client
@@ -199,7 +141,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("csi.sock");
         let client = CsiClient::new(&Endpoint::Unix(path.clone()));
-        let (stop, first) = serve(&path, false);
+        let (stop, first) = serve(&path, Some(false));
         for _ in 0..3 {
             assert_eq!(
                 probe(&client, Duration::from_secs(5)).await,
@@ -207,8 +149,9 @@ mod tests {
             );
         }
         stop.send(()).unwrap();
-        first.await.unwrap();
-        let _second = serve(&path, true);
+        first.await.unwrap().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let _second = serve(&path, Some(true));
         // The first call after the restart may meet the old connection closing: a
         // transport failure, retried inside the budget.
         assert_eq!(

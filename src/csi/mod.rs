@@ -5,6 +5,8 @@ pub mod client;
 mod direct;
 pub mod driver;
 pub mod endpoint;
+#[cfg(test)]
+pub(crate) mod fake_identity;
 pub mod redact;
 pub mod retry;
 

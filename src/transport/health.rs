@@ -181,32 +181,8 @@ async fn probe_once(mut client: IdentityClient<Channel>, timeout: Duration) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::csi::fake_identity::ProbeOnly;
     use tokio_stream::wrappers::UnixListenerStream;
-
-    /// A driver whose Probe answers `ready`, on a temp socket.
-    struct ReadyFlag(Option<bool>);
-
-    #[tonic::async_trait]
-    impl csi::identity_server::Identity for ReadyFlag {
-        async fn get_plugin_info(
-            &self,
-            _: tonic::Request<csi::GetPluginInfoRequest>,
-        ) -> Result<tonic::Response<csi::GetPluginInfoResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not needed"))
-        }
-        async fn get_plugin_capabilities(
-            &self,
-            _: tonic::Request<csi::GetPluginCapabilitiesRequest>,
-        ) -> Result<tonic::Response<csi::GetPluginCapabilitiesResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not needed"))
-        }
-        async fn probe(
-            &self,
-            _: tonic::Request<csi::ProbeRequest>,
-        ) -> Result<tonic::Response<csi::ProbeResponse>, tonic::Status> {
-            Ok(tonic::Response::new(csi::ProbeResponse { ready: self.0 }))
-        }
-    }
 
     async fn verdict_for(ready: Option<bool>) -> Result<(), String> {
         let dir = tempfile::tempdir().unwrap();
@@ -214,7 +190,7 @@ mod tests {
         let listener = tokio::net::UnixListener::bind(&socket).unwrap();
         let server = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(csi::identity_server::IdentityServer::new(ReadyFlag(ready)))
+                .add_service(csi::identity_server::IdentityServer::new(ProbeOnly(ready)))
                 .serve_with_incoming(UnixListenerStream::new(listener)),
         );
         let client = IdentityClient::new(crate::csi::client::channel(&Endpoint::Unix(socket)));
@@ -290,7 +266,7 @@ mod tests {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let driver = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(csi::identity_server::IdentityServer::new(ReadyFlag(None)))
+                .add_service(csi::identity_server::IdentityServer::new(ProbeOnly(None)))
                 .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
                     let _ = stopped.await;
                 }),
