@@ -8,7 +8,7 @@ use tonic::transport::{Channel, Uri};
 use tonic::{Code, Status};
 
 use super::Endpoint;
-use super::direct::UnixConnection;
+use super::direct::{BoxError, UnixConnection};
 use super::redact::Redactions;
 use super::retry::{Backoff, status_finality};
 use crate::bridge::Deadline;
@@ -59,8 +59,6 @@ impl CsiChannel {
         }
     }
 }
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 impl tower::Service<http::Request<tonic::body::Body>> for CsiChannel {
     type Response = http::Response<tonic::body::Body>;

@@ -19,7 +19,8 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tonic::body::Body;
 
-type BoxError = Box<dyn StdError + Send + Sync>;
+/// The error a CSI channel's calls fail with (tonic turns it into a `Status`).
+pub(super) type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// A lazily dialed HTTP/2 connection to a Unix socket, shared by every clone.
 #[derive(Clone)]
@@ -96,8 +97,8 @@ impl tower::Service<http::Request<Body>> for UnixConnection {
             let path = request
                 .uri()
                 .path_and_query()
-                .map_or("/", |p| p.as_str())
-                .to_string();
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
             *request.uri_mut() = http::Uri::builder()
                 .scheme("http")
                 .authority("localhost")

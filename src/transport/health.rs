@@ -181,18 +181,13 @@ async fn probe_once(mut client: IdentityClient<Channel>, timeout: Duration) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::csi::fake_identity::ProbeOnly;
+    use crate::csi::fake_identity;
     use tokio_stream::wrappers::UnixListenerStream;
 
     async fn verdict_for(ready: Option<bool>) -> Result<(), String> {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("csi.sock");
-        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-        let server = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(csi::identity_server::IdentityServer::new(ProbeOnly(ready)))
-                .serve_with_incoming(UnixListenerStream::new(listener)),
-        );
+        let (_stop, server) = fake_identity::serve(&socket, ready);
         let client = IdentityClient::new(crate::csi::client::channel(&Endpoint::Unix(socket)));
         let verdict = probe_once(client, Duration::from_secs(5)).await;
         server.abort();
@@ -262,15 +257,7 @@ mod tests {
         use tonic_health::pb::health_check_response::ServingStatus as Wire;
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("csi.sock");
-        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let driver = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(csi::identity_server::IdentityServer::new(ProbeOnly(None)))
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                }),
-        );
+        let (stop, driver) = fake_identity::serve(&socket, None);
         let text = format!(
             "driver = \"t\"\n[csi]\nendpoint = \"unix://{}\"\n",
             socket.display()

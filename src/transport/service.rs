@@ -13,7 +13,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-
 use std::task::Poll;
 
 use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
@@ -113,6 +112,30 @@ struct InlineHook {
 }
 
 impl InlineHook {
+    /// The hook `make` builds for the caller it is given, run by the handler; that
+    /// caller, which confirms a delivery only while this handler takes it, is returned
+    /// too. Must be made on the runtime that serves the handler.
+    fn new(tasks: &TaskTracker, make: impl FnOnce(Caller) -> HookFuture) -> (Self, Caller) {
+        let handoff = Arc::new(InHandler(std::sync::Mutex::new(Slot::Waiting)));
+        let caller = Caller::confirming(handoff.clone());
+        let hook = Self {
+            hook: Some(make(caller.clone())),
+            handoff,
+            left: Some(caller.leave_on_drop()),
+            tasks: tasks.clone(),
+            runtime: tokio::runtime::Handle::current(),
+            _tracked: tasks.token(),
+        };
+        (hook, caller)
+    }
+
+    /// The caller was answered: it did not leave.
+    fn disarm(&mut self) {
+        if let Some(left) = self.left.take() {
+            left.disarm();
+        }
+    }
+
     /// Spawns what is left of the hook, if anything.
     fn finish_elsewhere(&mut self) {
         if let Some(hook) = self.hook.take() {
@@ -144,20 +167,13 @@ impl Future for InlineHook {
         // any more. The hook finishes on its own.
         if let Some(reply) = this.handoff.take_handed() {
             this.finish_elsewhere();
-            if let Some(left) = this.left.take() {
-                left.disarm();
-            }
+            this.disarm();
             return Poll::Ready(Ok(reply));
         }
-        match polled {
-            Poll::Ready(result) => {
-                if let Some(left) = this.left.take() {
-                    left.disarm();
-                }
-                Poll::Ready(result)
-            }
-            Poll::Pending => Poll::Pending,
+        if polled.is_ready() {
+            this.disarm();
         }
+        polled
     }
 }
 
@@ -201,22 +217,11 @@ impl CubeService {
         if let Some(result) = hooks::run_if_hot(&self.bridge, &checked).await {
             return result.map_err(|e| to_status(&e));
         }
-        let handoff = Arc::new(InHandler(std::sync::Mutex::new(Slot::Waiting)));
-        let caller = Caller::confirming(handoff.clone());
-        let left = caller.leave_on_drop();
         let bridge = self.bridge.clone();
-        InlineHook {
-            hook: Some(Box::pin(async move {
-                hooks::run(&bridge, checked, &caller).await
-            })),
-            handoff,
-            left: Some(left),
-            tasks: self.tasks.clone(),
-            runtime: tokio::runtime::Handle::current(),
-            _tracked: self.tasks.token(),
-        }
-        .await
-        .map_err(|e| to_status(&e))
+        let (hook, _) = InlineHook::new(&self.tasks, |caller| {
+            Box::pin(async move { hooks::run(&bridge, checked, &caller).await })
+        });
+        hook.await.map_err(|e| to_status(&e))
     }
 
     /// Serves one hook of the table (`cube::hooks`).
@@ -281,42 +286,15 @@ mod tests {
         })
     }
 
-    /// The handler's side of one hook, over `hook`, whose caller is `caller`.
-    fn inline(
-        tasks: &TaskTracker,
-        handoff: Arc<InHandler>,
-        caller: &Caller,
-        hook: HookFuture,
-    ) -> InlineHook {
-        InlineHook {
-            hook: Some(hook),
-            handoff,
-            left: Some(caller.leave_on_drop()),
-            tasks: tasks.clone(),
-            runtime: tokio::runtime::Handle::current(),
-            _tracked: tasks.token(),
-        }
-    }
-
-    fn caller() -> (Arc<InHandler>, Caller) {
-        let handoff = Arc::new(InHandler(std::sync::Mutex::new(Slot::Waiting)));
-        (handoff.clone(), Caller::confirming(handoff))
-    }
-
     /// A handler dropped before its hook answers (the caller's deadline fired) leaves the
     /// hook running in a task the drain waits for; the hook hears that its caller is gone
     /// and that its answer was not taken, so it undoes instead of keeping what it did.
     #[tokio::test]
     async fn a_dropped_handler_leaves_its_hook_running_and_refuses_the_answer() {
         let tasks = TaskTracker::new();
-        let (handoff, caller) = caller();
         let (go, wait) = oneshot::channel::<()>();
         let (heard, hears) = oneshot::channel();
-        let hook_caller = caller.clone();
-        let hook = inline(
-            &tasks,
-            handoff,
-            &caller,
+        let (hook, caller) = InlineHook::new(&tasks, |hook_caller| {
             Box::pin(async move {
                 wait.await.unwrap();
                 let gone = hook_caller.is_gone();
@@ -324,8 +302,8 @@ mod tests {
                 let taken = hook_caller.deliver(answer.clone()).await;
                 heard.send((gone, taken)).unwrap();
                 Ok(hooks::answer_reply(&answer))
-            }),
-        );
+            })
+        });
         let handler = tokio::time::timeout(Duration::from_millis(20), hook).await;
         assert!(handler.is_err(), "the hook waits: the handler times out");
         assert!(caller.is_gone());
@@ -346,14 +324,9 @@ mod tests {
     #[tokio::test]
     async fn an_answer_is_returned_at_once_and_the_hook_finishes_on_its_own() {
         let tasks = TaskTracker::new();
-        let (handoff, caller) = caller();
         let (go, wait) = oneshot::channel::<()>();
         let (heard, hears) = oneshot::channel();
-        let hook_caller = caller.clone();
-        let hook = inline(
-            &tasks,
-            handoff,
-            &caller,
+        let (hook, caller) = InlineHook::new(&tasks, |hook_caller| {
             Box::pin(async move {
                 let answer = created();
                 let first = hook_caller.deliver(answer.clone()).await;
@@ -361,8 +334,8 @@ mod tests {
                 let again = hook_caller.deliver(answer.clone()).await;
                 heard.send((first, again)).unwrap();
                 Ok(hooks::answer_reply(&answer))
-            }),
-        );
+            })
+        });
         let reply = tokio::time::timeout(Duration::from_secs(5), hook)
             .await
             .expect("answered before the hook ended")
@@ -381,13 +354,9 @@ mod tests {
     #[tokio::test]
     async fn a_hook_that_ends_in_the_handler_leaves_no_task() {
         let tasks = TaskTracker::new();
-        let (handoff, caller) = caller();
-        let hook = inline(
-            &tasks,
-            handoff,
-            &caller,
-            Box::pin(async { Ok(hooks::answer_reply(&created())) }),
-        );
+        let (hook, caller) = InlineHook::new(&tasks, |_| {
+            Box::pin(async { Ok(hooks::answer_reply(&created())) })
+        });
         hook.await.unwrap();
         assert!(!caller.is_gone());
         assert!(tasks.is_empty());
