@@ -8,6 +8,10 @@
 //! stopped, the worker then finishes (holder saved, answer handed over), and only then is
 //! the stopped front killed.
 //!
+//! The other way round, a forked Detach that answered Cube with a failure keeps the
+//! volume attached, as Cube believes it is, until Cube retries that Detach: its worker
+//! does not finish the teardown behind Cube's back after answering.
+//!
 //! Needs root (real mounts); skips without it, except in CI.
 
 mod common;
@@ -16,7 +20,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::callers::{self, Hook};
-use common::fake_driver::Caps;
+use common::fake_driver::{Behavior, Caps};
 use common::{Mode, World};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -186,4 +190,77 @@ async fn a_forked_create_whose_front_is_killed_after_its_worker_answered_leaves_
     let text = String::from_utf8_lossy(&listed.stdout);
     assert!(listed.status.success(), "{text}");
     assert!(!text.contains("unanswered"), "no record left: {text}");
+}
+
+/// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).
+fn exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        // The state follows the parenthesised command name.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('Z' | 'X')))
+    })
+}
+
+/// The worker of a failed last Detach leaves the record (publish undone, stage kept) for
+/// Cube's retry. Before the fix its scan for abandoned work, run after answering, took
+/// the Detach's own pending marker for work a killed hook abandoned and finished the
+/// teardown, so Cube's view (still attached) and the bridge's (gone) parted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_forked_detach_is_left_for_cubes_retry() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let made = w.create("retried").await.expect("create");
+    let attached = w
+        .attach("sb-retried", "retried", 0, &made.private_data)
+        .await
+        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", w.logs()));
+    // NodeUnpublish is held until the worker is known; NodeUnstage then fails, once.
+    let gate = w.driver.hold("NodeUnpublishVolume");
+    w.driver.script(
+        "NodeUnstageVolume",
+        [Behavior::Fail(tonic::Code::Internal, "unstage broke")],
+    );
+    let unpublishes = w.driver.arrivals("NodeUnpublishVolume") + 1;
+    let request =
+        callers::detach_request("default", "sb-retried", "retried", 0, &attached.metadata);
+    let front = w.binary_caller().spawn(&Hook::Detach(request));
+    let front_pid = front.id().expect("the front runs");
+    w.driver
+        .wait_for_call("NodeUnpublishVolume", unpublishes, WAIT)
+        .await;
+    let workers = common::children(front_pid);
+    assert_eq!(workers.len(), 1, "the front forked one worker: {workers:?}");
+    gate.release();
+    let out = front.wait_with_output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "the Detach failed: {stdout}");
+    assert!(stdout.contains("NodeUnstageVolume"), "{stdout}");
+    // Everything the worker does after answering is done once it has exited.
+    common::wait_until("the worker exited", WAIT, || exited(workers[0])).await;
+    assert_eq!(
+        w.driver.arrivals("NodeUnstageVolume"),
+        1,
+        "nothing retried NodeUnstage behind Cube's back: {:?}",
+        w.driver.mutating_calls()
+    );
+    assert_eq!(
+        w.journal_records(),
+        1,
+        "the record Cube's retry needs is kept"
+    );
+    let host_path = w.base_dir.join(format!("{}+retried", common::DRIVER));
+    assert!(
+        !w.mounts().contains(&host_path),
+        "the host path was unpublished before the failure: {:?}",
+        w.mounts()
+    );
+
+    // Cube's retry, with the same metadata, finishes the teardown.
+    w.detach("sb-retried", "retried", 0, &attached.metadata)
+        .await
+        .unwrap_or_else(|e| panic!("retried detach: {e:?}\n{}", w.logs()));
+    assert_eq!(w.journal_records(), 0);
+    assert!(w.mounts().is_empty(), "{:?}", w.mounts());
+    assert_eq!(w.driver.arrivals("NodeUnstageVolume"), 2);
+    w.destroy("retried").await.expect("destroy");
 }

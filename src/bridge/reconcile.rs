@@ -22,12 +22,16 @@ use super::{BridgeError, Caller, Deadline, HookKind, NodeSide};
 
 /// Which volumes a pass looks at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
+pub enum Scope<'a> {
     /// Every record (start-up, periodic), waiting for each volume's lock.
     All,
     /// Only volumes marked pending whose lock is free: operations that died. Cheap enough
     /// to run after every hook.
     Abandoned,
+    /// As `Abandoned`, but not this volume: the volume of a Detach that has just answered
+    /// Cube with a failure. Cube keeps it attached and retries that Detach; finishing the
+    /// teardown behind its back would leave the bridge's state other than what Cube saw.
+    AbandonedBesides(&'a str),
 }
 
 /// What a pass found.
@@ -66,11 +70,12 @@ enum Outcome {
 
 impl NodeSide {
     /// One reconciliation pass. Errors on single volumes are logged and counted.
-    pub async fn reconcile_node(&self, scope: Scope) -> Result<ReconcileReport, BridgeError> {
+    pub async fn reconcile_node(&self, scope: Scope<'_>) -> Result<ReconcileReport, BridgeError> {
         let journal = self.node_journal().clone();
-        let ids = super::blocking(move || {
+        let every_record = scope == Scope::All;
+        let mut ids = super::blocking(move || {
             let mut ids = journal.pending()?;
-            if scope == Scope::All {
+            if every_record {
                 ids.extend(journal.volume_ids()?);
             }
             ids.sort();
@@ -78,6 +83,9 @@ impl NodeSide {
             Ok(ids)
         })
         .await?;
+        if let Scope::AbandonedBesides(left_for_cube) = scope {
+            ids.retain(|id| id != left_for_cube);
+        }
         let mut report = ReconcileReport::default();
         for volume_id in ids {
             let span = tracing::info_span!("reconcile", %volume_id);
@@ -117,7 +125,7 @@ impl NodeSide {
     async fn reconcile_volume(
         &self,
         volume_id: &str,
-        scope: Scope,
+        scope: Scope<'_>,
     ) -> Result<Outcome, BridgeError> {
         let deadline = Deadline::after(self.config.timeouts.detach);
         let _guard = match scope {
@@ -126,10 +134,12 @@ impl NodeSide {
                     .acquire(LockScope::Node, volume_id, &deadline)
                     .await?,
             ),
-            Scope::Abandoned => match self.locks.try_acquire(LockScope::Node, volume_id)? {
-                Some(guard) => Some(guard),
-                None => return Ok(Outcome::Skipped),
-            },
+            Scope::Abandoned | Scope::AbandonedBesides(_) => {
+                match self.locks.try_acquire(LockScope::Node, volume_id)? {
+                    Some(guard) => Some(guard),
+                    None => return Ok(Outcome::Skipped),
+                }
+            }
         };
         let journal = self.node_journal();
         let mut record = match journal.load(volume_id) {

@@ -1826,6 +1826,40 @@ async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
     w.assert_clean("v");
 }
 
+#[tokio::test]
+async fn the_scan_after_a_failed_detach_leaves_that_volume_for_cubes_retry() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("other", "ns1", "s1", 0).await.unwrap();
+    w.fake.script("NodeUnstageVolume", Fault::Final);
+    w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    // A killed hook's leftovers on another volume: its record, nobody holding it.
+    let journal = w.bridge.node().unwrap().node_journal();
+    let mut other = journal.load("other").unwrap().unwrap();
+    other.holders.clear();
+    journal.save(&other, true).unwrap();
+    journal.mark_pending("other").unwrap();
+    let node = w.bridge.node().unwrap();
+    let report = node
+        .reconcile_node(reconcile::Scope::AbandonedBesides("v"))
+        .await
+        .unwrap();
+    assert_eq!(report.rolled_back, 1, "only the other volume: {report:?}");
+    w.assert_clean("other");
+    assert!(
+        w.record("v").is_some(),
+        "the failed Detach's record is kept"
+    );
+    assert!(journal.pending().unwrap().contains(&"v".to_string()));
+    // Cube's retry, or a later scan, finishes it.
+    let report = node
+        .reconcile_node(reconcile::Scope::Abandoned)
+        .await
+        .unwrap();
+    assert_eq!(report.rolled_back, 1, "{report:?}");
+    w.assert_clean("v");
+}
+
 // ---------------------------------------------------------------- create / destroy
 
 impl World {

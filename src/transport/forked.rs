@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use nix::fcntl::Flock;
 
 use crate::bridge::reconcile::Scope;
-use crate::bridge::{Caller, HookError};
+use crate::bridge::{Caller, HookError, HookKind};
 use crate::config::{Config, Roles};
 use crate::cube::errors;
 use crate::cube::hooks;
@@ -175,18 +175,27 @@ pub async fn run(
             return;
         }
     };
-    answered(match hooks::run(&bridge, checked, caller).await {
+    let output = match hooks::run(&bridge, checked, caller).await {
         Ok(reply) => HookOutput {
             stdout: reply.json().to_string(),
             success: true,
         },
         Err(error) => failure(&error),
-    });
+    };
+    let failed_detach = kind == HookKind::Detach && !output.success;
+    answered(output);
     if let Ok(controller) = &bridge.controller {
         sweep_if_due(controller, &config).await;
     }
     if let Ok(node) = &bridge.node {
-        match node.reconcile_node(Scope::Abandoned).await {
+        // A failed Detach is Cube's to retry (it keeps the volume attached until then); a
+        // failed Attach is not (Cube never Detaches it), so its leftovers are finished here.
+        let scope = if failed_detach {
+            Scope::AbandonedBesides(&volume_id)
+        } else {
+            Scope::Abandoned
+        };
+        match node.reconcile_node(scope).await {
             Ok(report) if !report.is_empty() => {
                 tracing::info!(
                     ?report,
