@@ -1290,6 +1290,63 @@ async fn an_rpc_answer_ready_before_the_deadline_is_received_or_undone() {
     }
 }
 
+/// Whether the controller store of `w` holds `volume_id` as created (false while the
+/// store cannot be listed).
+fn recorded_created(w: &World, volume_id: &str) -> bool {
+    let (ok, listed) = run_cli(
+        &w.config_path,
+        &["list", "--controller", "--output", "json"],
+    );
+    ok && serde_json::from_str::<serde_json::Value>(&listed)
+        .ok()
+        .and_then(|records| records.as_array().cloned())
+        .is_some_and(|records| {
+            records
+                .iter()
+                .any(|r| r["volume_id"] == volume_id && r["state"] == "created")
+        })
+}
+
+/// A forked Create's worker that dies (the OOM killer, a crash) after its volume was
+/// recorded created but before it handed the answer over: CubeMaster counts the Create
+/// failed, deletes its row, and never Destroys the volume. Before the fix the CSI volume
+/// and its `created` record stayed for good (the sweep reclaims only unfinished Creates).
+/// The front now deletes a volume this Create finished before it answers, as an rpc
+/// Create whose answer never reached its caller does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forked_create_whose_worker_dies_before_answering_leaves_no_volume() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let front = w
+        .binary_caller()
+        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "30000")
+        .spawn(&Hook::Create(common::callers::create_request("orphan")));
+    let front_pid = front.id().expect("the front runs");
+    common::wait_until("the worker recorded the volume created", SETTLE, || {
+        recorded_created(&w, "orphan")
+    })
+    .await;
+    let worker = *common::children(front_pid)
+        .first()
+        .expect("the hook runs in a worker");
+    kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();
+    let out = front.wait_with_output().await.unwrap();
+    assert!(!out.status.success(), "Cube sees the Create fail");
+    assert!(
+        !recorded_created(&w, "orphan"),
+        "Cube saw {:?}, yet the volume stays recorded",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(
+        w.driver.mutating_calls(),
+        ["CreateVolume", "DeleteVolume"],
+        "the CSI volume was deleted"
+    );
+    // The name is CubeMaster's to use again.
+    w.create("orphan").await.expect("a later Create");
+    assert!(recorded_created(&w, "orphan"));
+}
+
 /// Found by the chaos run: a forked Attach's worker that dies (OOM killer, a crash; Cube
 /// only kills the front) after saving its holder but before handing the answer over left a
 /// holder Cube never learned of: the front answered "the worker ended without answering",

@@ -872,6 +872,37 @@ impl ControllerSide {
         }
     }
 
+    /// The front of a forked Create whose worker died without answering: CubeMaster counts
+    /// the Create failed, deletes its row and never Destroys the volume, so a volume this
+    /// Create finished (recorded created at or after `since`, seconds since the epoch, when
+    /// the front started) is deleted, as `undo_create` deletes one whose answer never
+    /// reached an rpc caller. An unfinished one is the abandoned-create sweep's; an older
+    /// one was finished by another Create and is left. True when a volume was deleted.
+    pub async fn withdraw_unanswered_create(
+        &self,
+        volume_id: &str,
+        since: u64,
+    ) -> Result<bool, BridgeError> {
+        let deadline = Deadline::after(self.config.timeouts.rollback);
+        let _guard = self
+            .locks
+            .acquire(LockScope::Controller, volume_id, &deadline)
+            .await?;
+        self.record_key().await?;
+        let Some(record) = self.controller_store().get(volume_id).await? else {
+            return Ok(false);
+        };
+        if record.state != VolumeState::Created || record.updated_at < since {
+            return Ok(false);
+        }
+        let undone = self
+            .delete_recorded(HookKind::Create, record, &deadline)
+            .await;
+        self.recorder
+            .rollback("create", if undone.is_ok() { "undone" } else { "failed" });
+        undone.map(|()| true)
+    }
+
     /// Cube Destroy.
     pub async fn destroy(&self, req: DestroyVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();

@@ -2018,6 +2018,38 @@ async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
+/// The front of a forked Create whose worker died unanswered deletes the volume only when
+/// this Create finished it (recorded since the front started): one finished earlier was
+/// handed out by another Create, and no record is nothing to do.
+#[tokio::test]
+async fn an_unanswered_forked_create_deletes_only_the_volume_it_finished() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    let finished_at = w.stored("v").unwrap().updated_at;
+    let controller = w.bridge.controller().unwrap();
+    let earlier = controller
+        .withdraw_unanswered_create("v", finished_at + 1)
+        .await
+        .unwrap();
+    assert!(
+        !earlier,
+        "a volume finished before the front started is kept"
+    );
+    assert!(w.stored("v").is_some() && w.backend_volumes().len() == 1);
+    let this_one = controller
+        .withdraw_unanswered_create("v", finished_at)
+        .await
+        .unwrap();
+    assert!(this_one);
+    assert!(w.stored("v").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+    let none = controller
+        .withdraw_unanswered_create("v", finished_at)
+        .await
+        .unwrap();
+    assert!(!none);
+}
+
 /// The undo of a Create whose answer was lost, stopped between its DeleteVolume and the
 /// record's removal (here DeleteVolume fails; in the crash matrix the process is killed
 /// after it): the record must not still say `Created`, which names a volume that may be

@@ -93,32 +93,66 @@ fn check_paths_first(config: &Config, checked: &hooks::Checked) -> Result<(), Ho
     }
 }
 
-/// The front's undo when its worker died without answering an Attach: Cube counts the
-/// hook failed and will never Detach this sandbox, so the holder the worker may already
-/// have saved is withdrawn (the volume torn down if no holder is left). A worker that died
-/// before saving it left none, and the rest of its work is the abandoned-work scan's.
-pub async fn withdraw_unanswered(config: &Config, request: &HookRequest) {
-    let HookRequest::Attach(attach) = request else {
-        return;
+/// The front's undo when its worker died without answering: Cube counts the hook failed.
+/// It will never Detach this sandbox, so the holder an Attach's worker may already have
+/// saved is withdrawn (the volume torn down if no holder is left); and CubeMaster will
+/// never Destroy a volume it was not told of, so one a Create's worker finished since
+/// `started` (the front's start) is deleted. A worker that died before saving either left
+/// none, and the rest of its work is the abandoned-work scan's or the sweep's.
+pub async fn withdraw_unanswered(config: &Config, request: &HookRequest, started: SystemTime) {
+    let roles = match request {
+        HookRequest::Attach(_) => Roles::NODE,
+        HookRequest::Create(_) => Roles::CONTROLLER,
+        _ => return,
     };
     let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
-    let Ok(bridge) = crate::app::open_bridge(Arc::new(config.clone()), Roles::NODE, mounts) else {
+    let Ok(bridge) = crate::app::open_bridge(Arc::new(config.clone()), roles, mounts) else {
         return;
     };
-    let Ok(node) = bridge.node() else {
-        return;
-    };
-    let which = crate::bridge::Release::Sandbox {
-        namespace: attach.namespace.clone(),
-        sandbox: attach.sandbox_id.clone(),
-    };
-    // An error here is a holder the worker never saved: nothing to take back.
-    if let Ok(released) = node.release_holders(&attach.volume_id, &which).await {
-        tracing::warn!(
-            volume_id = %attach.volume_id,
-            torn_down = released.torn_down,
-            "the worker died without answering after saving its holder; holder withdrawn"
-        );
+    match request {
+        HookRequest::Attach(attach) => {
+            let Ok(node) = bridge.node() else {
+                return;
+            };
+            let which = crate::bridge::Release::Sandbox {
+                namespace: attach.namespace.clone(),
+                sandbox: attach.sandbox_id.clone(),
+            };
+            // An error here is a holder the worker never saved: nothing to take back.
+            if let Ok(released) = node.release_holders(&attach.volume_id, &which).await {
+                tracing::warn!(
+                    volume_id = %attach.volume_id,
+                    torn_down = released.torn_down,
+                    "the worker died without answering after saving its holder; holder withdrawn"
+                );
+            }
+        }
+        HookRequest::Create(create) => {
+            let Ok(controller) = bridge.controller() else {
+                return;
+            };
+            let since = started
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs();
+            match controller
+                .withdraw_unanswered_create(&create.volume_id, since)
+                .await
+            {
+                Ok(true) => tracing::warn!(
+                    volume_id = %create.volume_id,
+                    "the worker died without answering after the volume was created; volume deleted"
+                ),
+                Ok(false) => {}
+                Err(error) => tracing::error!(
+                    volume_id = %create.volume_id,
+                    %error,
+                    "the worker died without answering after the volume was created, and \
+                     deleting it failed; `cube-csi-bridge list --controller` shows it"
+                ),
+            }
+        }
+        _ => {}
     }
 }
 

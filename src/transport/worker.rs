@@ -72,6 +72,7 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
         return (run_here(config, request), None);
     };
     let (hook, volume_id) = (request.kind(), request.volume_id().to_string());
+    let started = std::time::SystemTime::now();
     // SAFETY: the process is single-threaded here (the caller's contract), so the child
     // may run arbitrary code after fork.
     match unsafe { fork() } {
@@ -83,9 +84,9 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
         Ok(ForkResult::Parent { .. }) => {
             drop((answer_w, log_w, alive_r));
             let output = front(answer_r, log_r).unwrap_or_else(|| {
-                // Cube will count this hook failed, so a holder the worker saved before it
-                // died is one Cube never learns of: take it back before answering.
-                runtime().block_on(binary::withdraw_unanswered(&config, &request));
+                // Cube will count this hook failed, so a holder or a volume the worker saved
+                // before it died is one Cube never learns of: take it back before answering.
+                runtime().block_on(binary::withdraw_unanswered(&config, &request, started));
                 no_answer(hook, &volume_id)
             });
             // `alive_w` stays open until the answer is printed (then acknowledged) or this
