@@ -877,7 +877,9 @@ impl ControllerSide {
     /// Create finished (recorded created at or after `since`, seconds since the epoch, when
     /// the front started) is deleted, as `undo_create` deletes one whose answer never
     /// reached an rpc caller. An unfinished one is the abandoned-create sweep's; an older
-    /// one was finished by another Create and is left. True when a volume was deleted.
+    /// one was finished by another Create and is left; so is a restored or cloned one
+    /// (Create adopts it, and rewrites its record): its data is an operator's, and a
+    /// later Create of the id adopts it again. True when a volume was deleted.
     pub async fn withdraw_unanswered_create(
         &self,
         volume_id: &str,
@@ -892,7 +894,10 @@ impl ControllerSide {
         let Some(record) = self.controller_store().get(volume_id).await? else {
             return Ok(false);
         };
-        if record.state != VolumeState::Created || record.updated_at < since {
+        if record.state != VolumeState::Created
+            || record.updated_at < since
+            || record.content_source.is_some()
+        {
             return Ok(false);
         }
         let undone = self

@@ -69,9 +69,16 @@ pub fn validate_volume_id(id: &str) -> Result<(), String> {
 /// The CreateVolume name for a Cube volume: `prefix + volume_id`, or, when that would
 /// exceed CSI's 128 bytes, a truncated form ending in a hash of the whole volume_id. The
 /// same volume_id always gives the same name, so a retried Create finds its volume.
+///
+/// A plain name that reads like a truncated one (128 bytes ending in `-` and 16 hex
+/// digits) is hashed too: else a volume_id crafted as another, longer one's truncated form
+/// would get that volume's name, and CreateVolume, idempotent by name, would hand it the
+/// other volume (and its Destroy would delete it).
 pub fn csi_volume_name(prefix: &str, volume_id: &str) -> String {
     let full = format!("{prefix}{volume_id}");
-    if full.len() <= MAX_CSI_NAME_LEN {
+    if full.len() < MAX_CSI_NAME_LEN
+        || (full.len() == MAX_CSI_NAME_LEN && !reads_as_truncated(&full))
+    {
         return full;
     }
     let digest = Sha256::digest(volume_id.as_bytes());
@@ -83,6 +90,15 @@ pub fn csi_volume_name(prefix: &str, volume_id: &str) -> String {
     // volume_id is ASCII, so byte slicing is safe.
     let keep = MAX_CSI_NAME_LEN - prefix.len() - 1 - NAME_HASH_LEN;
     format!("{prefix}{}-{hash}", &volume_id[..keep])
+}
+
+/// Whether a 128-byte `name` ends as `csi_volume_name`'s truncated form does.
+fn reads_as_truncated(name: &str) -> bool {
+    let tail = &name.as_bytes()[name.len() - NAME_HASH_LEN - 1..];
+    tail[0] == b'-'
+        && tail[1..]
+            .iter()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
 }
 
 /// Checks Attach's volume_base_dir: absolute, already normal (no `.`, `..`, `//`), and
@@ -263,6 +279,22 @@ mod tests {
         assert_eq!(name, csi_volume_name("cube-", &long));
         let other = format!("{}z", "y".repeat(127));
         assert_ne!(name, csi_volume_name("cube-", &other));
+        // Exactly 128 bytes, plain: kept as it is.
+        let fits = "x".repeat(123);
+        assert_eq!(csi_volume_name("cube-", &fits), format!("cube-{fits}"));
+    }
+
+    /// A volume_id crafted as a longer one's truncated name gets a name of its own.
+    #[test]
+    fn a_volume_id_shaped_as_another_ones_truncated_name_gets_its_own() {
+        let long = "a".repeat(124);
+        let truncated = csi_volume_name("cube-", &long);
+        let forged = truncated.strip_prefix("cube-").unwrap();
+        validate_volume_id(forged).unwrap();
+        let name = csi_volume_name("cube-", forged);
+        assert_ne!(name, truncated);
+        assert_eq!(name.len(), 128);
+        assert_eq!(name, csi_volume_name("cube-", forged), "stable");
     }
 
     #[test]

@@ -2018,6 +2018,37 @@ async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
+/// A volume_id shaped as another, longer one's truncated CSI name is a volume of its own:
+/// before, it got that name, CreateVolume (idempotent by name) handed it the other's
+/// volume, and its Destroy deleted the volume the other still held.
+#[tokio::test]
+async fn a_volume_id_forged_from_anothers_truncated_name_gets_its_own_volume() {
+    let w = World::new(Fake::new(false, false));
+    let long = "a".repeat(124);
+    let held = w.create(&long).await.unwrap();
+    let truncated = super::naming::csi_volume_name("cube-", &long);
+    let forged = truncated.strip_prefix("cube-").unwrap();
+    let other = w.create(forged).await.unwrap();
+    assert_ne!(
+        VolumeHandle::decode(&other.private_data)
+            .unwrap()
+            .csi_volume_id,
+        VolumeHandle::decode(&held.private_data)
+            .unwrap()
+            .csi_volume_id
+    );
+    assert_eq!(w.backend_volumes().len(), 2);
+    w.destroy(forged).await.unwrap();
+    let handle = VolumeHandle::decode(&held.private_data)
+        .unwrap()
+        .csi_volume_id;
+    assert_eq!(
+        w.backend_volumes().get(&truncated),
+        Some(&handle),
+        "the longer volume's CSI volume is kept"
+    );
+}
+
 /// The front of a forked Create whose worker died unanswered deletes the volume only when
 /// this Create finished it (recorded since the front started): one finished earlier was
 /// handed out by another Create, and no record is nothing to do.
@@ -2048,6 +2079,21 @@ async fn an_unanswered_forked_create_deletes_only_the_volume_it_finished() {
         .await
         .unwrap();
     assert!(!none);
+    // A restored volume that a Create adopted (and so rewrote) is the operator's data.
+    w.create("source").await.unwrap();
+    w.controller()
+        .create_snapshot("source", "s1")
+        .await
+        .unwrap();
+    w.controller().restore("s1", "r").await.unwrap();
+    w.create("r").await.unwrap();
+    let adopted_at = w.stored("r").unwrap().updated_at;
+    let restored = controller
+        .withdraw_unanswered_create("r", adopted_at)
+        .await
+        .unwrap();
+    assert!(!restored, "a restored volume is kept");
+    assert!(w.stored("r").is_some());
 }
 
 /// The undo of a Create whose answer was lost, stopped between its DeleteVolume and the
