@@ -653,6 +653,10 @@ impl ControllerSide {
         volume: &CreatedVolume,
         deletion: Option<&DeletionPolicy>,
     ) -> Result<(), BridgeError> {
+        // When a volume became created is kept by a Create that finds it so (a repeated
+        // Create, one of a restored volume): a forked Create's front tells by it what its
+        // own worker finished (`withdraw_unanswered_create`).
+        let created_at = (record.state == VolumeState::Created).then_some(record.updated_at);
         for _ in 0..STORE_RACE_RETRIES {
             record.state = VolumeState::Created;
             record.deletion = deletion.cloned();
@@ -661,7 +665,7 @@ impl ControllerSide {
             // A volume `expand` grew keeps its grown size, whatever the driver reports.
             record.capacity_bytes = volume.capacity_bytes.max(record.capacity_bytes);
             record.accessible_topology = volume.accessible_topology.clone();
-            record.updated_at = self.now_secs();
+            record.updated_at = created_at.unwrap_or_else(|| self.now_secs());
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
                 Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
@@ -839,28 +843,7 @@ impl ControllerSide {
         problem: String,
     ) -> BridgeError {
         let error = BridgeError::Precondition(problem);
-        let deadline = Deadline::after(self.config.timeouts.rollback);
-        let undone = async {
-            // A record already saved as created is claimed for deletion first: stopped
-            // between DeleteVolume and the record's removal (a kill, a failed call), it
-            // would otherwise name a deleted volume as created, which no sweep reclaims
-            // and Cube never Destroys. A claim is swept like any unfinished one.
-            if let Some(mut record) = self.controller_store().get(volume_id).await?
-                && record.state == VolumeState::Created
-            {
-                record.state = VolumeState::Deleting;
-                record.updated_at = self.now_secs();
-                self.store_put(HookKind::Create, &mut record).await?;
-            }
-            let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
-            self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
-                .await?;
-            if let Some(record) = self.controller_store().get(volume_id).await? {
-                self.store_delete(HookKind::Create, &record).await?;
-            }
-            Ok::<_, BridgeError>(())
-        }
-        .await;
+        let undone = self.delete_unanswered(volume_id, csi_volume_id).await;
         self.recorder
             .rollback("create", if undone.is_ok() { "undone" } else { "failed" });
         match undone {
@@ -872,14 +855,43 @@ impl ControllerSide {
         }
     }
 
+    /// Deletes a created volume CubeMaster never learned of, and its record.
+    async fn delete_unanswered(
+        &self,
+        volume_id: &str,
+        csi_volume_id: &str,
+    ) -> Result<(), BridgeError> {
+        let deadline = Deadline::after(self.config.timeouts.rollback);
+        // A record already saved as created is claimed for deletion first: stopped
+        // between DeleteVolume and the record's removal (a kill, a failed call), it would
+        // otherwise name a deleted volume as created, which no sweep reclaims and Cube
+        // never Destroys. A claim is swept like any unfinished one.
+        if let Some(mut record) = self.controller_store().get(volume_id).await?
+            && record.state == VolumeState::Created
+        {
+            record.state = VolumeState::Deleting;
+            record.updated_at = self.now_secs();
+            self.store_put(HookKind::Create, &mut record).await?;
+        }
+        let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
+        self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
+            .await?;
+        if let Some(record) = self.controller_store().get(volume_id).await? {
+            self.store_delete(HookKind::Create, &record).await?;
+        }
+        Ok(())
+    }
+
     /// The front of a forked Create whose worker died without answering: CubeMaster counts
     /// the Create failed, deletes its row and never Destroys the volume, so a volume this
     /// Create finished (recorded created at or after `since`, seconds since the epoch, when
     /// the front started) is deleted, as `undo_create` deletes one whose answer never
-    /// reached an rpc caller. An unfinished one is the abandoned-create sweep's; an older
-    /// one was finished by another Create and is left; so is a restored or cloned one
-    /// (Create adopts it, and rewrites its record): its data is an operator's, and a
-    /// later Create of the id adopts it again. True when a volume was deleted.
+    /// reached an rpc caller. An unfinished one is the abandoned-create sweep's; one that
+    /// became created earlier (another Create's, whose answer was lost) is left, as the
+    /// rpc path leaves it; so is a restored or cloned one, even when restored in the
+    /// same second: its data is an operator's, and a later Create of the id adopts it
+    /// again. The record is claimed before DeleteVolume, so that a failure or a kill
+    /// leaves it to the sweep. True when a volume was deleted.
     pub async fn withdraw_unanswered_create(
         &self,
         volume_id: &str,
@@ -894,15 +906,17 @@ impl ControllerSide {
         let Some(record) = self.controller_store().get(volume_id).await? else {
             return Ok(false);
         };
+        let Some(csi_volume_id) = record.csi_volume_id.clone() else {
+            return Ok(false);
+        };
         if record.state != VolumeState::Created
             || record.updated_at < since
             || record.content_source.is_some()
         {
             return Ok(false);
         }
-        let undone = self
-            .delete_recorded(HookKind::Create, record, &deadline)
-            .await;
+        self.check_integrity(&record).await?;
+        let undone = self.delete_unanswered(volume_id, &csi_volume_id).await;
         self.recorder
             .rollback("create", if undone.is_ok() { "undone" } else { "failed" });
         undone.map(|()| true)

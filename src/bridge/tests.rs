@@ -2079,21 +2079,49 @@ async fn an_unanswered_forked_create_deletes_only_the_volume_it_finished() {
         .await
         .unwrap();
     assert!(!none);
-    // A restored volume that a Create adopted (and so rewrote) is the operator's data.
+    // A restored volume that a Create adopted is the operator's data, even restored in
+    // the same second as the front started.
     w.create("source").await.unwrap();
     w.controller()
         .create_snapshot("source", "s1")
         .await
         .unwrap();
-    w.controller().restore("s1", "r").await.unwrap();
+    let restored_at = w.controller().restore("s1", "r").await.unwrap().updated_at;
     w.create("r").await.unwrap();
-    let adopted_at = w.stored("r").unwrap().updated_at;
+    assert_eq!(
+        w.stored("r").unwrap().updated_at,
+        restored_at,
+        "kept by Create"
+    );
     let restored = controller
-        .withdraw_unanswered_create("r", adopted_at)
+        .withdraw_unanswered_create("r", restored_at)
         .await
         .unwrap();
     assert!(!restored, "a restored volume is kept");
     assert!(w.stored("r").is_some());
+}
+
+/// A withdrawal whose DeleteVolume fails (or that is killed) leaves a claimed record the
+/// sweep reclaims, never one that still says created: no sweep reclaims those, and Cube
+/// never Destroys the volume.
+#[tokio::test]
+async fn a_withdrawal_stopped_midway_leaves_a_record_the_sweep_reclaims() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    let finished_at = w.stored("v").unwrap().updated_at;
+    w.fake.script("DeleteVolume", Fault::Final);
+    let controller = w.bridge.controller().unwrap();
+    controller
+        .withdraw_unanswered_create("v", finished_at)
+        .await
+        .unwrap_err();
+    assert_eq!(w.stored("v").map(|r| r.state), Some(VolumeState::Deleting));
+    let report = controller
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
 }
 
 /// The undo of a Create whose answer was lost, stopped between its DeleteVolume and the
