@@ -857,6 +857,21 @@ impl NodeSide {
             }
         }
         if others.is_empty() {
+            // Holders unknown (its record was lost with them): a mount may be another
+            // namespace's, and stays, as a last Detach leaves it, for an operator to
+            // release; this Attach's holder was never added.
+            if before.holders_unknown
+                && self.visibility(&record.target_path, deadline).await? != Visibility::NotMounted
+            {
+                tracing::warn!(
+                    host_path = %record.target_path.display(),
+                    "failed Attach of a volume whose holders are unknown (its journal record \
+                     was lost): left mounted, since another namespace may use it"
+                );
+                record.holders = others;
+                self.save_progress(HookKind::Attach, record).await;
+                return Ok(());
+            }
             return self.teardown(HookKind::Attach, record, deadline).await;
         }
         let steps = UndoSteps {

@@ -3042,6 +3042,42 @@ async fn a_lost_record_whose_holders_cannot_be_known_is_never_torn_down_while_mo
     w.assert_clean("v");
 }
 
+/// A failed Attach of a volume whose record was lost with its holders leaves what other
+/// namespaces may use: before, its undo, finding no other holder it knew of, tore the
+/// volume down (NodeUnpublish, NodeUnstage) under them.
+#[tokio::test]
+async fn a_failed_attach_of_a_volume_whose_holders_are_unknown_keeps_it_mounted() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "nsA", "a", 0).await.unwrap();
+    std::fs::write(w.record_file("v"), b"").unwrap();
+    std::fs::remove_file(w.holder_log("v")).unwrap();
+    w.fake.clear_calls();
+    w.fake.script("NodePublishVolume", Fault::Final);
+    w.attach("v", "nsC", "c", 0).await.unwrap_err();
+    assert!(
+        w.fake.is_mounted(&w.target("v")),
+        "nsA's mount was torn down: {:?}",
+        w.fake.mutating_calls()
+    );
+    assert!(
+        !w.fake
+            .mutating_calls()
+            .iter()
+            .any(|c| c.starts_with("NodeUn")),
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+    let record = w.record("v").unwrap();
+    assert!(record.holders_unknown && !record.is_held(), "{record:?}");
+    // Reconciliation reports it rather than finishing a teardown.
+    let report = w.reconcile_all().await;
+    assert_eq!(report.holders_unknown, 1, "{report:?}");
+    assert!(w.fake.is_mounted(&w.target("v")));
+    // Cube's retry attaches it; it stays marked.
+    w.attach("v", "nsC", "c", 0).await.unwrap();
+    assert!(w.record("v").unwrap().holders_unknown);
+}
+
 /// Issue 19, defect 5: a lost mount is repaired by NodeUnpublish, then NodePublish, so a
 /// driver that counts publishes per target (csi-driver-host-path) counts it once, and the
 /// last Detach unstages; before, it counted two and NodeUnstage failed for good.
