@@ -189,6 +189,12 @@ impl CsiClient {
             let mut error = self.error(name, &status, attempts, redact);
             crate::metrics::csi_call(&self.metrics, name, error.status, started.elapsed());
             if error.finality != Finality::Uncertain {
+                // An earlier attempt may have done the work (a volume made before its
+                // answer was lost): the call's outcome stays uncertain, whatever the last
+                // attempt answered (ALREADY_EXISTS, an "operation in progress").
+                if attempts > 1 && error.finality == Finality::Final {
+                    error.finality = Finality::Uncertain;
+                }
                 return Err(error);
             }
             let delay = backoff.next_delay();
@@ -316,5 +322,48 @@ mod tests {
         );
         assert_eq!(error.finality, Finality::Uncertain, "{error:?}");
         assert!(error.attempts > 1, "retried like UNAVAILABLE: {error:?}");
+    }
+
+    /// A retry that fails finally after an attempt that may have done the work (UNAVAILABLE
+    /// from a driver restarting after it made the volume, then ALREADY_EXISTS) is still
+    /// uncertain: taken as final, Create forgot its intent and the volume leaked.
+    #[tokio::test]
+    async fn a_final_answer_after_an_uncertain_attempt_is_uncertain() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let mut codes = ["14", "6"].into_iter();
+            while let Ok((stream, _)) = listener.accept().await {
+                let mut conn = h2::server::handshake(stream).await.unwrap();
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let code = codes.next().unwrap_or("6");
+                    let response = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", code)
+                        .body(())
+                        .unwrap();
+                    let _ = respond.send_response(response, true);
+                }
+            }
+        });
+
+        let client = CsiClient::new(&Endpoint::Unix(path));
+        let request = csi::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            ..Default::default()
+        };
+        let deadline = Deadline::after(Duration::from_secs(3));
+        let error = client
+            .create_volume(request, &deadline, &Redactions::NONE)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (error.attempts, error.status),
+            (2, "AlreadyExists"),
+            "{error:?}"
+        );
+        assert_eq!(error.finality, Finality::Uncertain, "{error:?}");
     }
 }
