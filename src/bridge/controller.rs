@@ -804,8 +804,24 @@ impl ControllerSide {
             // Made by this call (or by an earlier one whose answer never reached Cube), not
             // a volume an earlier Create already handed to CubeMaster.
             let made_here = record.state == VolumeState::Creating;
-            self.finish_create(record, &volume, spec.deletion.as_ref())
-                .await?;
+            if let Err(error) = self
+                .finish_create(record, &volume, spec.deletion.as_ref())
+                .await
+            {
+                if !made_here {
+                    return Err(error);
+                }
+                // The write may have been applied all the same (a replace whose answer was
+                // lost): a record left created is one no sweep reclaims, of a volume Cube,
+                // told the Create failed, never Destroys. What this call made goes.
+                return Err(self
+                    .undo_create(
+                        &req.volume_id,
+                        &volume.csi_volume_id,
+                        format!("recording the created volume failed: {error}"),
+                    )
+                    .await);
+            }
             tracing::info!(csi_volume_id = %volume.csi_volume_id, "CSI volume created");
             let created = Created {
                 token: String::new(),

@@ -860,6 +860,9 @@ impl MountCheck for Fake {
 #[derive(Debug, Default)]
 struct MemoryStore {
     records: Mutex<BTreeMap<String, VolumeRecord>>,
+    /// Set: the next put of a created record is applied, and its answer lost (a
+    /// transient error, as a replace whose response timed out).
+    lose_created_answer: std::sync::atomic::AtomicBool,
     /// Reads of volume records so far.
     gets: std::sync::atomic::AtomicUsize,
     next: Mutex<u64>,
@@ -886,6 +889,18 @@ impl ControllerStore for MemoryStore {
         *next += 1;
         record.revision = Some(next.to_string());
         records.insert(record.volume_id.clone(), record.clone());
+        if record.state == VolumeState::Created
+            && self
+                .lose_created_answer
+                .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(StoreError::Backend {
+                store: "memory".into(),
+                action: "put".into(),
+                transient: true,
+                source: "the answer was lost".into(),
+            });
+        }
         Ok(())
     }
     async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
@@ -2047,6 +2062,28 @@ async fn a_volume_id_forged_from_anothers_truncated_name_gets_its_own_volume() {
         Some(&handle),
         "the longer volume's CSI volume is kept"
     );
+}
+
+/// A Create whose last write, recording the volume created, is applied but answered with
+/// an error (a replace whose response was lost): Cube counts the Create failed and never
+/// Destroys the volume. Before, the record stayed created, which no sweep reclaims, and the
+/// volume leaked; now what this Create made is deleted before it answers.
+#[tokio::test]
+async fn a_create_whose_last_write_is_applied_but_fails_leaves_no_volume() {
+    let w = World::new(Fake::new(false, false));
+    w.store
+        .lose_created_answer
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.create("v").await.unwrap_err();
+    assert_ne!(
+        w.stored("v").map(|r| r.state),
+        Some(VolumeState::Created),
+        "a record of a volume Cube was told failed says created"
+    );
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+    // The name is Cube's to create again.
+    w.create("v").await.unwrap();
+    assert_eq!(w.backend_volumes().len(), 1);
 }
 
 /// The front of a forked Create whose worker died unanswered deletes the volume only when
