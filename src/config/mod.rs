@@ -584,6 +584,19 @@ fn check_apart(configs: &[Config]) -> Result<(), String> {
                     "drivers {x:?} and {y:?} share {what}; each driver needs its own"
                 ));
             }
+            // One CSI driver behind both: CreateVolume is idempotent by name, so equal
+            // names would share a CSI volume, and one driver's sweep of its abandoned
+            // Create would delete the volume the other handed to Cube.
+            if a.csi.controller() == b.csi.controller()
+                && a.volume.name_prefix == b.volume.name_prefix
+            {
+                return Err(format!(
+                    "drivers {x:?} and {y:?} send CreateVolume to the same CSI endpoint with \
+                     the same volume.name_prefix {:?}: a volume_id of each would name one CSI \
+                     volume; give each its own volume.name_prefix",
+                    a.volume.name_prefix
+                ));
+            }
         }
     }
     Ok(())
@@ -1490,6 +1503,20 @@ access_mode = "single_node_writer"
         assert!(e.contains("share state.dir"), "{e}");
         let twice = TWO_DRIVERS.replace("driver = \"local\"", "driver = \"nfs\"");
         assert!(err(twice).contains("share a driver name"));
+        // One CSI driver behind two Cube drivers: only with prefixes of their own.
+        let one_csi = |a: &str, b: &str| {
+            format!(
+                "[[drivers]]\ndriver = \"nfs\"\n[drivers.csi]\nendpoint = \"unix:///a.sock\"\n{a}\n\
+                 [[drivers]]\ndriver = \"nfs-fast\"\n[drivers.csi]\nendpoint = \"unix:///a.sock\"\n{b}\n"
+            )
+        };
+        let e = err(one_csi("", ""));
+        assert!(
+            e.contains("same volume.name_prefix") && e.contains("\"cube-\""),
+            "{e}"
+        );
+        let fast = "[drivers.volume]\nname_prefix = \"fast-\"";
+        assert!(parse_all(&one_csi("", fast)).is_ok());
         assert!(err("drivers = []\n".into()).contains("lists no driver"));
     }
 
