@@ -1290,6 +1290,17 @@ async fn an_rpc_answer_ready_before_the_deadline_is_received_or_undone() {
     }
 }
 
+/// SIGKILLs the worker of the forked hook `front` started (as the OOM killer would; Cube
+/// only ever kills the front) and returns what the front then printed.
+async fn kill_the_worker(front: tokio::process::Child) -> std::process::Output {
+    let front_pid = front.id().expect("the front runs");
+    let worker = *common::children(front_pid)
+        .first()
+        .expect("the hook runs in a worker");
+    kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();
+    front.wait_with_output().await.unwrap()
+}
+
 /// Whether the controller store of `w` holds `volume_id` as created (false while the
 /// store cannot be listed).
 fn recorded_created(w: &World, volume_id: &str) -> bool {
@@ -1321,16 +1332,11 @@ async fn a_forked_create_whose_worker_dies_before_answering_leaves_no_volume() {
         .binary_caller()
         .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "30000")
         .spawn(&Hook::Create(common::callers::create_request("orphan")));
-    let front_pid = front.id().expect("the front runs");
     common::wait_until("the worker recorded the volume created", SETTLE, || {
         recorded_created(&w, "orphan")
     })
     .await;
-    let worker = *common::children(front_pid)
-        .first()
-        .expect("the hook runs in a worker");
-    kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();
-    let out = front.wait_with_output().await.unwrap();
+    let out = kill_the_worker(front).await;
     assert!(!out.status.success(), "Cube sees the Create fail");
     assert!(
         !recorded_created(&w, "orphan"),
@@ -1378,16 +1384,11 @@ async fn a_forked_attach_whose_worker_dies_after_saving_its_holder_leaves_no_hol
         .binary_caller()
         .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "30000")
         .spawn(&Hook::Attach(request));
-    let front_pid = front.id().expect("the front runs");
     common::wait_until("the worker saved the holder", SETTLE, || {
         holds("sb-orphaned")
     })
     .await;
-    let worker = *common::children(front_pid)
-        .first()
-        .expect("the hook runs in a worker");
-    kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();
-    let out = front.wait_with_output().await.unwrap();
+    let out = kill_the_worker(front).await;
     assert!(!out.status.success(), "Cube sees the Attach fail");
     assert!(
         !holds("sb-orphaned"),

@@ -283,6 +283,21 @@ mod tests {
 
     use super::*;
 
+    /// A CreateVolume of the driver at `path` that must fail, with room for a retry even
+    /// when the first attempt is slow on a loaded machine.
+    async fn failed_create(path: &std::path::Path) -> DriverError {
+        let client = CsiClient::new(&Endpoint::Unix(path.to_path_buf()));
+        let request = csi::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            ..Default::default()
+        };
+        let deadline = Deadline::after(Duration::from_secs(3));
+        client
+            .create_volume(request, &deadline, &Redactions::NONE)
+            .await
+            .unwrap_err()
+    }
+
     /// A driver that takes the request and dies before answering: the call may have
     /// been carried out, so the bridge must not take the failure as final.
     #[tokio::test]
@@ -304,17 +319,7 @@ mod tests {
             }
         });
 
-        let client = CsiClient::new(&Endpoint::Unix(path));
-        let request = csi::CreateVolumeRequest {
-            name: "pvc-1".into(),
-            ..Default::default()
-        };
-        // Room for a retry even when the first attempt is slow on a loaded machine.
-        let deadline = Deadline::after(Duration::from_secs(3));
-        let error = client
-            .create_volume(request, &deadline, &Redactions::NONE)
-            .await
-            .unwrap_err();
+        let error = failed_create(&path).await;
         assert_eq!(
             seen.recv().await.as_deref(),
             Some("/csi.v1.Controller/CreateVolume"),
@@ -349,16 +354,7 @@ mod tests {
             }
         });
 
-        let client = CsiClient::new(&Endpoint::Unix(path));
-        let request = csi::CreateVolumeRequest {
-            name: "pvc-1".into(),
-            ..Default::default()
-        };
-        let deadline = Deadline::after(Duration::from_secs(3));
-        let error = client
-            .create_volume(request, &deadline, &Redactions::NONE)
-            .await
-            .unwrap_err();
+        let error = failed_create(&path).await;
         assert_eq!(
             (error.attempts, error.status),
             (2, "AlreadyExists"),
