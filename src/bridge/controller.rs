@@ -29,8 +29,8 @@ use super::integrity::{KeyFit, RecordKey, RecordKeySource, Verdict};
 use super::naming::csi_volume_name;
 use super::ports::{
     Clock, ControllerCaps, ControllerExpand, ControllerExpanded, ControllerStore, CreatedVolume,
-    DriverIdentity, LockScope, NewVolume, Recorder, SecretUse, Secrets, SnapshotStore, StoreError,
-    VolumeLocks, VolumeSettings, VolumeSpec,
+    DriverIdentity, LockGuard, LockScope, NewVolume, Recorder, SecretUse, Secrets, SnapshotStore,
+    StoreError, VolumeLocks, VolumeSettings, VolumeSpec,
 };
 use super::records::{ContentSource, DeletionPolicy, VolumeRecord, VolumeState};
 use super::{
@@ -914,12 +914,8 @@ impl ControllerSide {
         since: u64,
     ) -> Result<bool, BridgeError> {
         let deadline = Deadline::after(self.config.timeouts.rollback);
-        let _guard = self
-            .locks
-            .acquire(LockScope::Controller, volume_id, &deadline)
-            .await?;
-        self.record_key().await?;
-        let Some(record) = self.controller_store().get(volume_id).await? else {
+        let (_guard, record) = self.lock_and_load(volume_id, &deadline).await?;
+        let Some(record) = record else {
             return Ok(false);
         };
         let Some(csi_volume_id) = record.csi_volume_id.clone() else {
@@ -938,6 +934,22 @@ impl ControllerSide {
         undone.map(|()| true)
     }
 
+    /// The volume's lock, and its record read under it. The record key is loaded first:
+    /// making it signs records from before keys existed.
+    async fn lock_and_load(
+        &self,
+        volume_id: &str,
+        deadline: &Deadline,
+    ) -> Result<(LockGuard, Option<VolumeRecord>), BridgeError> {
+        let guard = self
+            .locks
+            .acquire(LockScope::Controller, volume_id, deadline)
+            .await?;
+        self.record_key().await?;
+        let record = self.controller_store().get(volume_id).await?;
+        Ok((guard, record))
+    }
+
     /// Cube Destroy.
     pub async fn destroy(&self, req: DestroyVolume) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
@@ -947,13 +959,8 @@ impl ControllerSide {
             &volume_id,
             async {
                 let deadline = Deadline::after(self.config.timeouts.destroy);
-                let _guard = self
-                    .locks
-                    .acquire(LockScope::Controller, &req.volume_id, &deadline)
-                    .await?;
-                // Loaded first: making the key signs records from before keys existed.
-                self.record_key().await?;
-                let Some(record) = self.controller_store().get(&req.volume_id).await? else {
+                let (_guard, record) = self.lock_and_load(&req.volume_id, &deadline).await?;
+                let Some(record) = record else {
                     tracing::info!("no record of this volume; nothing to delete");
                     return Ok(());
                 };
@@ -1130,13 +1137,8 @@ impl ControllerSide {
         attached: &[String],
     ) -> Result<ControllerExpansion, BridgeError> {
         let deadline = Deadline::after(self.config.timeouts.create);
-        let _guard = self
-            .locks
-            .acquire(LockScope::Controller, volume_id, &deadline)
-            .await?;
-        // Loaded first: making the key signs records from before keys existed.
-        self.record_key().await?;
-        let Some(record) = self.controller_store().get(volume_id).await? else {
+        let (_guard, record) = self.lock_and_load(volume_id, &deadline).await?;
+        let Some(record) = record else {
             return Err(BridgeError::InvalidRequest(format!(
                 "volume {volume_id:?} is unknown: {} has no record of it (Cube never created \
                  it through this bridge, or it was destroyed)",

@@ -860,9 +860,7 @@ impl NodeSide {
             // Holders unknown (its record was lost with them): a mount may be another
             // namespace's, and stays, as a last Detach leaves it, for an operator to
             // release; this Attach's holder was never added.
-            if before.holders_unknown
-                && self.visibility(&record.target_path, deadline).await? != Visibility::NotMounted
-            {
+            if self.unknown_holders_may_use(before, deadline).await? {
                 tracing::warn!(
                     host_path = %record.target_path.display(),
                     "failed Attach of a volume whose holders are unknown (its journal record \
@@ -888,6 +886,17 @@ impl NodeSide {
             .await?;
         self.save_progress(HookKind::Attach, record).await;
         Ok(())
+    }
+
+    /// Whether `record`'s holders are unknown (its record was lost with them) and its mount
+    /// may still be there, for a namespace nobody knows of: then no teardown may take it.
+    async fn unknown_holders_may_use(
+        &self,
+        record: &NodeRecord,
+        deadline: &Deadline,
+    ) -> Result<bool, BridgeError> {
+        Ok(record.holders_unknown
+            && self.visibility(&record.target_path, deadline).await? != Visibility::NotMounted)
     }
 
     /// The calls of a first (or repaired) Attach, recording each step before making it.
@@ -1236,9 +1245,7 @@ impl NodeSide {
                         change.apply(&mut holders);
                         if req.ref_count == 0
                             && holders.is_empty()
-                            && record.holders_unknown
-                            && self.visibility(&record.target_path, &deadline).await?
-                                != Visibility::NotMounted
+                            && self.unknown_holders_may_use(&record, &deadline).await?
                         {
                             // Nobody this record knows of holds it, but its record was lost
                             // with the holders of other namespaces: tearing it down could

@@ -1092,6 +1092,16 @@ impl World {
             .unwrap()
     }
 
+    /// Leaves `volume`'s record as a hook killed half way does: nobody holds it, and it
+    /// is marked pending.
+    fn abandon(&self, volume: &str) {
+        let journal = self.bridge.node().unwrap().node_journal();
+        let mut record = journal.load(volume).unwrap().unwrap();
+        record.holders.clear();
+        journal.save(&record, true).unwrap();
+        journal.mark_pending(volume).unwrap();
+    }
+
     fn pending(&self) -> Vec<String> {
         self.bridge
             .node()
@@ -1807,11 +1817,7 @@ async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_th
 async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
     let w = World::new(Fake::new(false, false));
     w.attach("v", "ns", "s", 0).await.unwrap();
-    let journal = w.bridge.node().unwrap().node_journal();
-    let mut rec = journal.load("v").unwrap().unwrap();
-    rec.holders.clear();
-    journal.save(&rec, true).unwrap();
-    journal.mark_pending("v").unwrap();
+    w.abandon("v");
     let held = w
         .bridge
         .node()
@@ -1849,11 +1855,7 @@ async fn the_scan_after_a_failed_detach_leaves_that_volume_for_cubes_retry() {
     w.fake.script("NodeUnstageVolume", Fault::Final);
     w.detach("v", "ns1", "s1", 0).await.unwrap_err();
     // A killed hook's leftovers on another volume: its record, nobody holding it.
-    let journal = w.bridge.node().unwrap().node_journal();
-    let mut other = journal.load("other").unwrap().unwrap();
-    other.holders.clear();
-    journal.save(&other, true).unwrap();
-    journal.mark_pending("other").unwrap();
+    w.abandon("other");
     let node = w.bridge.node().unwrap();
     let report = node
         .reconcile_node(reconcile::Scope::AbandonedBesides("v"))
@@ -1865,7 +1867,7 @@ async fn the_scan_after_a_failed_detach_leaves_that_volume_for_cubes_retry() {
         w.record("v").is_some(),
         "the failed Detach's record is kept"
     );
-    assert!(journal.pending().unwrap().contains(&"v".to_string()));
+    assert!(w.pending().contains(&"v".to_string()));
     // Cube's retry, or a later scan, finishes it.
     let report = node
         .reconcile_node(reconcile::Scope::Abandoned)

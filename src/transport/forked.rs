@@ -97,20 +97,19 @@ fn check_paths_first(config: &Config, checked: &hooks::Checked) -> Result<(), Ho
 /// It will never Detach this sandbox, so the holder an Attach's worker may already have
 /// saved is withdrawn (the volume torn down if no holder is left); and CubeMaster will
 /// never Destroy a volume it was not told of, so one a Create's worker finished since
-/// `started` (the front's start) is deleted. A worker that died before saving either left
-/// none, and the rest of its work is the abandoned-work scan's or the sweep's.
-pub async fn withdraw_unanswered(config: &Config, request: &HookRequest, started: SystemTime) {
-    let roles = match request {
-        HookRequest::Attach(_) => Roles::NODE,
-        HookRequest::Create(_) => Roles::CONTROLLER,
-        _ => return,
-    };
-    let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
-    let Ok(bridge) = crate::app::open_bridge(Arc::new(config.clone()), roles, mounts) else {
-        return;
+/// `started_secs` (the front's start, seconds since the epoch) is deleted. A worker that
+/// died before saving either left none, and the rest of its work is the abandoned-work
+/// scan's or the sweep's.
+pub async fn withdraw_unanswered(config: &Config, request: &HookRequest, started_secs: u64) {
+    let open = |roles| {
+        let mounts = Arc::new(MountView::new(&config.node.mount_view, true));
+        crate::app::open_bridge(Arc::new(config.clone()), roles, mounts).ok()
     };
     match request {
         HookRequest::Attach(attach) => {
+            let Some(bridge) = open(Roles::NODE) else {
+                return;
+            };
             let Ok(node) = bridge.node() else {
                 return;
             };
@@ -128,15 +127,14 @@ pub async fn withdraw_unanswered(config: &Config, request: &HookRequest, started
             }
         }
         HookRequest::Create(create) => {
+            let Some(bridge) = open(Roles::CONTROLLER) else {
+                return;
+            };
             let Ok(controller) = bridge.controller() else {
                 return;
             };
-            let since = started
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs();
             match controller
-                .withdraw_unanswered_create(&create.volume_id, since)
+                .withdraw_unanswered_create(&create.volume_id, started_secs)
                 .await
             {
                 Ok(true) => tracing::warn!(

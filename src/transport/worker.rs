@@ -72,7 +72,7 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
         return (run_here(config, request), None);
     };
     let (hook, volume_id) = (request.kind(), request.volume_id().to_string());
-    let started = std::time::SystemTime::now();
+    let started_secs = crate::system::now_secs();
     // SAFETY: the process is single-threaded here (the caller's contract), so the child
     // may run arbitrary code after fork.
     match unsafe { fork() } {
@@ -86,7 +86,7 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
             let output = front(answer_r, log_r).unwrap_or_else(|| {
                 // Cube will count this hook failed, so a holder or a volume the worker saved
                 // before it died is one Cube never learns of: take it back before answering.
-                runtime().block_on(binary::withdraw_unanswered(&config, &request, started));
+                runtime().block_on(binary::withdraw_unanswered(&config, &request, started_secs));
                 no_answer(hook, &volume_id)
             });
             // `alive_w` stays open until the answer is printed (then acknowledged) or this
