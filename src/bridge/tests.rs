@@ -313,6 +313,12 @@ impl Fake {
             .collect()
     }
 
+    /// No NodeUnpublish nor NodeUnstage was called (since the calls were last cleared).
+    fn assert_nothing_unmounted(&self) {
+        let calls = self.mutating_calls();
+        assert!(!calls.iter().any(|c| c.starts_with("NodeUn")), "{calls:?}");
+    }
+
     fn clear_calls(&self) {
         self.state.lock().unwrap().calls.clear();
     }
@@ -1090,6 +1096,13 @@ impl World {
             .node_journal()
             .load(volume)
             .unwrap()
+    }
+
+    /// Empties `volume`'s record and removes its holder log: neither can say who holds
+    /// the volume any more.
+    fn lose_record_and_holders(&self, volume: &str) {
+        std::fs::write(self.record_file(volume), b"").unwrap();
+        std::fs::remove_file(self.holder_log(volume)).unwrap();
     }
 
     /// Leaves `volume`'s record as a hook killed half way does: nobody holds it, and it
@@ -3044,8 +3057,7 @@ async fn a_lost_record_whose_holders_cannot_be_known_is_never_torn_down_while_mo
     let w = World::new(Fake::new(true, false));
     w.attach("v", "nsA", "a", 0).await.unwrap();
     w.attach("v", "nsB", "b", 0).await.unwrap();
-    std::fs::write(w.record_file("v"), b"").unwrap();
-    std::fs::remove_file(w.holder_log("v")).unwrap();
+    w.lose_record_and_holders("v");
     w.fake.clear_calls();
     w.detach("v", "nsA", "a", 0).await.unwrap();
     assert!(
@@ -3064,14 +3076,7 @@ async fn a_lost_record_whose_holders_cannot_be_known_is_never_torn_down_while_mo
     assert_eq!(report.holders_unknown, 1, "{report:?}");
     w.detach("v", "nsB", "b", 0).await.unwrap();
     assert!(w.fake.is_mounted(&w.target("v")));
-    assert!(
-        !w.fake
-            .mutating_calls()
-            .iter()
-            .any(|c| c.starts_with("NodeUn")),
-        "{:?}",
-        w.fake.mutating_calls()
-    );
+    w.fake.assert_nothing_unmounted();
     // A later Attach keeps it attached (a new holder does not reveal the others).
     w.attach("v", "nsC", "c", 0).await.unwrap();
     assert!(w.record("v").unwrap().holders_unknown);
@@ -3088,8 +3093,7 @@ async fn a_lost_record_whose_holders_cannot_be_known_is_never_torn_down_while_mo
 async fn a_failed_attach_of_a_volume_whose_holders_are_unknown_keeps_it_mounted() {
     let w = World::new(Fake::new(true, false));
     w.attach("v", "nsA", "a", 0).await.unwrap();
-    std::fs::write(w.record_file("v"), b"").unwrap();
-    std::fs::remove_file(w.holder_log("v")).unwrap();
+    w.lose_record_and_holders("v");
     w.fake.clear_calls();
     w.fake.script("NodePublishVolume", Fault::Final);
     w.attach("v", "nsC", "c", 0).await.unwrap_err();
@@ -3098,14 +3102,7 @@ async fn a_failed_attach_of_a_volume_whose_holders_are_unknown_keeps_it_mounted(
         "nsA's mount was torn down: {:?}",
         w.fake.mutating_calls()
     );
-    assert!(
-        !w.fake
-            .mutating_calls()
-            .iter()
-            .any(|c| c.starts_with("NodeUn")),
-        "{:?}",
-        w.fake.mutating_calls()
-    );
+    w.fake.assert_nothing_unmounted();
     let record = w.record("v").unwrap();
     assert!(record.holders_unknown && !record.is_held(), "{record:?}");
     // Reconciliation reports it rather than finishing a teardown.
