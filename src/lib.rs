@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod blocking;
 pub mod bridge;
 pub mod cli;
 pub mod config;

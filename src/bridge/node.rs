@@ -279,8 +279,8 @@ impl NodeSide {
             })
     }
 
-    /// Writes the record; `durable` (before a CSI call) waits for the disk, off the async
-    /// threads.
+    /// Writes the record; `durable` (before a CSI call) waits for the disk, on this
+    /// thread only when no other wait of this process is (`crate::blocking`).
     async fn save(
         &self,
         hook: HookKind,
@@ -290,7 +290,9 @@ impl NodeSide {
         faults::point(hook, When::Before, "journal");
         if durable {
             let (journal, record) = (self.node_journal().clone(), record.clone());
-            blocking(move || journal.save(&record, true).map_err(BridgeError::from)).await?;
+            crate::blocking::wait_for_disk(move || journal.save(&record, true))
+                .await
+                .map_err(BridgeError::from)?;
         } else {
             self.node_journal().save(record, false)?;
         }

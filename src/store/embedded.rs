@@ -22,6 +22,7 @@ use nix::fcntl::Flock;
 use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::fsutil::lock_exclusive_within;
+use crate::blocking::wait_for_disk;
 use crate::bridge::ports::{ControllerStore, SnapshotStore, StoreError};
 use crate::bridge::records::{SnapshotRecord, VolumeRecord};
 
@@ -1264,23 +1265,24 @@ impl SnapshotStore for Arc<EmbeddedStore> {
     }
 }
 
-/// The async face of the store: each operation on a blocking thread.
+/// The async face of the store: a list (long at 100,000 records) on a blocking thread,
+/// the other operations where `crate::blocking::wait_for_disk` puts them.
 #[async_trait]
 impl ControllerStore for Arc<EmbeddedStore> {
     async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
         let (s, id) = (self.clone(), volume_id.to_string());
-        blocking(move || EmbeddedStore::get(&s, &id)).await
+        wait_for_disk(move || EmbeddedStore::get(&s, &id)).await
     }
 
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
         let (s, copy) = (self.clone(), record.clone());
-        record.revision = Some(blocking(move || EmbeddedStore::put(&s, &copy)).await?);
+        record.revision = Some(wait_for_disk(move || EmbeddedStore::put(&s, &copy)).await?);
         Ok(())
     }
 
     async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
         let (s, copy) = (self.clone(), record.clone());
-        blocking(move || EmbeddedStore::delete(&s, &copy)).await
+        wait_for_disk(move || EmbeddedStore::delete(&s, &copy)).await
     }
 
     async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
