@@ -605,6 +605,24 @@ fn changes_between(holders: &Holders, times: &HolderTimes, record: &NodeRecord) 
 /// The directory (under the journal's) of namespaces' last hooks kept past a teardown.
 const KEPT_HOOKS_DIR: &str = "namespaces";
 
+/// Sets `path`'s mtime (not through a symlink), leaving its atime.
+fn set_mtime(path: &Path, at: SystemTime) -> io::Result<()> {
+    use nix::sys::stat::{UtimensatFlags, utimensat};
+    use nix::sys::time::TimeSpec;
+    let since = at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mtime = TimeSpec::from_duration(since);
+    utimensat(
+        nix::fcntl::AT_FDCWD,
+        path,
+        &TimeSpec::UTIME_OMIT,
+        &mtime,
+        UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(io::Error::from)
+}
+
 /// The tag of a log's first line when a save wrote it: `*\t<size of the snapshot lines
 /// that follow>`.
 const SNAPSHOT_TAG: &str = "*\t";
@@ -784,17 +802,26 @@ impl NodeJournal for FileJournal {
     /// small file per namespace, its mtime the time. Off the hot path (a teardown makes
     /// CSI calls); no fsync: after a power loss no holder survives to be judged.
     fn keep_last_hooks(&self, last_hook: &BTreeMap<String, u64>) -> Result<(), JournalError> {
-        if last_hook.is_empty() {
-            return Ok(());
-        }
-        let dir = self.kept_hooks_dir();
-        crate::mount::ops::ensure_dir(&dir, 0o700).map_err(Self::io(&dir))?;
         for (namespace, at) in last_hook {
             let path = self.kept_hook_file(namespace);
             let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(*at);
-            let kept = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
-            if kept.is_some_and(|kept| kept >= at) {
+            let kept = std::fs::symlink_metadata(&path).ok();
+            // A file of the namespace's length already names it (its name is the
+            // namespace's hash, and only a write cut short leaves it shorter): only its time
+            // moves, and only forward. Rewritten, its block would be freed by the truncate
+            // and allocated again by the write, on every last Detach of a namespace seen
+            // before; one cut short is written again, whatever its time.
+            let names_it = kept
+                .as_ref()
+                .filter(|kept| kept.is_file() && kept.len() == namespace.len() as u64);
+            if let Some(kept) = names_it
+                && (kept.modified().is_ok_and(|kept| kept >= at) || set_mtime(&path, at).is_ok())
+            {
                 continue;
+            }
+            if kept.is_none() {
+                let dir = self.kept_hooks_dir();
+                crate::mount::ops::ensure_dir(&dir, 0o700).map_err(Self::io(&dir))?;
             }
             let file = std::fs::OpenOptions::new()
                 .write(true)
@@ -1675,10 +1702,29 @@ mod tests {
             journal.kept_last_hooks().unwrap(),
             BTreeMap::from([("nsA".to_string(), 100), ("a/../b c".to_string(), 50)])
         );
+        let inode = |namespace: &str| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(journal.kept_hook_file(namespace))
+                .unwrap()
+                .ino()
+        };
+        let before = inode("nsA");
         journal
             .keep_last_hooks(&BTreeMap::from([("nsA".to_string(), 150)]))
             .unwrap();
         assert_eq!(journal.kept_last_hooks().unwrap()["nsA"], 150);
+        assert_eq!(
+            inode("nsA"),
+            before,
+            "a later hook only moves the file's time"
+        );
+        // A file cut short (a kill between its creation and its write) is written again.
+        std::fs::write(journal.kept_hook_file("nsA"), "").unwrap();
+        assert!(!journal.kept_last_hooks().unwrap().contains_key("nsA"));
+        journal
+            .keep_last_hooks(&BTreeMap::from([("nsA".to_string(), 160)]))
+            .unwrap();
+        assert_eq!(journal.kept_last_hooks().unwrap()["nsA"], 160);
         std::fs::write(journal.kept_hook_file("nsA"), "nsB").unwrap();
         assert!(!journal.kept_last_hooks().unwrap().contains_key("nsB"));
         assert!(journal.volume_ids().unwrap().is_empty());
