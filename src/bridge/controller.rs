@@ -607,10 +607,16 @@ impl ControllerSide {
                             existing.csi_name
                         )));
                     }
-                    match existing.state {
-                        VolumeState::Created => return Ok((existing, false)),
-                        VolumeState::Deleting => return Err(being_reclaimed(volume_id)),
-                        VolumeState::Creating => {}
+                    if existing.state == VolumeState::Deleting {
+                        return Err(being_reclaimed(volume_id));
+                    }
+                    // Whoever can write the store could have planted it: its content
+                    // source would have the driver fill the new volume with another
+                    // volume's data, and refreshing it would sign what it says.
+                    self.check_integrity_before(&existing, "go on with Create")
+                        .await?;
+                    if existing.state == VolumeState::Created {
+                        return Ok((existing, false));
                     }
                     let mut touched = existing;
                     touched.updated_at = self.now_secs();
@@ -681,7 +687,12 @@ impl ControllerSide {
                 Some(current) if current.state == VolumeState::Deleting => {
                     return Err(being_reclaimed(&record.volume_id));
                 }
-                Some(current) => record = current,
+                Some(current) => {
+                    // Written over, so signed anew: only if the bridge wrote it.
+                    self.check_integrity_before(&current, "record the created volume")
+                        .await?;
+                    record = current;
+                }
                 None => {
                     return Err(BridgeError::Precondition(format!(
                         "the record of this volume was deleted while CSI volume {:?} was \

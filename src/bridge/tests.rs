@@ -4006,6 +4006,59 @@ async fn another_drivers_snapshot_is_neither_restored_nor_deleted() {
     assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
 }
 
+/// A record the bridge did not write (planted without a MAC, or a signed one edited) is
+/// neither followed nor signed by a Create of its volume: its content source would have
+/// the driver fill the new volume with another volume's data, and the refreshed record
+/// would carry a valid MAC for what the planter wrote.
+#[tokio::test]
+async fn a_create_refuses_a_record_the_bridge_did_not_write_and_signs_nothing() {
+    let w = World::new(Fake::new(false, false));
+    w.create("victim").await.unwrap();
+    w.create("edited").await.unwrap();
+    let victims_data = Some(ContentSource::Volume {
+        volume_id: "victim".into(),
+        csi_volume_id: w.stored("victim").unwrap().csi_volume_id.unwrap(),
+    });
+    let mut planted = Vec::new();
+    for state in [VolumeState::Creating, VolumeState::Created] {
+        let mut record = unsigned_record("v", "handle-planted");
+        record.state = state;
+        record.csi_driver = None;
+        record.content_source = victims_data.clone();
+        planted.push(record);
+    }
+    let mut edited = w.stored("edited").unwrap();
+    edited.content_source = victims_data.clone();
+    planted.push(edited);
+    for record in planted {
+        let volume = record.volume_id.clone();
+        w.store
+            .records
+            .lock()
+            .unwrap()
+            .insert(volume.clone(), record.clone());
+        w.fake.clear_calls();
+        let error = w.create(&volume).await.unwrap_err().to_string();
+        assert!(error.contains("integrity"), "{error}");
+        assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+        assert!(
+            !w.fake
+                .state
+                .lock()
+                .unwrap()
+                .content_sources
+                .get(&format!("cube-{volume}"))
+                .is_some_and(|source| *source == victims_data),
+            "no volume is filled from the victim's data"
+        );
+        assert_eq!(
+            w.stored(&volume).unwrap(),
+            record,
+            "nothing signed or changed"
+        );
+    }
+}
+
 #[tokio::test]
 async fn an_edited_snapshot_record_is_refused() {
     let w = World::new(Fake::new(false, false));
