@@ -348,6 +348,8 @@ impl NodeSide {
                     record.staging_path = Some(paths.staging.clone());
                     record.stage = Step::Uncertain;
                 }
+                self.may_be_controller_published(&mut record, deadline)
+                    .await?;
                 // The unreadable file goes now, so that `list` shows the rebuilt record and
                 // its holder state; a failure here leaves it for the next save.
                 if let Err(error) = self.node_journal().save(&record, false) {
@@ -357,6 +359,30 @@ impl NodeSide {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// A record rebuilt without the one that was lost says nothing of ControllerPublish:
+    /// with a driver that publishes, every Attach here made it, so the rebuilt record says
+    /// it was made (the volume is mounted or staged here) or may have been (neither), and
+    /// the last Detach's teardown undoes it. Left absent, the volume stayed published to
+    /// this node at the backend for good, recorded nowhere.
+    async fn may_be_controller_published(
+        &self,
+        record: &mut NodeRecord,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        let (_, caps) = self.driver.controller_view(deadline).await?;
+        if !caps.is_some_and(|c| c.publish_unpublish_volume) {
+            return Ok(());
+        }
+        record.node_id = self.driver.node_id(deadline).await?;
+        // Done where a publish or stage is there: an Attach of other holders' volume that
+        // fails then leaves the publish they use, as for a record never lost.
+        record.controller_publish = match record.publish.needs_undo() || record.stage.needs_undo() {
+            true => Step::Done,
+            false => Step::Uncertain,
+        };
+        Ok(())
     }
 
     /// Records a holder change on the hot path: one appended line when it changes the
@@ -1278,7 +1304,12 @@ impl NodeSide {
                         tracing::debug!(ref_count = req.ref_count, "nothing recorded on this node");
                         return Ok(());
                     }
-                    (None, Some(meta)) => self.record_from_metadata(&req.volume_id, meta),
+                    (None, Some(meta)) => {
+                        let mut record = self.record_from_metadata(&req.volume_id, meta);
+                        self.may_be_controller_published(&mut record, &deadline)
+                            .await?;
+                        record
+                    }
                     (None, None) => {
                         tracing::info!("nothing attached on this node; nothing to do");
                         return Ok(());

@@ -4059,6 +4059,35 @@ async fn a_create_refuses_a_record_the_bridge_did_not_write_and_signs_nothing() 
     }
 }
 
+/// A record lost (emptied, or gone with its holder log) is rebuilt saying nothing of
+/// ControllerPublish; the last Detach must still undo it, or the volume stays published to
+/// this node at the backend, recorded nowhere.
+#[tokio::test]
+async fn a_last_detach_after_a_lost_record_still_controller_unpublishes() {
+    for lose_the_log_too in [false, true] {
+        let w = World::new(Fake::new(true, true));
+        w.attach("v", "ns1", "s1", 0).await.unwrap();
+        let node = w.dir.path().join("state/node");
+        if lose_the_log_too {
+            std::fs::remove_file(node.join("v.json")).unwrap();
+            std::fs::remove_file(node.join("v.holders")).unwrap();
+        } else {
+            std::fs::write(node.join("v.json"), b"").unwrap();
+        }
+        w.fake.clear_calls();
+        w.detach("v", "ns1", "s1", 0).await.unwrap();
+        assert!(
+            w.fake
+                .mutating_calls()
+                .iter()
+                .any(|call| call == "ControllerUnpublishVolume"),
+            "log lost too: {lose_the_log_too}: {:?}",
+            w.fake.calls()
+        );
+        w.assert_clean("v");
+    }
+}
+
 #[tokio::test]
 async fn an_edited_snapshot_record_is_refused() {
     let w = World::new(Fake::new(false, false));
