@@ -169,6 +169,22 @@ pub fn check_private_dir(dir: &Path, field: &str, risk: &str) -> io::Result<()> 
         )
     };
     let written = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    // A symlink on the way is replaced at will by its owner (a sticky directory lets the
+    // owner of an entry rename over it): then the bridge's state or locks move wherever
+    // that user points them, after this check. Root's own links (/var/run) are root's.
+    for on_the_way in written.ancestors() {
+        if let Ok(link) = std::fs::symlink_metadata(on_the_way)
+            && link.file_type().is_symlink()
+            && !trusted(link.uid())
+        {
+            return Err(refuse(format!(
+                "{field} {} goes through the symlink {}, owned by uid {}, which its owner can                  point elsewhere at any time",
+                dir.display(),
+                on_the_way.display(),
+                link.uid()
+            )));
+        }
+    }
     let real = match std::fs::canonicalize(dir) {
         Ok(real) => Some(real),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,

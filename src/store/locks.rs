@@ -354,6 +354,27 @@ mod tests {
             nix::unistd::chown(&theirs, Some(1000.into()), Some(1000.into())).unwrap();
             let err = FileLocks::new(&theirs).unwrap_err().to_string();
             assert!(err.contains("is owned by uid 1000"), "{err}");
+            // Root's own directory, reached through a symlink in a sticky directory: the
+            // link's owner could rename another link over it after the check.
+            let ours = tmp.path().join("ours");
+            std::fs::create_dir(&ours).unwrap();
+            std::fs::set_permissions(&ours, std::fs::Permissions::from_mode(0o700)).unwrap();
+            let link = open.join("locks-link");
+            std::os::unix::fs::symlink(&ours, &link).unwrap();
+            FileLocks::new(&link).unwrap();
+            nix::unistd::fchownat(
+                nix::fcntl::AT_FDCWD,
+                &link,
+                Some(1000.into()),
+                Some(1000.into()),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .unwrap();
+            let err = FileLocks::new(&link).unwrap_err().to_string();
+            assert!(
+                err.contains("goes through the symlink") && err.contains("owned by uid 1000"),
+                "{err}"
+            );
         }
     }
 
