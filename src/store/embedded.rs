@@ -853,10 +853,20 @@ impl EmbeddedStore {
         self.with_db(|db| {
             let txn = db.read()?;
             let table = txn.open_table(VOLUMES).map_err(|e| self.err(e))?;
-            match table.get(volume_id).map_err(|e| self.err(e))? {
-                Some(v) => self.decode(v.value()).map(Some),
-                None => Ok(None),
+            let Some(found) = table.get(volume_id).map_err(|e| self.err(e))? else {
+                return Ok(None);
+            };
+            let record = self.decode(found.value())?;
+            // Another volume's record (its value copied under this key) is never this
+            // one's: its MAC verifies, and Destroy would delete the other volume.
+            if record.volume_id != volume_id {
+                return Err(StoreError::Corrupt {
+                    store: self.path.display().to_string(),
+                    what: format!("the record stored under volume {volume_id:?}"),
+                    message: format!("it records volume {:?}", record.volume_id),
+                });
             }
+            Ok(Some(record))
         })
     }
 
@@ -1458,6 +1468,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains(&path.display().to_string()), "{error}");
+    }
+
+    /// A record copied by hand under another volume's key is refused, not handed out as
+    /// that volume's (its MAC names the volume it was written for, so it would verify).
+    #[test]
+    fn a_record_stored_under_another_volumes_key_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("controller.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        store.put(&record("w")).unwrap();
+        drop(store);
+        {
+            let db = redb::Database::open(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut table = txn.open_table(VOLUMES).unwrap();
+                let bytes = table.get("w").unwrap().unwrap().value().to_vec();
+                table.insert("v", bytes.as_slice()).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let store = EmbeddedStore::open(&path).unwrap();
+        let error = store.get("v").unwrap_err().to_string();
+        assert!(
+            error.contains("stored under volume \"v\"") && error.contains("records volume \"w\""),
+            "{error}"
+        );
+        assert_eq!(store.get("w").unwrap().unwrap().volume_id, "w");
     }
 
     #[test]
