@@ -30,6 +30,14 @@ pub async fn wait_for_disk<T: Send + 'static>(work: impl FnOnce() -> T + Send + 
     DISK_WAIT.run(work).await
 }
 
+/// Runs `work` on a blocking thread and returns what it returned; its panic goes on in the
+/// caller.
+pub async fn on_blocking_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+}
+
 /// Frees the caller's turn when its work ends, panics, or is dropped mid-way.
 struct Turn<'a>(&'a AtomicBool);
 
@@ -55,9 +63,7 @@ impl LoneOnCaller {
             tokio::task::yield_now().await;
             return work();
         }
-        tokio::task::spawn_blocking(work)
-            .await
-            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+        on_blocking_thread(work).await
     }
 
     fn take_turn(&self) -> Option<Turn<'_>> {

@@ -245,7 +245,5 @@ async fn hook_if<T>(
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, BridgeError> + Send + 'static,
 ) -> Result<T, BridgeError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    crate::blocking::on_blocking_thread(f).await
 }

@@ -378,9 +378,10 @@ impl NodeSide {
         record.node_id = self.driver.node_id(deadline).await?;
         // Done where a publish or stage is there: an Attach of other holders' volume that
         // fails then leaves the publish they use, as for a record never lost.
-        record.controller_publish = match record.publish.needs_undo() || record.stage.needs_undo() {
-            true => Step::Done,
-            false => Step::Uncertain,
+        record.controller_publish = if record.publish.needs_undo() || record.stage.needs_undo() {
+            Step::Done
+        } else {
+            Step::Uncertain
         };
         Ok(())
     }

@@ -1338,9 +1338,7 @@ fn copy_error(e: &StoreError) -> StoreError {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    crate::blocking::on_blocking_thread(f).await
 }
 
 #[cfg(test)]
