@@ -130,23 +130,63 @@ pub fn check_trusted_file(path: &Path) -> Result<(), String> {
     check_owners(path, &real, nix::unistd::geteuid().as_raw())
 }
 
-/// The first directory above any of `paths` (a path as written, as resolved) through
-/// which someone other than root or `euid` could replace what lies below: one another user
-/// owns, or one its group or others may write without the sticky bit (as /tmp has; a
-/// sticky one still must be owned by root or `euid`). With `read_only_passes`, a directory
-/// on a read-only mount passes. Returns it, with why.
-pub fn untrusted_dir_above<'a>(
+/// What on the way to a file lets someone other than root or the bridge's own user put
+/// another file in its place.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Replaceable {
+    /// A directory above it that user owns, or may write without the sticky bit; with why.
+    Dir(PathBuf, String),
+    /// A symlink on the path as written, owned by that uid. In a sticky directory (as
+    /// /tmp) the owner of an entry may rename another link over it at any time, after any
+    /// check, so where the path leads is theirs to choose.
+    Link(PathBuf, u32),
+}
+
+impl Replaceable {
+    /// The reason as a clause about `what` (e.g. "it", "state.dir /x").
+    pub fn describe(&self, what: &str) -> String {
+        match self {
+            Replaceable::Dir(dir, why) => {
+                format!("the directory {} above {what} {why}", dir.display())
+            }
+            Replaceable::Link(link, uid) => format!(
+                "{what} goes through the symlink {}, owned by uid {uid}, which its owner can \
+                 point elsewhere at any time",
+                link.display()
+            ),
+        }
+    }
+}
+
+/// The first thing on the way to any of `paths` through which someone other than root or
+/// `euid` could replace what lies there: a symlink such a user owns (the path itself or
+/// any component of it, as written), or a directory above that one owns, or that its group
+/// or others may write without the sticky bit (a sticky one still must be owned by root or
+/// `euid`). With `read_only_passes`, anything on a read-only mount passes.
+pub fn untrusted_on_the_way<'a>(
     paths: impl IntoIterator<Item = &'a Path>,
     euid: u32,
     read_only_passes: bool,
-) -> Option<(PathBuf, String)> {
+) -> Option<Replaceable> {
     use std::os::unix::fs::MetadataExt;
     let trusted = |uid: u32| uid == 0 || uid == euid;
     let read_only = |p: &Path| {
         nix::sys::statvfs::statvfs(p)
             .is_ok_and(|fs| fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
     };
-    for dir in paths.into_iter().flat_map(|path| path.ancestors().skip(1)) {
+    let paths: Vec<&Path> = paths.into_iter().collect();
+    // Links first: a link another user owns decides where everything below it leads, so
+    // the directories found through it say nothing.
+    for on_the_way in paths.iter().flat_map(|path| path.ancestors()) {
+        if let Ok(link) = std::fs::symlink_metadata(on_the_way)
+            && link.file_type().is_symlink()
+            && !trusted(link.uid())
+            && !(read_only_passes && on_the_way.parent().is_some_and(read_only))
+        {
+            return Some(Replaceable::Link(on_the_way.to_path_buf(), link.uid()));
+        }
+    }
+    for dir in paths.iter().flat_map(|path| path.ancestors().skip(1)) {
         let Ok(meta) = std::fs::metadata(dir) else {
             continue;
         };
@@ -160,7 +200,7 @@ pub fn untrusted_dir_above<'a>(
         } else {
             format!("is owned by uid {}", meta.uid())
         };
-        return Some((dir.to_path_buf(), why));
+        return Some(Replaceable::Dir(dir.to_path_buf(), why));
     }
     None
 }
@@ -168,7 +208,8 @@ pub fn untrusted_dir_above<'a>(
 /// Refuses a config file that anyone but root (or `euid`, the user the bridge runs as)
 /// could change, or replace: the file must be owned by one of them and writable by no
 /// group or other user, and so must every directory above it, as written (`path`, whose
-/// symlinks could be swapped) and as resolved (`real`). A directory others may write is
+/// symlinks could be swapped; none of them may be another user's) and as resolved
+/// (`real`). A directory others may write is
 /// allowed only with the sticky bit (as /tmp: nobody else can remove or rename what is in
 /// it; it must still be owned by root or `euid`), and
 /// anything on a read-only mount is allowed (a Kubernetes ConfigMap volume).
@@ -206,13 +247,13 @@ fn check_owners(path: &Path, real: &Path, euid: u32) -> Result<(), String> {
         }
     }
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    if let Some((dir, why)) = untrusted_dir_above([real, absolute.as_path()], euid, true) {
+    if let Some(replaceable) = untrusted_on_the_way([absolute.as_path(), real], euid, true) {
         return Err(format!(
-            "the directory {} above it {why}, so someone other than {owner} could replace \
-             the file; keep it in a directory owned by {owner} and writable only by its \
-             owner (chown root and chmod go-w the directory, or move the file, e.g. a config \
-             to /etc/cube-csi-bridge)",
-            dir.display()
+            "{}, so someone other than {owner} could replace the file; keep it in a \
+             directory owned by {owner} and writable only by its owner, reached through no \
+             other user's symlink (chown root and chmod go-w the directory, or move the file, \
+             e.g. a config to /etc/cube-csi-bridge)",
+            replaceable.describe("it")
         ));
     }
     Ok(())
@@ -328,7 +369,26 @@ mod tests {
                 .unwrap_err()
                 .contains(&links.display().to_string())
         );
+        // The config path itself a symlink another user owns, in a sticky directory root
+        // owns: where it leads is good, but its owner can rename another link over it and
+        // hand the next start any root-owned file.
+        let sticky_links = root.path().join("sticky-links");
+        std::fs::create_dir(&sticky_links).unwrap();
+        std::fs::set_permissions(&sticky_links, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let their_link = sticky_links.join("bridge.toml");
+        std::os::unix::fs::symlink(&good, &their_link).unwrap();
+        check(&their_link).unwrap();
+        std::os::unix::fs::lchown(&their_link, Some(1000), Some(1000)).unwrap();
+        let e = check(&their_link).unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "goes through the symlink {}",
+                their_link.display()
+            )) && e.contains("uid 1000"),
+            "{e}"
+        );
         // The bridge running as uid 1000 may use its own files.
         check_owners(&theirs, &theirs, 1000).unwrap();
+        check_owners(&their_link, &good, 1000).unwrap();
     }
 }

@@ -169,22 +169,6 @@ pub fn check_private_dir(dir: &Path, field: &str, risk: &str) -> io::Result<()> 
         )
     };
     let written = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    // A symlink on the way is replaced at will by its owner (a sticky directory lets the
-    // owner of an entry rename over it): then the bridge's state or locks move wherever
-    // that user points them, after this check. Root's own links (/var/run) are root's.
-    for on_the_way in written.ancestors() {
-        if let Ok(link) = std::fs::symlink_metadata(on_the_way)
-            && link.file_type().is_symlink()
-            && !trusted(link.uid())
-        {
-            return Err(refuse(format!(
-                "{field} {} goes through the symlink {}, owned by uid {}, which its owner can                  point elsewhere at any time",
-                dir.display(),
-                on_the_way.display(),
-                link.uid()
-            )));
-        }
-    }
     let real = match std::fs::canonicalize(dir) {
         Ok(real) => Some(real),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -208,12 +192,10 @@ pub fn check_private_dir(dir: &Path, field: &str, risk: &str) -> io::Result<()> 
         }
     }
     let paths = std::iter::once(written.as_path()).chain(real.as_deref());
-    if let Some((above, why)) = crate::config::untrusted_dir_above(paths, euid, false) {
-        return Err(refuse(format!(
-            "the directory {} above {field} {} {why}",
-            above.display(),
-            dir.display()
-        )));
+    if let Some(replaceable) = crate::config::untrusted_on_the_way(paths, euid, false) {
+        return Err(refuse(
+            replaceable.describe(&format!("{field} {}", dir.display())),
+        ));
     }
     Ok(())
 }
