@@ -88,7 +88,9 @@ pub fn open_sides(
     roles: Roles,
     mounts: Arc<dyn MountCheck>,
 ) -> Result<Bridge, BridgeError> {
-    let shared = shared(config)?;
+    let keeps_records = roles.node
+        || (roles.controller && config.state.controller_store == ControllerStoreKind::Embedded);
+    let shared = shared(config, keeps_records)?;
     let controller = if roles.controller {
         open_controller(config, &shared)
             .map(Arc::new)
@@ -106,7 +108,7 @@ pub fn open_sides(
     Ok(Bridge { controller, node })
 }
 
-fn shared(config: &Config) -> Result<Shared, BridgeError> {
+fn shared(config: &Config, keeps_records: bool) -> Result<Shared, BridgeError> {
     let label = DriverLabel::of(config);
     let client = |endpoint| CsiClient::new(endpoint).labelled(label.clone());
     let node_driver = Arc::new(GrpcDriver::new(client(&config.csi.endpoint)));
@@ -133,6 +135,7 @@ fn shared(config: &Config) -> Result<Shared, BridgeError> {
         node_driver,
         volume_settings,
         kube,
+        keeps_records,
     )
 }
 
@@ -144,7 +147,7 @@ pub fn open_hot_node(config: &Config, mounts: Arc<dyn MountCheck>) -> Result<Bri
     let absent = Arc::new(hot_path::NotConnected::new(
         &config.csi.endpoint.to_string(),
     ));
-    let mut shared = shared_over(config, absent.clone(), absent.clone(), absent, None)?;
+    let mut shared = shared_over(config, absent.clone(), absent.clone(), absent, None, true)?;
     // A forked hook serves no metrics: counts made here would be for nobody.
     shared.recorder = Arc::new(NoRecorder);
     let node = open_node(config, &shared, mounts)?;
@@ -154,12 +157,16 @@ pub fn open_hot_node(config: &Config, mounts: Arc<dyn MountCheck>) -> Result<Bri
     })
 }
 
+/// What both sides share, over the given drivers. With `keeps_records` (a node side, or
+/// the embedded controller store, will read and write records in `state.dir`) the state
+/// dir is claimed for this bridge first, before even its lock dir is made.
 fn shared_over(
     config: &Config,
     controller_driver: Arc<dyn ControllerDriver>,
     node_driver: Arc<dyn NodeDriver>,
     volume_settings: Arc<dyn VolumeSettings>,
     kube: Option<Arc<Kube>>,
+    keeps_records: bool,
 ) -> Result<Shared, BridgeError> {
     let label = DriverLabel::of(config);
     let settings = core_settings(config);
@@ -177,6 +184,9 @@ fn shared_over(
          deletes) or plant a file there for it to open",
     )
     .map_err(|e| BridgeError::io(format!("state dir {}", state_dir.display()), e))?;
+    if keeps_records {
+        claim_state_dir(config)?;
+    }
     let lock_dir = &config.state.lock_dir;
     let locks = Arc::new(
         FileLocks::new(lock_dir)
@@ -288,9 +298,22 @@ pub fn controller_store(
             unreachable!("a Kubernetes store makes the config use Kubernetes")
         }
         (ControllerStoreKind::Embedded, _) => {
+            claim_state_dir(config)?;
             Arc::new(Arc::new(EmbeddedStore::open(&config.state.store_path())?))
         }
     })
+}
+
+/// Claims `state.dir` for this driver and lock dir before any record is read or written
+/// there (`store::owner`): a bridge of another config file that named the same dir is
+/// refused, with the fix.
+fn claim_state_dir(config: &Config) -> Result<(), BridgeError> {
+    let owner = crate::store::owner::Owner {
+        driver: &config.driver,
+        lock_dir: &config.state.lock_dir,
+    };
+    crate::store::owner::claim(&config.state.dir, &owner)
+        .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))
 }
 
 #[cfg(test)]
@@ -347,5 +370,52 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("above state.dir"), "{err}");
+    }
+
+    /// Two bridges of separate config files naming one state dir: the second is refused
+    /// before it makes its lock dir or reads a record (before, it opened, and each one's
+    /// scan could tear down the other's volumes through the wrong driver).
+    #[test]
+    fn a_state_dir_another_bridge_keeps_records_in_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        let first = config_in(tmp.path());
+        open_hot_node(&first, mounts.clone()).map(|_| ()).unwrap();
+        let d = tmp.path().display();
+        let second = Config::parse(
+            &format!(
+                "driver = \"other\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/state\"\nlock_dir = \"{d}/other-locks\"\n[node]\n\
+                 default_volume_base_dir = \"{d}/vol\"\n"
+            ),
+            std::path::Path::new("/other.toml"),
+        )
+        .unwrap();
+        for roles in [Roles::NODE, Roles::CONTROLLER, Roles::BOTH] {
+            let err = open_sides(&second, roles, mounts.clone())
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("belongs to another bridge")
+                    && err.contains("driver \"fk\"")
+                    && err.contains("driver \"other\""),
+                "{err}"
+            );
+        }
+        assert!(
+            open_hot_node(&second, mounts.clone()).is_err(),
+            "the hook's front opened"
+        );
+        assert!(
+            !tmp.path().join("other-locks").exists(),
+            "its lock dir was made"
+        );
+        assert!(!tmp.path().join("state/controller.redb").exists());
+        // The first bridge keeps its dir, its own restart included.
+        open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
     }
 }

@@ -1,0 +1,175 @@
+//! Which bridge a state dir belongs to: the first bridge that keeps records there writes
+//! its driver name and lock dir into `<state.dir>/owner`, and any other one is refused.
+//!
+//! Two bridges (separate config files) that named one `state.dir` would read each other's
+//! journal records with separate locks and separate CSI drivers: one's scan would tear down
+//! the other's in-flight Attach through the wrong driver, and one's Create sweep would
+//! delete the other's volumes. The drivers of one config file are kept apart when it is
+//! loaded; across files only the state dir itself can tell.
+
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+/// The file in the state dir naming its owner.
+pub const OWNER_FILE: &str = "owner";
+
+/// What a state dir's owner file says: the driver served and the lock dir that serializes
+/// its hooks. The same driver with another lock dir is another owner: its hooks would not
+/// exclude this one's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner<'a> {
+    pub driver: &'a str,
+    pub lock_dir: &'a Path,
+}
+
+impl Owner<'_> {
+    /// The owner file's exact bytes. Quoted, so that no name or path can forge a line.
+    fn render(&self) -> String {
+        format!(
+            "driver {:?}\nlock_dir {:?}\n",
+            self.driver,
+            self.lock_dir.display().to_string()
+        )
+    }
+}
+
+/// Makes `dir` (0700) if it is missing and claims it for `owner`, or checks that `owner`
+/// already has it. Refuses a dir another owner claimed, naming both, with the fix; writes
+/// nothing then. The claim is made whole or not at all (a synced file hard-linked into
+/// place), so two bridges starting at once cannot both win.
+pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
+    let wanted = owner.render();
+    let path = dir.join(OWNER_FILE);
+    match read_claim(&path)? {
+        Some(found) if found == wanted.as_bytes() => return Ok(()),
+        Some(found) => return Err(foreign(dir, &found, &wanted)),
+        None => {}
+    }
+    crate::mount::ops::ensure_dir(dir, 0o700)?;
+    let tmp = dir.join(format!(".{OWNER_FILE}.{}.tmp", std::process::id()));
+    let linked = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        file.write_all(wanted.as_bytes())?;
+        file.sync_data()?;
+        std::fs::hard_link(&tmp, &path)
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(()),
+        // Another bridge claimed it between the read and the link: whose is it?
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match read_claim(&path)? {
+            Some(found) if found == wanted.as_bytes() => Ok(()),
+            Some(found) => Err(foreign(dir, &found, &wanted)),
+            None => Err(e),
+        },
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!("claiming state.dir {}: {e}", dir.display()),
+        )),
+    }
+}
+
+/// The owner file's bytes (at most 4 KiB), `None` when there is none yet. Never through a
+/// symlink.
+fn read_claim(path: &Path) -> io::Result<Option<Vec<u8>>> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path);
+    let file = match file {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("reading {}: {e}", path.display()),
+            ));
+        }
+    };
+    let mut found = Vec::new();
+    file.take(4096).read_to_end(&mut found)?;
+    Ok(Some(found))
+}
+
+fn foreign(dir: &Path, found: &[u8], wanted: &str) -> io::Error {
+    let says = |text: &str| text.trim_end().replace('\n', ", ");
+    io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        format!(
+            "state.dir {} belongs to another bridge ({} says {}; this one is {}): two \
+             bridges sharing a state dir would act on each other's volumes through the \
+             wrong driver and locks. Give each driver its own state.dir (the default is \
+             /var/lib/cube-csi-bridge/<driver>); if this is the same bridge with its driver \
+             or state.lock_dir renamed on purpose, stop every bridge using the dir and \
+             remove {}",
+            dir.display(),
+            dir.join(OWNER_FILE).display(),
+            says(&String::from_utf8_lossy(found)),
+            says(wanted),
+            dir.join(OWNER_FILE).display(),
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner<'a>(driver: &'a str, lock_dir: &'a Path) -> Owner<'a> {
+        Owner { driver, lock_dir }
+    }
+
+    #[test]
+    fn the_first_bridge_claims_the_dir_and_another_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let locks = tmp.path().join("locks");
+        claim(&dir, &owner("nfs", &locks)).unwrap();
+        claim(&dir, &owner("nfs", &locks)).unwrap();
+        let claimed = std::fs::read(dir.join(OWNER_FILE)).unwrap();
+
+        for (driver, lock_dir) in [("local", locks.clone()), ("nfs", tmp.path().join("other"))] {
+            let err = claim(&dir, &owner(driver, &lock_dir)).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::AlreadyExists);
+            let text = err.to_string();
+            assert!(
+                text.contains("belongs to another bridge")
+                    && text.contains("driver \"nfs\"")
+                    && text.contains(&format!("driver {driver:?}"))
+                    && text.contains("own state.dir"),
+                "{text}"
+            );
+            assert_eq!(std::fs::read(dir.join(OWNER_FILE)).unwrap(), claimed);
+        }
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "a temporary file was left: {left:?}");
+    }
+
+    #[test]
+    fn a_name_cannot_forge_a_line_of_the_claim() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let locks = tmp.path().join("locks");
+        let forged = format!("x\"\nlock_dir {:?}", locks.display().to_string());
+        claim(&dir, &owner(&forged, tmp.path())).unwrap();
+        assert!(claim(&dir, &owner("x", &locks)).is_err());
+    }
+
+    #[test]
+    fn a_symlink_at_the_owner_file_is_refused_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        let elsewhere = tmp.path().join("elsewhere");
+        std::os::unix::fs::symlink(&elsewhere, dir.join(OWNER_FILE)).unwrap();
+        assert!(claim(&dir, &owner("nfs", tmp.path())).is_err());
+        assert!(!elsewhere.exists(), "a file was made through the link");
+    }
+}
