@@ -522,6 +522,7 @@ async fn cubevolume_store_refuses_stale_writes() {
         content_source: None,
         accessible_topology: vec![[("example.com/zone".to_string(), "a".to_string())].into()],
         node_expansion_required: false,
+        answering_creates: Vec::new(),
     };
     one.put(&mut record).await.expect("create");
     let created_at = record.revision.clone().expect("a resourceVersion");
@@ -547,9 +548,15 @@ async fn cubevolume_store_refuses_stale_writes() {
     );
     read.state = VolumeState::Created;
     read.csi_volume_id = Some("handle-1".into());
+    read.answering_creates = vec!["a1-0".into(), "b2-3".into()];
     two.put(&mut read)
         .await
         .expect("update at the read version");
+    assert_eq!(
+        one.get("v1").await.unwrap().unwrap().answering_creates,
+        read.answering_creates,
+        "the Creates answering with the volume are kept (an annotation)"
+    );
     record.state = VolumeState::Created;
     record.csi_volume_id = Some("handle-2".into());
     assert!(matches!(

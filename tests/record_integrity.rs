@@ -282,6 +282,7 @@ async fn forge(api: &ApiServer, volume_id: &str, handle: &str, key: Option<&Reco
         content_source: None,
         accessible_topology: Vec::new(),
         node_expansion_required: false,
+        answering_creates: Vec::new(),
     };
     record.integrity = key.map(|k| k.sign(DRIVER, &record));
     attackers_store(api).put(&mut record).await.unwrap();

@@ -32,7 +32,9 @@ use super::ports::{
     DriverIdentity, LockGuard, LockScope, NewVolume, Recorder, SecretUse, Secrets, SnapshotStore,
     StoreError, VolumeLocks, VolumeSettings, VolumeSpec,
 };
-use super::records::{ContentSource, DeletionPolicy, VolumeRecord, VolumeState};
+use super::records::{
+    ANSWERING_CREATES_KEPT, ContentSource, DeletionPolicy, VolumeRecord, VolumeState,
+};
 use super::{
     BridgeError, Caller, CreateVolume, Created, Deadline, DestroyVolume, HookError, HookKind,
     Settings,
@@ -637,6 +639,7 @@ impl ControllerSide {
                     content_source: None,
                     accessible_topology: Vec::new(),
                     node_expansion_required: false,
+                    answering_creates: Vec::new(),
                 },
             };
             match self.store_put(HookKind::Create, &mut record).await {
@@ -651,13 +654,16 @@ impl ControllerSide {
         .into())
     }
 
-    /// Records the created volume. A replica that raced this one and recorded the same
-    /// handle first is success; a sweep that claimed the record meanwhile is not.
+    /// Records the created volume, with `attempt` among the Creates that answer CubeMaster
+    /// with it (this call is about to). A replica that raced this one and recorded the same
+    /// handle first keeps its place beside this one; a sweep that claimed the record
+    /// meanwhile is a failure.
     async fn finish_create(
         &self,
         mut record: VolumeRecord,
         volume: &CreatedVolume,
         deletion: Option<&DeletionPolicy>,
+        attempt: &str,
     ) -> Result<(), BridgeError> {
         // When a volume became created is kept by a Create that finds it so (a repeated
         // Create, one of a restored volume): a forked Create's front tells by it what its
@@ -672,6 +678,14 @@ impl ControllerSide {
             record.capacity_bytes = volume.capacity_bytes.max(record.capacity_bytes);
             record.accessible_topology = volume.accessible_topology.clone();
             record.updated_at = created_at.unwrap_or_else(|| self.now_secs());
+            if !record.answering_creates.iter().any(|a| a == attempt) {
+                record.answering_creates.push(attempt.to_string());
+                let extra = record
+                    .answering_creates
+                    .len()
+                    .saturating_sub(ANSWERING_CREATES_KEPT);
+                record.answering_creates.drain(..extra);
+            }
             match self.store_put(HookKind::Create, &mut record).await {
                 Ok(()) => return Ok(()),
                 Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
@@ -680,7 +694,8 @@ impl ControllerSide {
             match self.controller_store().get(&record.volume_id).await? {
                 Some(current)
                     if current.csi_volume_id.as_deref() == Some(&volume.csi_volume_id)
-                        && current.state == VolumeState::Created =>
+                        && current.state == VolumeState::Created
+                        && current.answering_creates.iter().any(|a| a == attempt) =>
                 {
                     return Ok(());
                 }
@@ -734,6 +749,7 @@ impl ControllerSide {
 
             // Intent first: if the answer to CreateVolume is lost, Destroy (or the sweep)
             // can still find the volume by its name.
+            let attempt = new_create_attempt();
             let (record, intent_is_ours) = self
                 .begin_create(
                     &req.volume_id,
@@ -789,7 +805,7 @@ impl ControllerSide {
                 // An earlier Create finished with this volume and Cube may be using it:
                 // refuse, but delete nothing.
                 return Err(BridgeError::Precondition(format!(
-                    "CSI volume {:?} was created with {} bytes, less than the {required} now                      configured (volume.capacity_bytes changed?); Destroy it to make a new one",
+                    "CSI volume {:?} was created with {} bytes, less than the {required} now configured (volume.capacity_bytes changed?); Destroy it to make a new one",
                     volume.csi_volume_id, volume.capacity_bytes
                 )));
             }
@@ -807,7 +823,7 @@ impl ControllerSide {
                 Ok(private_data) => private_data,
                 Err(problem) => {
                     return Err(self
-                        .undo_create(&req.volume_id, &volume.csi_volume_id, problem)
+                        .undo_create(&req.volume_id, &volume.csi_volume_id, &attempt, problem)
                         .await);
                 }
             };
@@ -816,7 +832,7 @@ impl ControllerSide {
             // a volume an earlier Create already handed to CubeMaster.
             let made_here = record.state == VolumeState::Creating;
             if let Err(error) = self
-                .finish_create(record, &volume, spec.deletion.as_ref())
+                .finish_create(record, &volume, spec.deletion.as_ref(), &attempt)
                 .await
             {
                 if !made_here {
@@ -829,6 +845,7 @@ impl ControllerSide {
                     .undo_create(
                         &req.volume_id,
                         &volume.csi_volume_id,
+                        &attempt,
                         format!("recording the created volume failed: {error}"),
                     )
                     .await);
@@ -851,6 +868,7 @@ impl ControllerSide {
                     .undo_create(
                         &req.volume_id,
                         &volume.csi_volume_id,
+                        &attempt,
                         "the answer to Create never reached CubeMaster (its caller left \
                          before it was written)"
                             .to_string(),
@@ -862,43 +880,88 @@ impl ControllerSide {
         .await
     }
 
-    /// Deletes a volume Create cannot hand to Cube, and reports why.
+    /// Deletes a volume Create (its `attempt`) cannot hand to Cube, and reports why.
     async fn undo_create(
         &self,
         volume_id: &str,
         csi_volume_id: &str,
+        attempt: &str,
         problem: String,
     ) -> BridgeError {
         let error = BridgeError::Precondition(problem);
-        let undone = self.delete_unanswered(volume_id, csi_volume_id).await;
-        self.recorder
-            .rollback("create", if undone.is_ok() { "undone" } else { "failed" });
+        let undone = self
+            .delete_unanswered(volume_id, csi_volume_id, Some(attempt))
+            .await;
         match undone {
-            Ok(()) => error,
-            Err(rollback) => BridgeError::RollbackFailed {
-                error: Box::new(error),
-                rollback: Box::new(rollback),
-            },
+            Ok(Undo::Deleted) => {
+                self.recorder.rollback("create", "undone");
+                error
+            }
+            // Nothing of this call's to undo: the volume is another Create's to answer for.
+            Ok(Undo::TakenOver) => error,
+            Err(rollback) => {
+                self.recorder.rollback("create", "failed");
+                BridgeError::RollbackFailed {
+                    error: Box::new(error),
+                    rollback: Box::new(rollback),
+                }
+            }
         }
     }
 
-    /// Deletes a created volume CubeMaster never learned of, and its record.
+    /// Deletes a volume CubeMaster never learned of from `attempt` (the Create that made
+    /// it, None for the forked front that does not know its worker's), and its record,
+    /// unless another Create is listed as answering with it: that one, on another replica,
+    /// took this Create over and may have handed the volume to CubeMaster, so the volume
+    /// is left to it and `attempt` only takes itself off the list.
     async fn delete_unanswered(
         &self,
         volume_id: &str,
         csi_volume_id: &str,
-    ) -> Result<(), BridgeError> {
+        attempt: Option<&str>,
+    ) -> Result<Undo, BridgeError> {
         let deadline = Deadline::after(self.config.timeouts.rollback);
-        // A record already saved as created is claimed for deletion first: stopped
-        // between DeleteVolume and the record's removal (a kill, a failed call), it would
-        // otherwise name a deleted volume as created, which no sweep reclaims and Cube
-        // never Destroys. A claim is swept like any unfinished one.
-        if let Some(mut record) = self.controller_store().get(volume_id).await?
-            && record.state == VolumeState::Created
-        {
-            record.state = VolumeState::Deleting;
-            record.updated_at = self.now_secs();
-            self.store_put(HookKind::Create, &mut record).await?;
+        // The record is claimed for deletion first, at the revision read: a Create that
+        // adds itself meanwhile makes the claim conflict (and is seen on the next read),
+        // and one that comes after finds the claim and answers nothing. Stopped between
+        // DeleteVolume and the record's removal (a kill, a failed call), the claim is
+        // swept like any unfinished one; a record left saying created would name a
+        // deleted volume that no sweep reclaims and Cube never Destroys.
+        let mut rounds = 0;
+        while let Some(mut record) = self.controller_store().get(volume_id).await? {
+            let others = record
+                .answering_creates
+                .iter()
+                .any(|a| Some(a.as_str()) != attempt);
+            if others {
+                tracing::warn!(
+                    csi_volume_id,
+                    "another Create (another replica) recorded this volume too and may have \
+                     handed it to CubeMaster; leaving it to that one"
+                );
+                let before = record.answering_creates.len();
+                record
+                    .answering_creates
+                    .retain(|a| Some(a.as_str()) != attempt);
+                if record.answering_creates.len() == before {
+                    return Ok(Undo::TakenOver);
+                }
+            } else if record.state != VolumeState::Deleting {
+                record.state = VolumeState::Deleting;
+                record.updated_at = self.now_secs();
+            } else {
+                break;
+            }
+            match self.store_put(HookKind::Create, &mut record).await {
+                Ok(()) if others => return Ok(Undo::TakenOver),
+                Ok(()) => break,
+                Err(BridgeError::Store(StoreError::Conflict { .. }))
+                    if rounds < STORE_RACE_RETRIES =>
+                {
+                    rounds += 1;
+                }
+                Err(e) => return Err(e),
+            }
         }
         let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
         self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
@@ -906,7 +969,7 @@ impl ControllerSide {
         if let Some(record) = self.controller_store().get(volume_id).await? {
             self.store_delete(HookKind::Create, &record).await?;
         }
-        Ok(())
+        Ok(Undo::Deleted)
     }
 
     /// The front of a forked Create whose worker died without answering: CubeMaster counts
@@ -939,10 +1002,18 @@ impl ControllerSide {
             return Ok(false);
         }
         self.check_integrity(&record).await?;
-        let undone = self.delete_unanswered(volume_id, &csi_volume_id).await;
-        self.recorder
-            .rollback("create", if undone.is_ok() { "undone" } else { "failed" });
-        undone.map(|()| true)
+        // Its worker, had it added itself, is the last listed; with any other listed, the
+        // volume is left as `delete_unanswered` leaves it.
+        let worker = record.answering_creates.last().map(String::as_str);
+        let undone = self
+            .delete_unanswered(volume_id, &csi_volume_id, worker)
+            .await;
+        match &undone {
+            Ok(Undo::Deleted) => self.recorder.rollback("create", "undone"),
+            Ok(Undo::TakenOver) => {}
+            Err(_) => self.recorder.rollback("create", "failed"),
+        }
+        undone.map(|undo| undo == Undo::Deleted)
     }
 
     /// The volume's lock, and its record read under it. The record key is loaded first:
@@ -1310,6 +1381,31 @@ pub struct ControllerExpansion {
 
 fn store_transient(error: &BridgeError) -> bool {
     matches!(error, BridgeError::Store(e) if e.is_transient())
+}
+
+/// What undoing an unanswered Create did.
+#[derive(Debug, PartialEq, Eq)]
+enum Undo {
+    /// The volume and its record are deleted.
+    Deleted,
+    /// Another Create is listed as answering with the volume: it is left to that one.
+    TakenOver,
+}
+
+/// A token naming one Create call, unique across calls and replicas: a per-process random
+/// number (std's hasher seeds come from the OS) and a count.
+fn new_create_attempt() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let process = PROCESS.get_or_init(|| {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        hasher.finish()
+    });
+    format!("{process:016x}-{}", COUNT.fetch_add(1, Ordering::Relaxed))
 }
 
 fn being_reclaimed(volume_id: &str) -> BridgeError {

@@ -365,6 +365,7 @@ mod tests {
             integrity: None,
             content_source: None,
             node_expansion_required: false,
+            answering_creates: Vec::new(),
             accessible_topology: Vec::new(),
         }
     }

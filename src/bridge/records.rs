@@ -386,7 +386,20 @@ pub struct VolumeRecord {
     /// What the volume was made from (`restore`, `clone`); None: an empty volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<ContentSource>,
+    /// The Create calls (each a token unique to it, on any replica) that recorded this
+    /// volume created and then answered CubeMaster with it, or may have: each adds itself
+    /// before it answers. A Create whose answer reached nobody deletes the volume only
+    /// when no other call is listed; otherwise it takes itself off and leaves the volume,
+    /// which another replica that took the Create over may have handed to CubeMaster.
+    /// The last `ANSWERING_CREATES_KEPT`. Empty in a record from before this existed. Not
+    /// covered by the MAC: it only ever stops a deletion.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub answering_creates: Vec<String>,
 }
+
+/// How many `VolumeRecord::answering_creates` a record keeps: more than one is enough to
+/// stop an undo, so dropping the oldest of many changes nothing.
+pub const ANSWERING_CREATES_KEPT: usize = 8;
 
 /// What a volume was made from, besides nothing: a snapshot (`restore`) or another volume
 /// (`clone`). Recorded so that every later CreateVolume of the volume (CubeMaster's Create

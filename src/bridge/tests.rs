@@ -2048,6 +2048,120 @@ async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
+/// A controller side of another replica (its own lock dir, as on another host) over the
+/// world's store, driver and record key: with a shared (Kubernetes) store, replicas meet
+/// only in the store.
+fn other_replica(w: &World) -> ControllerSide {
+    let config = Config::parse(
+        &format!(
+            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/replica-b-locks\"\n",
+            d = w.dir.path().display()
+        ),
+        Path::new("replica-b.toml"),
+    )
+    .unwrap();
+    let bridge = sides(&config, &w.fake, w.store.clone(), Roles::CONTROLLER);
+    Arc::into_inner(bridge.controller.unwrap()).unwrap()
+}
+
+/// Replica A's Create is slow in CreateVolume; CubeMaster, tired of waiting, asks replica
+/// B, which adopts A's intent, gets the same CSI volume (CreateVolume is idempotent by
+/// name) and hands it to CubeMaster. A's answer then reaches nobody. Before, A undid "what
+/// it made": it claimed the record B had written and deleted the volume CubeMaster now
+/// holds. A Create undoes only what its own attempt last recorded.
+#[tokio::test]
+async fn an_undelivered_create_leaves_the_volume_another_replica_delivered() {
+    let w = World::new(Fake::new(false, false));
+    let replica_b = other_replica(&w);
+    w.fake
+        .script("CreateVolume", Fault::Slow(Duration::from_millis(400)));
+    let (_, caller_a) = undelivered();
+    let on_a = async { w.create_for("v", &caller_a).await };
+    let on_b = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        replica_b
+            .create(
+                CreateVolume {
+                    volume_id: "v".into(),
+                    name: "v".into(),
+                },
+                &Caller::waiting(),
+            )
+            .await
+    };
+    let (a, b) = tokio::join!(on_a, on_b);
+    assert!(a.is_err(), "A's answer was not delivered");
+    let delivered = b.expect("B's Create");
+    let handle = VolumeHandle::decode(&delivered.private_data)
+        .unwrap()
+        .csi_volume_id;
+    assert_eq!(
+        w.stored("v").map(|r| (r.state, r.csi_volume_id)),
+        Some((VolumeState::Created, Some(handle.clone()))),
+        "the record of the volume CubeMaster holds is gone"
+    );
+    assert_eq!(
+        w.backend_volumes().values().collect::<Vec<_>>(),
+        vec![&handle],
+        "the volume CubeMaster holds was deleted"
+    );
+    // And B's volume is Destroyed as usual.
+    w.destroy("v").await.unwrap();
+    assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
+}
+
+/// The same race, the other answers lost. When A records the volume first and its answer
+/// arrives, B's lost answer leaves the volume (listed as A's alone); when neither answer
+/// arrives, the volume is deleted (nobody holds it, and Cube never Destroys a failed
+/// Create).
+#[tokio::test]
+async fn concurrent_creates_delete_the_volume_only_when_no_answer_arrived() {
+    for a_delivers in [true, false] {
+        let w = World::new(Fake::new(false, false));
+        let replica_b = other_replica(&w);
+        w.fake
+            .script("CreateVolume", Fault::Slow(Duration::from_millis(400)));
+        if a_delivers {
+            // B records the volume after A answered.
+            w.fake
+                .script("CreateVolume", Fault::Slow(Duration::from_millis(600)));
+        }
+        let (_, caller_b) = undelivered();
+        let (_, lost_a) = undelivered();
+        let caller_a = if a_delivers {
+            Caller::waiting()
+        } else {
+            lost_a
+        };
+        let on_a = async { w.create_for("v", &caller_a).await };
+        let on_b = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            replica_b
+                .create(
+                    CreateVolume {
+                        volume_id: "v".into(),
+                        name: "v".into(),
+                    },
+                    &caller_b,
+                )
+                .await
+        };
+        let (a, b) = tokio::join!(on_a, on_b);
+        assert!(b.is_err());
+        if a_delivers {
+            a.expect("A's Create");
+            let record = w.stored("v").expect("the record of A's volume");
+            assert_eq!(record.state, VolumeState::Created);
+            assert_eq!(record.answering_creates.len(), 1, "{record:?}");
+            assert_eq!(w.backend_volumes().len(), 1, "A's volume was deleted");
+        } else {
+            assert!(a.is_err());
+            assert!(w.stored("v").is_none(), "record left");
+            assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+        }
+    }
+}
+
 /// A volume_id shaped as another, longer one's truncated CSI name is a volume of its own:
 /// before, it got that name, CreateVolume (idempotent by name) handed it the other's
 /// volume, and its Destroy deleted the volume the other still held.
@@ -2545,6 +2659,7 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         content_source: None,
         accessible_topology: Vec::new(),
         node_expansion_required: false,
+        answering_creates: Vec::new(),
     };
     {
         let mut backend = w.fake.state.lock().unwrap();
@@ -2684,6 +2799,7 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
             content_source: None,
             accessible_topology: Vec::new(),
             node_expansion_required: false,
+            answering_creates: Vec::new(),
         },
     );
     let destroy = || {
@@ -3325,6 +3441,7 @@ fn unsigned_record(volume: &str, handle: &str) -> VolumeRecord {
         content_source: None,
         accessible_topology: Vec::new(),
         node_expansion_required: false,
+        answering_creates: Vec::new(),
     }
 }
 

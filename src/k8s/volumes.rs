@@ -27,6 +27,10 @@ pub const CRD_KIND: &str = "CubeVolume";
 pub const CRD_PLURAL: &str = "cubevolumes";
 /// Label holding the Cube driver name, for listing one bridge instance's volumes.
 pub const DRIVER_LABEL: &str = "csibridge.cubesandbox.io/driver";
+/// Annotation holding `VolumeRecord::answering_creates`, comma-separated: metadata, so
+/// that an API server still serving an older CRD schema keeps it (it prunes unknown
+/// `spec` fields).
+pub const ANSWERING_CREATES_ANNOTATION: &str = "csibridge.cubesandbox.io/answering-creates";
 
 /// The `spec` of a CubeVolume (see the chart's crds/ for the schema).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -216,6 +220,12 @@ impl ControllerStore for CubeVolumeStore {
             DRIVER_LABEL.to_string(),
             self.driver.clone(),
         )]));
+        if !record.answering_creates.is_empty() {
+            object.metadata.annotations = Some(BTreeMap::from([(
+                ANSWERING_CREATES_ANNOTATION.to_string(),
+                record.answering_creates.join(","),
+            )]));
+        }
         let params = PostParams::default();
         let written = match record.revision.clone() {
             None => api.create(&params, &object).await,
@@ -347,7 +357,20 @@ impl CubeVolumeStore {
             retain: policy == "Retain",
             secret: spec.provisioner_secret_ref.clone(),
         });
+        let answering_creates = object
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|annotations| annotations.get(ANSWERING_CREATES_ANNOTATION))
+            .map(|list| {
+                list.split(',')
+                    .filter(|a| !a.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(VolumeRecord {
+            answering_creates,
             deletion,
             volume_id: spec.volume_id,
             csi_name: spec.csi_name,

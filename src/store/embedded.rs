@@ -1383,6 +1383,7 @@ mod tests {
             content_source: None,
             accessible_topology: Vec::new(),
             node_expansion_required: false,
+            answering_creates: Vec::new(),
         }
     }
 

@@ -623,6 +623,7 @@ impl ControllerSide {
         // Resolved before anything is written: a bad StorageClass changes nothing.
         let spec = self.settings.spec(&identity.name).await?;
         let csi_name = csi_volume_name(&self.config.name_prefix, as_volume_id);
+        let attempt = new_create_attempt();
         let mut intent = None;
         for _ in 0..STORE_RACE_RETRIES {
             let (mut record, ours) = match self.controller_store().get(as_volume_id).await? {
@@ -660,6 +661,7 @@ impl ControllerSide {
                         content_source: Some(source.clone()),
                         accessible_topology: Vec::new(),
                         node_expansion_required: false,
+                        answering_creates: Vec::new(),
                     },
                     true,
                 ),
@@ -713,10 +715,10 @@ impl ControllerSide {
         };
         if let Some(problem) = problem {
             return Err(self
-                .undo_create(as_volume_id, &volume.csi_volume_id, problem)
+                .undo_create(as_volume_id, &volume.csi_volume_id, &attempt, problem)
                 .await);
         }
-        self.finish_create(record, &volume, spec.deletion.as_ref())
+        self.finish_create(record, &volume, spec.deletion.as_ref(), &attempt)
             .await?;
         tracing::info!(volume_id = as_volume_id, csi_volume_id = %volume.csi_volume_id, "CSI volume created from its content source");
         self.controller_store()
