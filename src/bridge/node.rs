@@ -544,15 +544,17 @@ impl NodeSide {
             if self.attach_is_hot(&record, &req, &paths, visible && dead.is_none()) {
                 // Already attached and healthy: no CSI call, and at most one appended
                 // line for the holder.
+                let holders_before = record.holders.clone();
                 if caller.is_gone() {
+                    self.withdraw_holder(&mut record, &holders_before, &change, req.ref_count)
+                        .await?;
                     return Err(BridgeError::CallerGone);
                 }
-                let holders_before = record.holders.clone();
                 self.record_holder_change(&mut record, &change)?;
                 tracing::debug!(ref_count = req.ref_count, "already mounted");
                 let answer = attached(&record, &req.volume_id);
                 if !caller.deliver(Answer::Attached(answer.clone())).await {
-                    self.withdraw_holder(&mut record, &holders_before, &change)
+                    self.withdraw_holder(&mut record, &holders_before, &change, req.ref_count)
                         .await?;
                     return Err(BridgeError::CallerGone);
                 }
@@ -667,7 +669,14 @@ impl NodeSide {
                 Err(error) => {
                     let rollback = Deadline::after(self.config.timeouts.rollback);
                     match self
-                        .undo_attach(&mut record, &before, mounted_before, &change, &rollback)
+                        .undo_attach(
+                            &mut record,
+                            &before,
+                            mounted_before,
+                            &change,
+                            req.ref_count,
+                            &rollback,
+                        )
                         .await
                     {
                         Ok(()) => {
@@ -816,47 +825,38 @@ impl NodeSide {
         Ok(())
     }
 
-    /// Takes back the holder a hot Attach recorded when its answer never reached Cube
-    /// (which then counts the Attach as failed, and never Detaches it): Cube's count of the
-    /// namespace is what it was (nothing, if the Attach was its first), and a volume left
-    /// with no holder at all is torn down.
+    /// Mirrors Cube's Release after a hot Attach whose answer never reached Cube (which
+    /// then counts the Attach as failed, releases the sandbox and never Detaches it): the
+    /// holder this Attach recorded is taken back, and so is the sandbox's earlier one, as
+    /// Cube drops it too (`HolderChange::released_after_failure`). A volume left with no
+    /// holder at all is torn down.
     async fn withdraw_holder(
         &self,
         record: &mut NodeRecord,
         holders_before: &Holders,
         change: &HolderChange,
+        ref_count: i64,
     ) -> Result<(), BridgeError> {
-        let HolderChange::Attach {
-            namespace,
-            sandbox,
-            first,
-            ..
-        } = change
-        else {
+        let held_before = change.sandbox_held_in(holders_before);
+        let Some(release) = change.released_after_failure(ref_count, held_before) else {
             return Ok(());
-        };
-        if record.holders == *holders_before {
-            // The sandbox held it already (a retried Attach): nothing was added.
-            return Ok(());
-        }
-        let withdrawal = HolderChange::Detach {
-            namespace: namespace.clone(),
-            sandbox: sandbox.clone(),
-            last: *first,
-            at: self.clock.now_secs(),
         };
         let mut holders = record.holders.clone();
-        withdrawal.apply(&mut holders);
+        release.apply(&mut holders);
+        if holders == record.holders {
+            return Ok(());
+        }
         tracing::warn!(
-            namespace = %namespace,
-            sandbox = %sandbox,
-            "the answer to this Attach never reached Cube; withdrawing its holder"
+            ref_count,
+            held_before,
+            "the answer to this Attach never reached Cube, which releases the sandbox; \
+             withdrawing its holder"
         );
         if holders.is_empty() && !record.holders_unknown {
             let rollback = Deadline::after(self.config.timeouts.rollback);
             return self.teardown(HookKind::Attach, record, &rollback).await;
         }
-        self.record_holder_change(record, &withdrawal)
+        self.record_holder_change(record, &release)
     }
 
     /// Undoes what one failed or abandoned Attach did. When no other namespace held the
@@ -869,21 +869,14 @@ impl NodeSide {
         before: &NodeRecord,
         mounted_before: bool,
         change: &HolderChange,
+        ref_count: i64,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
+        // Cube releases the sandbox (and never Detaches it): so do its holders here.
         let mut others = before.holders.clone();
-        if let HolderChange::Attach {
-            namespace,
-            sandbox,
-            first,
-            ..
-        } = change
-        {
-            if *first {
-                others.remove(namespace);
-            } else if let Some(set) = others.get_mut(namespace) {
-                set.remove(sandbox);
-            }
+        let held_before = change.sandbox_held_in(&before.holders);
+        if let Some(release) = change.released_after_failure(ref_count, held_before) {
+            release.apply(&mut others);
         }
         if others.is_empty() {
             // Holders unknown (its record was lost with them): a mount may be another

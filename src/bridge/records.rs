@@ -72,6 +72,43 @@ pub enum HolderChange {
 }
 
 impl HolderChange {
+    /// What Cube's Release does after this Attach failed, or its answer reached nobody
+    /// (Cube never Detaches it then): the sandbox leaves, and its namespace too once Cube
+    /// counts nobody in it. Cube's `ref_count` (taken before the Attach) already counted
+    /// the sandbox when it held the volume before (`held_before`), so a retried Attach of
+    /// the namespace's only holder leaves the namespace empty. None for a Detach.
+    pub fn released_after_failure(&self, ref_count: i64, held_before: bool) -> Option<Self> {
+        let HolderChange::Attach {
+            namespace,
+            sandbox,
+            at,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let left_in_cube = ref_count - i64::from(held_before);
+        Some(HolderChange::Detach {
+            namespace: namespace.clone(),
+            sandbox: sandbox.clone(),
+            last: left_in_cube <= 0,
+            at: *at,
+        })
+    }
+
+    /// Whether `holders` lists this change's sandbox in its namespace.
+    pub fn sandbox_held_in(&self, holders: &Holders) -> bool {
+        let (HolderChange::Attach {
+            namespace, sandbox, ..
+        }
+        | HolderChange::Detach {
+            namespace, sandbox, ..
+        }) = self;
+        holders
+            .get(namespace)
+            .is_some_and(|set| set.contains(sandbox))
+    }
+
     /// Applies the change. Replaying a log suffix over its own result changes nothing:
     /// every change sets, rather than toggles, what it touches.
     pub fn apply(&self, holders: &mut Holders) {

@@ -2365,18 +2365,52 @@ async fn an_attach_whose_answer_is_not_delivered_withdraws_its_holder() {
     assert!(record.holders["ns1"].contains("s1"));
     assert!(w.fake.is_mounted(&w.target("v")));
 
-    // A retried hot Attach of a sandbox already held added nothing, and takes nothing
-    // back.
-    let (_, caller) = undelivered();
-    w.bridge
-        .attach(w.attach_req("v", "ns1", "s1", 1), &caller)
-        .await
-        .unwrap_err();
-    assert!(w.record("v").unwrap().holders["ns1"].contains("s1"));
-
     // Delivered: kept, as ever.
     w.attach("v", "ns2", "s2", 0).await.unwrap();
     assert!(w.record("v").unwrap().holders.contains_key("ns2"));
+}
+
+/// A retried Attach of a sandbox that already holds the volume (Cube counts it in
+/// ref_count) fails or loses its answer: Cube releases the sandbox and never Detaches it
+/// (its manager's Release on any plugin error). Before, the bridge kept the sandbox as a
+/// holder, so a namespace Cube counted empty kept the volume mounted, with no Detach ever
+/// to come. Now it leaves as in Cube, and a volume nobody holds is torn down.
+#[tokio::test]
+async fn a_retried_attach_that_fails_releases_the_sandbox_as_cube_does() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    w.attach("v", "ns2", "s3", 0).await.unwrap();
+
+    // s1 again (Cube's count of ns1 is 2, s1 among them), answer lost: s1 leaves, ns1
+    // stays with s2.
+    let (_, caller) = undelivered();
+    w.bridge
+        .attach(w.attach_req("v", "ns1", "s1", 2), &caller)
+        .await
+        .unwrap_err();
+    let holders = w.record("v").unwrap().holders;
+    assert!(!holders["ns1"].contains("s1"), "{holders:?}");
+    assert!(holders["ns1"].contains("s2") && holders["ns2"].contains("s3"));
+
+    // The caller already gone before anything is recorded: the same.
+    let caller = Caller::waiting();
+    caller.leave();
+    w.bridge
+        .attach(w.attach_req("v", "ns1", "s2", 1), &caller)
+        .await
+        .unwrap_err();
+    let holders = w.record("v").unwrap().holders;
+    assert!(!holders.contains_key("ns1"), "{holders:?}");
+    assert!(w.fake.is_mounted(&w.target("v")), "ns2 still holds it");
+
+    // The last holder of all: the volume is torn down, as its Detach will never come.
+    let (_, caller) = undelivered();
+    w.bridge
+        .attach(w.attach_req("v", "ns2", "s3", 1), &caller)
+        .await
+        .unwrap_err();
+    w.assert_clean("v");
 }
 
 /// Both paths record when a holder was added (the full path in the record, the hot path
