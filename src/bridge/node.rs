@@ -457,10 +457,14 @@ impl NodeSide {
                 );
                 let deadline = Deadline::after(self.config.timeouts.attach);
                 // The mount table is read only for a record that could be hot; a dead
-                // mount is never hot (`attach` repairs it).
+                // mount is never hot (`attach` repairs it). A check that fails, or a
+                // holder line that cannot be written, is `attach`'s to answer: a failed
+                // Attach must release the sandbox as Cube does (`release_after_failure`),
+                // which may take a teardown, and this path calls no driver.
                 let mounted = self.attach_is_hot(&record, req, &paths, true)
-                    && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted
-                    && self.dead_mount(&paths.target, &deadline).await?.is_none();
+                    && matches!(self.visibility(&paths.target, &deadline).await,
+                        Ok(seen) if seen != Visibility::NotMounted)
+                    && matches!(self.dead_mount(&paths.target, &deadline).await, Ok(None));
                 if !self.attach_is_hot(&record, req, &paths, mounted) {
                     return Ok(None);
                 }
@@ -470,7 +474,9 @@ impl NodeSide {
                     first: req.ref_count == 0,
                     at: self.clock.now_secs(),
                 };
-                self.record_holder_change(&mut record, &change)?;
+                if self.record_holder_change(&mut record, &change).is_err() {
+                    return Ok(None);
+                }
                 Ok(Some(attached(&record, &req.volume_id)))
             },
         )
@@ -514,201 +520,253 @@ impl NodeSide {
     /// Cube Attach.
     pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {
         let volume_id = req.volume_id.clone();
-        super::hook(self.recorder.as_ref(), HookKind::Attach, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.attach);
-            let _guard = self
-                .locks
-                .acquire(LockScope::Node, &req.volume_id, &deadline)
-                .await?;
-            let change = HolderChange::Attach {
-                namespace: req.namespace.clone(),
-                sandbox: req.sandbox_id.clone(),
-                first: req.ref_count == 0,
-                at: self.clock.now_secs(),
-            };
-            let (mut record, paths, paths_checked) =
-                self.record_for_attach(&req, &deadline).await?;
-            // Only a published or held volume can be mounted for someone here: a fresh
-            // record needs no check of its own (record_for_attach has already refused one
-            // whose paths another instance mounted).
-            let mut visible = (record.publish == Step::Done || record.is_held())
-                && self.visibility(&paths.target, &deadline).await? != Visibility::NotMounted;
-            // A mount whose filesystem is gone is still a mount point: it is never handed
-            // out, but repaired first (also when a restarted daemon meets it).
-            let dead = if visible {
-                self.dead_mount(&paths.target, &deadline).await?
-            } else {
-                None
-            };
-
-            if self.attach_is_hot(&record, &req, &paths, visible && dead.is_none()) {
-                // Already attached and healthy: no CSI call, and at most one appended
-                // line for the holder.
-                let holders_before = record.holders.clone();
-                if caller.is_gone() {
-                    self.withdraw_holder(&mut record, &holders_before, &change, req.ref_count)
-                        .await?;
-                    return Err(BridgeError::CallerGone);
-                }
-                self.record_holder_change(&mut record, &change)?;
-                tracing::debug!(ref_count = req.ref_count, "already mounted");
-                let answer = attached(&record, &req.volume_id);
-                if !caller.deliver(Answer::Attached(answer.clone())).await {
-                    self.withdraw_holder(&mut record, &holders_before, &change, req.ref_count)
-                        .await?;
-                    return Err(BridgeError::CallerGone);
-                }
-                return Ok(answer);
-            }
-            // A volume is only ever mounted where its topology allows (the hot path above
-            // serves a mount made here before): a node outside it is refused before any
-            // call that changes anything.
-            self.check_topology(&req.handle, &deadline).await?;
-            self.check_fits(&deadline).await?;
-            if let Some(dead) = dead {
-                tracing::warn!(
-                    host_path = %paths.target.display(),
-                    error = %dead,
-                    ref_count = req.ref_count,
-                    holders = record.holders.values().map(|s| s.len()).sum::<usize>(),
-                    "the filesystem mounted at host_path no longer answers (its FUSE daemon \
-                     or server restarted?); repairing it before answering: unpublish, \
-                     unstage, stage, publish"
-                );
-            } else if req.ref_count > 0 || record.is_held() {
-                tracing::warn!(
-                    ref_count = req.ref_count,
-                    "volume has holders but is not mounted (host reboot or lost mount?); re-establishing it"
-                );
-            }
-
-            // Paths that fail their check are refused before anything is recorded: a
-            // refused Attach changes nothing. (A volume with no record had them checked
-            // already, a moment ago.)
-            if !paths_checked {
-                self.check_attach_paths(&paths, &deadline).await?;
-            }
-            if let Some(dead) = dead {
-                check_caller(caller)?;
-                // Marked first: a repair cut short is finished by reconciliation.
-                self.node_journal().mark_pending(&req.volume_id)?;
-                self.take_down_dead_mount(&mut record, dead, &deadline)
+        super::hook(
+            self.recorder.as_ref(),
+            HookKind::Attach,
+            &volume_id,
+            async {
+                let deadline = Deadline::after(self.config.timeouts.attach);
+                let _guard = self
+                    .locks
+                    .acquire(LockScope::Node, &req.volume_id, &deadline)
                     .await?;
-                visible = false;
-            }
-
-            // This sandbox's holder is recorded only once the Attach has succeeded: an
-            // Attach that dies half way was never answered, so nobody holds the volume
-            // because of it, and reconciliation must undo it.
-            let before = record.clone();
-            // A mount other holders use is theirs: a failure here must not unpublish it.
-            let mounted_before = before.is_held() && visible;
-            record.boot_id = self.boot_id.clone();
-            if record.since == 0 {
-                record.since = self.clock.now_secs();
-            }
-            self.node_journal().mark_pending(&req.volume_id)?;
-            let established = match self
-                .establish(HookKind::Attach, &mut record, &req.handle, &paths, &deadline, caller)
-                .await
-            {
-                Ok(()) if caller.is_gone() => Err(BridgeError::CallerGone),
-                other => other,
-            };
-            // A repaired dead mount is checked again before it is handed out, and a repair
-            // that fails says so.
-            let established = match (dead, established) {
-                (None, established) => established,
-                (Some(_), Err(BridgeError::CallerGone)) => Err(BridgeError::CallerGone),
-                (Some(dead), Err(error)) => Err(BridgeError::DeadMount {
-                    path: paths.target.clone(),
-                    dead,
-                    step: "mounting it again (NodeStageVolume, NodePublishVolume)",
-                    error: Some(Box::new(error)),
-                }),
-                (Some(_), Ok(())) => match self.dead_mount(&paths.target, &deadline).await {
-                    Ok(None) => {
-                        tracing::info!(host_path = %paths.target.display(), "dead mount repaired");
-                        Ok(())
-                    }
-                    Ok(Some(still)) => Err(BridgeError::DeadMount {
-                        path: paths.target.clone(),
-                        dead: still,
-                        step: "checking it after it was mounted again: it still does not answer",
-                        error: None,
-                    }),
-                    Err(error) => Err(error),
-                },
-            };
-            // The holder is recorded by the last save. If that save fails (a full disk),
-            // the Attach fails, and Cube will never Detach it: it is undone like any other
-            // failed Attach before answering, not left to the next scan.
-            // Then the answer is handed over while the lock is still held: a caller that
-            // says it never got it (a forked hook's front killed before printing it) never
-            // learned of the holder, and it is undone like a failed Attach.
-            let established = match established {
-                Ok(()) => {
-                    let mut held = record.clone();
-                    held.apply(&change);
-                    match self.save(HookKind::Attach, &held, false).await {
-                        Ok(()) => {
-                            let answer = Answer::Attached(attached(&held, &req.volume_id));
-                            if caller.deliver(answer).await {
-                                Ok(held)
-                            } else {
-                                Err(BridgeError::CallerGone)
-                            }
-                        }
-                        Err(error) => Err(error),
-                    }
+                let change = HolderChange::Attach {
+                    namespace: req.namespace.clone(),
+                    sandbox: req.sandbox_id.clone(),
+                    first: req.ref_count == 0,
+                    at: self.clock.now_secs(),
+                };
+                let result = self.attach_locked(&req, caller, &change, &deadline).await;
+                if result.is_err() {
+                    self.release_after_failure(&req, &change).await;
                 }
+                result
+            },
+        )
+        .await
+    }
+
+    /// Attach, under the volume's lock.
+    async fn attach_locked(
+        &self,
+        req: &AttachVolume,
+        caller: &Caller,
+        change: &HolderChange,
+        deadline: &Deadline,
+    ) -> Result<Attached, BridgeError> {
+        let (mut record, paths, paths_checked) = self.record_for_attach(req, deadline).await?;
+        // Only a published or held volume can be mounted for someone here: a fresh
+        // record needs no check of its own (record_for_attach has already refused one
+        // whose paths another instance mounted).
+        let mut visible = (record.publish == Step::Done || record.is_held())
+            && self.visibility(&paths.target, deadline).await? != Visibility::NotMounted;
+        // A mount whose filesystem is gone is still a mount point: it is never handed
+        // out, but repaired first (also when a restarted daemon meets it).
+        let dead = if visible {
+            self.dead_mount(&paths.target, deadline).await?
+        } else {
+            None
+        };
+
+        if self.attach_is_hot(&record, req, &paths, visible && dead.is_none()) {
+            // Already attached and healthy: no CSI call, and at most one appended
+            // line for the holder.
+            let holders_before = record.holders.clone();
+            if caller.is_gone() {
+                self.withdraw_holder(&mut record, &holders_before, change, req.ref_count)
+                    .await?;
+                return Err(BridgeError::CallerGone);
+            }
+            self.record_holder_change(&mut record, change)?;
+            tracing::debug!(ref_count = req.ref_count, "already mounted");
+            let answer = attached(&record, &req.volume_id);
+            if !caller.deliver(Answer::Attached(answer.clone())).await {
+                self.withdraw_holder(&mut record, &holders_before, change, req.ref_count)
+                    .await?;
+                return Err(BridgeError::CallerGone);
+            }
+            return Ok(answer);
+        }
+        // A volume is only ever mounted where its topology allows (the hot path above
+        // serves a mount made here before): a node outside it is refused before any
+        // call that changes anything.
+        self.check_topology(&req.handle, deadline).await?;
+        self.check_fits(deadline).await?;
+        if let Some(dead) = dead {
+            tracing::warn!(
+                host_path = %paths.target.display(),
+                error = %dead,
+                ref_count = req.ref_count,
+                holders = record.holders.values().map(|s| s.len()).sum::<usize>(),
+                "the filesystem mounted at host_path no longer answers (its FUSE daemon \
+                 or server restarted?); repairing it before answering: unpublish, \
+                 unstage, stage, publish"
+            );
+        } else if req.ref_count > 0 || record.is_held() {
+            tracing::warn!(
+                ref_count = req.ref_count,
+                "volume has holders but is not mounted (host reboot or lost mount?); re-establishing it"
+            );
+        }
+
+        // Paths that fail their check are refused before anything is recorded: a
+        // refused Attach changes nothing. (A volume with no record had them checked
+        // already, a moment ago.)
+        if !paths_checked {
+            self.check_attach_paths(&paths, deadline).await?;
+        }
+        if let Some(dead) = dead {
+            check_caller(caller)?;
+            // Marked first: a repair cut short is finished by reconciliation.
+            self.node_journal().mark_pending(&req.volume_id)?;
+            self.take_down_dead_mount(&mut record, dead, deadline)
+                .await?;
+            visible = false;
+        }
+
+        // This sandbox's holder is recorded only once the Attach has succeeded: an
+        // Attach that dies half way was never answered, so nobody holds the volume
+        // because of it, and reconciliation must undo it.
+        let before = record.clone();
+        // A mount other holders use is theirs: a failure here must not unpublish it.
+        let mounted_before = before.is_held() && visible;
+        record.boot_id = self.boot_id.clone();
+        if record.since == 0 {
+            record.since = self.clock.now_secs();
+        }
+        self.node_journal().mark_pending(&req.volume_id)?;
+        let established = match self
+            .establish(
+                HookKind::Attach,
+                &mut record,
+                &req.handle,
+                &paths,
+                deadline,
+                caller,
+            )
+            .await
+        {
+            Ok(()) if caller.is_gone() => Err(BridgeError::CallerGone),
+            other => other,
+        };
+        // A repaired dead mount is checked again before it is handed out, and a repair
+        // that fails says so.
+        let established = match (dead, established) {
+            (None, established) => established,
+            (Some(_), Err(BridgeError::CallerGone)) => Err(BridgeError::CallerGone),
+            (Some(dead), Err(error)) => Err(BridgeError::DeadMount {
+                path: paths.target.clone(),
+                dead,
+                step: "mounting it again (NodeStageVolume, NodePublishVolume)",
+                error: Some(Box::new(error)),
+            }),
+            (Some(_), Ok(())) => match self.dead_mount(&paths.target, deadline).await {
+                Ok(None) => {
+                    tracing::info!(host_path = %paths.target.display(), "dead mount repaired");
+                    Ok(())
+                }
+                Ok(Some(still)) => Err(BridgeError::DeadMount {
+                    path: paths.target.clone(),
+                    dead: still,
+                    step: "checking it after it was mounted again: it still does not answer",
+                    error: None,
+                }),
                 Err(error) => Err(error),
-            };
-            let result = match established {
-                Ok(held) => Ok(attached(&held, &req.volume_id)),
-                Err(error) => {
-                    let rollback = Deadline::after(self.config.timeouts.rollback);
-                    match self
-                        .undo_attach(
-                            &mut record,
-                            &before,
-                            mounted_before,
-                            &change,
-                            req.ref_count,
-                            &rollback,
-                        )
-                        .await
-                    {
-                        Ok(()) => {
-                            tracing::info!("partial attach undone");
-                            self.recorder.rollback("attach", "undone");
-                            Err(error)
+            },
+        };
+        // The holder is recorded by the last save. If that save fails (a full disk),
+        // the Attach fails, and Cube will never Detach it: it is undone like any other
+        // failed Attach before answering, not left to the next scan.
+        // Then the answer is handed over while the lock is still held: a caller that
+        // says it never got it (a forked hook's front killed before printing it) never
+        // learned of the holder, and it is undone like a failed Attach.
+        let established = match established {
+            Ok(()) => {
+                let mut held = record.clone();
+                held.apply(change);
+                match self.save(HookKind::Attach, &held, false).await {
+                    Ok(()) => {
+                        let answer = Answer::Attached(attached(&held, &req.volume_id));
+                        if caller.deliver(answer).await {
+                            Ok(held)
+                        } else {
+                            Err(BridgeError::CallerGone)
                         }
-                        Err(rollback) => {
-                            self.recorder.rollback("attach", "failed");
-                            Err(BridgeError::RollbackFailed {
+                    }
+                    Err(error) => Err(error),
+                }
+            }
+            Err(error) => Err(error),
+        };
+        let result = match established {
+            Ok(held) => Ok(attached(&held, &req.volume_id)),
+            Err(error) => {
+                let rollback = Deadline::after(self.config.timeouts.rollback);
+                match self
+                    .undo_attach(
+                        &mut record,
+                        &before,
+                        mounted_before,
+                        change,
+                        req.ref_count,
+                        &rollback,
+                    )
+                    .await
+                {
+                    Ok(()) => {
+                        tracing::info!("partial attach undone");
+                        self.recorder.rollback("attach", "undone");
+                        Err(error)
+                    }
+                    Err(rollback) => {
+                        self.recorder.rollback("attach", "failed");
+                        Err(BridgeError::RollbackFailed {
                             error: Box::new(error),
                             rollback: Box::new(rollback),
                         })
-                        }
                     }
                 }
-            };
-            // A failed undo stays pending, for reconciliation to finish. A marker that cannot
-            // be removed is no reason to fail an Attach that succeeded: Cube would never
-            // Detach it. (A leftover marker only makes the next scan look at the volume.)
-            if !matches!(result, Err(BridgeError::RollbackFailed { .. }))
-                && let Err(e) = self.node_journal().clear_pending(&req.volume_id)
-            {
-                if result.is_ok() {
-                    tracing::warn!(error = %e, "could not remove the pending marker");
-                } else {
-                    return Err(e.into());
-                }
             }
-            result
-        })
-        .await
+        };
+        // A failed undo stays pending, for reconciliation to finish. A marker that cannot
+        // be removed is no reason to fail an Attach that succeeded: Cube would never
+        // Detach it. (A leftover marker only makes the next scan look at the volume.)
+        if !matches!(result, Err(BridgeError::RollbackFailed { .. }))
+            && let Err(e) = self.node_journal().clear_pending(&req.volume_id)
+        {
+            if result.is_ok() {
+                tracing::warn!(error = %e, "could not remove the pending marker");
+            } else {
+                return Err(e.into());
+            }
+        }
+        result
+    }
+
+    /// After any failed Attach, Cube releases the sandbox and never Detaches it (its
+    /// manager's Release on a plugin error, whether the sandbox held the volume before or
+    /// not). The paths that undo an Attach release it themselves; this catches every other
+    /// failure after the lock was taken (a refused path, a dead mount that could not be
+    /// checked, a caller gone before anything changed), so that a sandbox that held the
+    /// volume before is not left holding it here. Under the volume's lock.
+    async fn release_after_failure(&self, req: &AttachVolume, change: &HolderChange) {
+        let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
+            return;
+        };
+        if !change.sandbox_held_in(&record.holders) {
+            return;
+        }
+        let holders = record.holders.clone();
+        if let Err(error) = self
+            .withdraw_holder(&mut record, &holders, change, req.ref_count)
+            .await
+        {
+            tracing::warn!(
+                %error,
+                "could not release the sandbox of this failed Attach, which Cube released; \
+                 `holders release` (or the namespace's last Detach) does"
+            );
+        }
     }
 
     /// The record Attach starts from and its paths: the journal's, or a new one at the
@@ -849,8 +907,8 @@ impl NodeSide {
         tracing::warn!(
             ref_count,
             held_before,
-            "the answer to this Attach never reached Cube, which releases the sandbox; \
-             withdrawing its holder"
+            "Cube counts this Attach failed (its answer never reached Cube, or it failed) \
+             and releases the sandbox; withdrawing its holder"
         );
         if holders.is_empty() && !record.holders_unknown {
             let rollback = Deadline::after(self.config.timeouts.rollback);

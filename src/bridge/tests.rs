@@ -176,6 +176,10 @@ struct Fake {
     /// A filesystem that stays dead: every NodePublish makes a dead mount (a FUSE daemon
     /// that does not come back).
     stays_dead: Arc<std::sync::atomic::AtomicBool>,
+    /// Every health check fails (a stat that timed out on a hung filesystem).
+    health_fails: Arc<std::sync::atomic::AtomicBool>,
+    /// The next health check never answers (a stat stuck on a hung filesystem).
+    health_stalls_once: Arc<std::sync::atomic::AtomicBool>,
     /// The VolumeCondition NodeGetVolumeStats reports: `Some(message)` when abnormal.
     condition: Arc<Mutex<Option<String>>>,
     /// CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and CLONE_VOLUME.
@@ -241,6 +245,8 @@ impl Fake {
             counts_publishes: false,
             dead: Default::default(),
             stays_dead: Default::default(),
+            health_fails: Default::default(),
+            health_stalls_once: Default::default(),
             condition: Default::default(),
             snapshots: true,
             snapshot_records: Default::default(),
@@ -849,6 +855,18 @@ impl MountCheck for Fake {
         })
     }
     async fn health(&self, path: &Path, _: &Deadline) -> Result<MountHealth, std::io::Error> {
+        if self
+            .health_stalls_once
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            std::future::pending::<()>().await;
+        }
+        if self.health_fails.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("stat of {} timed out", path.display()),
+            ));
+        }
         let errno = self.dead.lock().unwrap().get(path).copied();
         Ok(match errno.filter(|_| self.is_mounted(path)) {
             Some(errno) => MountHealth::Dead(
@@ -2411,6 +2429,97 @@ async fn a_retried_attach_that_fails_releases_the_sandbox_as_cube_does() {
         .await
         .unwrap_err();
     w.assert_clean("v");
+}
+
+/// Over rpc, a retried hot Attach whose caller gives up while its mount check hangs (the
+/// handler is dropped mid-check): Cube counts it failed and releases the sandbox. Before,
+/// the dropped hot check left the sandbox held; now the full Attach runs in a task with
+/// its caller gone and releases it.
+#[tokio::test]
+async fn a_hot_attach_cancelled_during_its_mount_check_releases_the_sandbox() {
+    use crate::proto::cube::v1::volume_plugin_service_server::VolumePluginService;
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    // The daemon over the same state dir.
+    let config = Arc::new(
+        Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n",
+                d = w.dir.path().display()
+            ),
+            Path::new("daemon.toml"),
+        )
+        .unwrap(),
+    );
+    let bridge = Arc::new(sides(&config, &w.fake, w.store.clone(), Roles::BOTH));
+    let tasks = tokio_util::task::TaskTracker::new();
+    let service = crate::transport::service::CubeService::new(bridge, config, tasks.clone());
+    w.fake
+        .health_stalls_once
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let request = crate::proto::cube::v1::AttachRequest {
+        sandbox_id: "s1".into(),
+        namespace: "ns1".into(),
+        volume_id: "v".into(),
+        volume_base_dir: w.base().display().to_string(),
+        ref_count: 2,
+        private_data: w.handle().encode_for("fk").unwrap(),
+    };
+    let answered = tokio::time::timeout(
+        Duration::from_millis(100),
+        service.attach(tonic::Request::new(request)),
+    )
+    .await;
+    assert!(answered.is_err(), "the mount check did not hang");
+    tasks.close();
+    tokio::time::timeout(Duration::from_secs(10), tasks.wait())
+        .await
+        .expect("the release ran");
+    let holders = w.record("v").unwrap().holders;
+    assert_eq!(holders["ns1"].len(), 1, "{holders:?}");
+    assert!(holders["ns1"].contains("s2"));
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
+/// The same for a retried Attach that fails anywhere else after taking the lock: here the
+/// mount's health check fails (a stat that timed out). The hot check leaves it to the full
+/// Attach (it calls no driver, and releasing may take a teardown), whose failure releases
+/// the sandbox. Before, both answered the error and kept the sandbox Cube released.
+#[tokio::test]
+async fn a_retried_attach_failing_its_mount_check_releases_the_sandbox() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    w.fake
+        .health_fails
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let node = w.bridge.node().unwrap();
+    let retried = w.attach_req("v", "ns1", "s1", 2);
+    assert!(
+        node.attach_if_hot(&retried).await.is_none(),
+        "the hot check answered a failed check itself"
+    );
+    let error = w
+        .bridge
+        .attach(retried, &Caller::waiting())
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("timed out"), "{error}");
+    let holders = w.record("v").unwrap().holders;
+    assert_eq!(holders["ns1"].len(), 1, "{holders:?}");
+    assert!(holders["ns1"].contains("s2"));
+
+    // The namespace's only holder: it goes, and with it the volume's last holder.
+    w.bridge
+        .attach(w.attach_req("v", "ns1", "s2", 1), &Caller::waiting())
+        .await
+        .unwrap_err();
+    assert!(
+        w.record("v").is_none_or(|r| r.holders.is_empty()),
+        "{:?}",
+        w.record("v")
+    );
 }
 
 /// Both paths record when a holder was added (the full path in the record, the hot path

@@ -189,6 +189,54 @@ impl Drop for InlineHook {
     }
 }
 
+/// A hot Attach whose caller went away while it checked the mount (a hung filesystem's
+/// stat outlasting Cube's deadline): Cube counts the Attach failed and releases the
+/// sandbox, also one that held the volume before, and never Detaches it. Dropped armed,
+/// it runs the full Attach in a task with its caller gone, which takes the volume's lock
+/// and releases the sandbox as Cube did (`NodeSide::attach`). Other hooks need nothing:
+/// nothing is awaited after a hot hook's one write, and a failed Detach Cube retries.
+struct ReleaseIfCancelled {
+    armed: Option<(Arc<Bridge>, hooks::Checked, TaskTracker)>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl ReleaseIfCancelled {
+    fn arm(service: &CubeService, checked: &hooks::Checked) -> Self {
+        let armed = matches!(checked, hooks::Checked::Attach(_)).then(|| {
+            (
+                service.bridge.clone(),
+                checked.clone(),
+                service.tasks.clone(),
+            )
+        });
+        Self {
+            armed,
+            runtime: tokio::runtime::Handle::current(),
+        }
+    }
+
+    /// The hot check answered, or declined: the handler goes on, and answers.
+    fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for ReleaseIfCancelled {
+    fn drop(&mut self) {
+        if let Some((bridge, checked, tasks)) = self.armed.take() {
+            tasks.spawn_on(
+                async move {
+                    let caller = Caller::waiting();
+                    caller.leave();
+                    // Its outcome is logged and counted by the hook itself.
+                    let _ = hooks::run(&bridge, checked, &caller).await;
+                },
+                &self.runtime,
+            );
+        }
+    }
+}
+
 /// Both Cube services over one bridge.
 #[derive(Debug, Clone)]
 pub struct CubeService {
@@ -214,7 +262,10 @@ impl CubeService {
         // after that line is written. A caller that goes away before then drops this
         // future before anything changed; once it is written, the answer is returned in
         // the same poll, as a handed-over answer is.
-        if let Some(result) = hooks::run_if_hot(&self.bridge, &checked).await {
+        let mut cancelled = ReleaseIfCancelled::arm(self, &checked);
+        let hot = hooks::run_if_hot(&self.bridge, &checked).await;
+        cancelled.disarm();
+        if let Some(result) = hot {
             return result.map_err(|e| to_status(&e));
         }
         let bridge = self.bridge.clone();
