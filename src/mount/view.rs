@@ -13,8 +13,8 @@
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -43,6 +43,12 @@ pub struct MountView {
     resolved: Mutex<HashMap<PathBuf, PathBuf>>,
     /// Which mounts answer a stat from memory.
     from_memory: mountinfo::MemoryAnswers,
+    /// Health checks under way on a blocking thread, by path: a later check of the same
+    /// path waits for that one's answer instead of starting another. A stat stuck on a
+    /// hung filesystem holds its thread until the filesystem answers, and without this
+    /// every Attach and inventory pass would strand one more (the pool has 512: all of
+    /// them, within hours, and then no hook of any volume could wait for a disk).
+    health_in_flight: Arc<Mutex<HashMap<PathBuf, HealthWatch>>>,
     /// Health checks sent to a blocking thread, for tests.
     #[cfg(test)]
     health_trips: std::sync::atomic::AtomicUsize,
@@ -65,6 +71,7 @@ impl MountView {
             cached_pid: AtomicU32::new(0),
             resolved: Mutex::new(HashMap::new()),
             from_memory: Default::default(),
+            health_in_flight: Default::default(),
             #[cfg(test)]
             health_trips: Default::default(),
         }
@@ -281,13 +288,68 @@ impl MountCheck for MountView {
         if self.from_memory.at(path) {
             return Ok(MountHealth::Answers);
         }
-        #[cfg(test)]
-        self.health_trips.fetch_add(1, Ordering::Relaxed);
-        let owned = path.to_path_buf();
-        let asked = tokio::task::spawn_blocking(move || mountinfo::mount_health(&owned));
-        match tokio::time::timeout_at(deadline.instant().into(), asked).await {
-            Ok(Ok(health)) => health,
-            Ok(Err(join)) => Err(std::io::Error::other(join.to_string())),
+        self.shared_health_check(path, deadline, mountinfo::mount_health)
+            .await
+    }
+
+    fn describe(&self) -> String {
+        MountView::describe(self)
+    }
+}
+
+/// The answer of one health check on a blocking thread, shared by every check of its path
+/// that came while it ran: None until it answers.
+type HealthWatch =
+    tokio::sync::watch::Receiver<Option<Result<MountHealth, (std::io::ErrorKind, String)>>>;
+
+impl MountView {
+    /// `check` of `path` on a blocking thread, bounded by `deadline`, joining the check of
+    /// the same path already under way if there is one (`health_in_flight`).
+    async fn shared_health_check(
+        &self,
+        path: &Path,
+        deadline: &Deadline,
+        check: fn(&Path) -> std::io::Result<MountHealth>,
+    ) -> std::io::Result<MountHealth> {
+        let mut answer = {
+            let mut in_flight = self
+                .health_in_flight
+                .lock()
+                .expect("health checks poisoned");
+            match in_flight.get(path) {
+                Some(under_way) => under_way.clone(),
+                None => {
+                    #[cfg(test)]
+                    self.health_trips.fetch_add(1, Ordering::Relaxed);
+                    let (tell, answer) = tokio::sync::watch::channel(None);
+                    in_flight.insert(path.to_path_buf(), answer.clone());
+                    let owned = path.to_path_buf();
+                    let under_way = Arc::clone(&self.health_in_flight);
+                    tokio::task::spawn_blocking(move || {
+                        let health = check(&owned).map_err(|e| (e.kind(), e.to_string()));
+                        // Forgotten before it is told: a check that starts after this
+                        // answer starts a stat of its own.
+                        under_way
+                            .lock()
+                            .expect("health checks poisoned")
+                            .remove(&owned);
+                        let _ = tell.send(Some(health));
+                    });
+                    answer
+                }
+            }
+        };
+        let waited =
+            tokio::time::timeout_at(deadline.instant().into(), answer.wait_for(Option::is_some))
+                .await;
+        match waited {
+            Ok(Ok(told)) => match told.as_ref().expect("waited for an answer") {
+                Ok(health) => Ok(*health),
+                Err((kind, message)) => Err(std::io::Error::new(*kind, message.clone())),
+            },
+            Ok(Err(_)) => Err(std::io::Error::other(
+                "the health check's thread ended without answering",
+            )),
             Err(_) => Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!(
@@ -296,10 +358,6 @@ impl MountCheck for MountView {
                 ),
             )),
         }
-    }
-
-    fn describe(&self) -> String {
-        MountView::describe(self)
     }
 }
 
@@ -390,6 +448,54 @@ pub fn print_mountinfo_in_namespace(file: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stat stuck on a hung filesystem holds its blocking thread until the filesystem
+    /// answers. Every later check of that path (each Attach, each inventory pass) joins
+    /// the one under way instead of stranding another thread; once it answers, the next
+    /// check stats afresh. Before, each check started a stat of its own: 40 threads here,
+    /// and tokio's whole pool of 512 within hours of inventory passes.
+    #[tokio::test]
+    async fn checks_of_a_hung_filesystem_share_one_stuck_thread() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        static STUCK: AtomicBool = AtomicBool::new(true);
+        static STATS: AtomicUsize = AtomicUsize::new(0);
+        fn hung_stat(_: &Path) -> std::io::Result<MountHealth> {
+            STATS.fetch_add(1, Ordering::SeqCst);
+            while STUCK.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(MountHealth::Answers)
+        }
+        let view = MountView::new(&MountViewSetting::Own, false);
+        let path = Path::new("/hung/fk+v");
+        for _ in 0..40 {
+            let deadline = Deadline::after(Duration::from_millis(2));
+            let error = view
+                .shared_health_check(path, &deadline, hung_stat)
+                .await
+                .unwrap_err();
+            assert_eq!(error.kind(), std::io::ErrorKind::TimedOut);
+        }
+        let stranded = STATS.load(Ordering::SeqCst);
+        // Let the stuck stats end before anything can fail: the runtime waits for them.
+        STUCK.store(false, Ordering::SeqCst);
+        assert_eq!(stranded, 1, "a thread stranded per check");
+        let deadline = Deadline::after(Duration::from_secs(10));
+        while view.health_in_flight.lock().unwrap().contains_key(path) {
+            assert!(
+                !deadline.remaining().is_zero(),
+                "the stuck stat never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(
+            view.shared_health_check(path, &deadline, hung_stat)
+                .await
+                .unwrap(),
+            MountHealth::Answers
+        );
+        assert_eq!(STATS.load(Ordering::SeqCst), 2);
+    }
 
     /// The daemon asks a disk or memory filesystem's health without a trip to a blocking
     /// thread (its stat is answered from memory); the kernel's mount table says which
