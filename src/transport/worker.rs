@@ -22,7 +22,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pipe};
+use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork};
 
 use super::forked::{self as binary, HookOutput, HookRequest};
 use crate::bridge::{Answer, Caller, Delivery, HookKind};
@@ -66,7 +66,7 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
         tracing::warn!("more than one thread before forking the worker; running the hook in place");
         return (run_here(config, request), None);
     }
-    let pipes = (|| Ok::<_, nix::Error>((pipe()?, pipe()?, pipe()?)))();
+    let pipes = (|| Ok::<_, nix::Error>((worker_pipe()?, worker_pipe()?, worker_pipe()?)))();
     let Ok(((answer_r, answer_w), (log_r, log_w), (alive_r, alive_w))) = pipes else {
         // No pipes, no worker: run here (a SIGKILL is then left to reconciliation).
         return (run_here(config, request), None);
@@ -94,6 +94,14 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
             (output, Some(alive_w))
         }
     }
+}
+
+/// A pipe between the front and its worker, closed on exec: a program the worker runs
+/// (the mountinfo reader of another namespace) must not hold the answer's or the log's
+/// write end, or the front would wait for that program's end, not the worker's, to see
+/// that its worker died.
+fn worker_pipe() -> nix::Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
 }
 
 /// Whether this process has one thread (the precondition of forking it).
@@ -262,6 +270,37 @@ fn send_answer(answer: &Mutex<Option<std::fs::File>>, output: &HookOutput, log_t
     crate::telemetry::after_answer();
 }
 
+/// Opens (creating it 0600) the worker log file for appending, as root, refusing what is
+/// not the bridge's own plain file: a symlink, a FIFO (whose open would block the worker,
+/// which still holds its volume's lock, until someone reads it; hence `O_NONBLOCK`), a
+/// file another user owns (they would read root's logs), or one with another name linked
+/// to it (a hard link to a root file, where the kernel's `protected_hardlinks` is off).
+/// `state.worker_log` may name a directory others can write.
+fn open_log_file(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if !meta.file_type().is_file() || meta.uid() != euid || meta.nlink() != 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a plain file of the bridge's own with one name (owner uid {}, \
+                 {} links)",
+                path.display(),
+                meta.uid(),
+                meta.nlink()
+            ),
+        ));
+    }
+    Ok(file)
+}
+
 /// Logs past this size start a new file (the old one kept as `<file>.1`).
 const WORKER_LOG_LIMIT: u64 = 4 << 20;
 /// The systemd journal's stream socket (what a service's stderr is connected to).
@@ -280,18 +319,10 @@ fn worker_log((setting, state_dir): &LogTo) -> Option<OwnedFd> {
         Some(OwnedFd::from(stream))
     };
     let file = |path: &std::path::Path| {
-        use std::os::unix::fs::OpenOptionsExt;
         if std::fs::metadata(path).is_ok_and(|m| m.len() > WORKER_LOG_LIMIT) {
             let _ = std::fs::rename(path, path.with_extension("log.1"));
         }
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(path)
-            .ok()
-            .map(OwnedFd::from)
+        open_log_file(path).ok().map(OwnedFd::from)
     };
     match setting {
         WorkerLog::Journal => journal(),
@@ -378,10 +409,53 @@ mod tests {
         assert_eq!(decode_answer(b""), None);
     }
 
+    /// What another user could put at `state.worker_log` in a directory they can write:
+    /// a FIFO (before, opening it blocked the worker, its volume's lock held, until
+    /// someone read it), a file of theirs, a hard link to a root file. None is written to;
+    /// the bridge's own file is.
+    #[test]
+    fn the_worker_log_is_only_ever_the_bridges_own_plain_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join("fifo.log");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o666)).unwrap();
+        let (done, opened) = std::sync::mpsc::channel();
+        let path = fifo.clone();
+        std::thread::spawn(move || done.send(open_log_file(&path).is_ok()));
+        let opened = opened
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("opening a FIFO as the worker log blocked");
+        assert!(!opened, "a FIFO was taken for the worker log");
+
+        let own = tmp.path().join("worker.log");
+        open_log_file(&own).unwrap();
+        let linked = tmp.path().join("linked.log");
+        std::fs::hard_link(&own, &linked).unwrap();
+        assert!(open_log_file(&linked).is_err(), "a file with two names");
+        std::fs::remove_file(&linked).unwrap();
+        open_log_file(&own).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(&own, Some(1000), None).unwrap();
+            assert!(open_log_file(&own).is_err(), "another user's file");
+        }
+    }
+
+    #[test]
+    fn the_front_and_worker_pipes_are_closed_on_exec() {
+        let (read, write) = worker_pipe().unwrap();
+        for end in [&read, &write] {
+            let flags = nix::fcntl::fcntl(end, nix::fcntl::FcntlArg::F_GETFD).unwrap();
+            assert!(
+                nix::fcntl::FdFlag::from_bits_truncate(flags)
+                    .contains(nix::fcntl::FdFlag::FD_CLOEXEC),
+                "a program the worker runs would inherit it"
+            );
+        }
+    }
+
     #[test]
     fn a_worker_that_never_answered_is_named_with_its_hook_and_volume() {
-        let (answer_r, answer_w) = pipe().unwrap();
-        let (log_r, log_w) = pipe().unwrap();
+        let (answer_r, answer_w) = worker_pipe().unwrap();
+        let (log_r, log_w) = worker_pipe().unwrap();
         drop((answer_w, log_w));
         assert_eq!(front(answer_r, log_r), None);
         let output = no_answer(HookKind::Attach, "vol-7");
