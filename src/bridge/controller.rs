@@ -805,7 +805,8 @@ impl ControllerSide {
                 // An earlier Create finished with this volume and Cube may be using it:
                 // refuse, but delete nothing.
                 return Err(BridgeError::Precondition(format!(
-                    "CSI volume {:?} was created with {} bytes, less than the {required} now configured (volume.capacity_bytes changed?); Destroy it to make a new one",
+                    "CSI volume {:?} was created with {} bytes, less than the {required} now \
+                     configured (volume.capacity_bytes changed?); Destroy it to make a new one",
                     volume.csi_volume_id, volume.capacity_bytes
                 )));
             }
