@@ -47,6 +47,7 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
         None => {}
     }
     crate::mount::ops::ensure_dir(dir, 0o700)?;
+    check_made_by_us(dir)?;
     let tmp = dir.join(format!(".{OWNER_FILE}.{}.tmp", std::process::id()));
     let linked = (|| {
         let mut file = std::fs::OpenOptions::new()
@@ -74,6 +75,36 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
             format!("claiming state.dir {}: {e}", dir.display()),
         )),
     }
+}
+
+/// Refuses `dir` unless root or the bridge's uid owns it and no group or other user may
+/// write it. The caller checked the dir before it existed (`check_private_dir`, judging it
+/// by the directories above); in a sticky directory such as `/tmp`, another user could
+/// still make it first, between that check and `ensure_dir`.
+fn check_made_by_us(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let euid = nix::unistd::geteuid().as_raw();
+    let ours = |uid: u32| uid == 0 || uid == euid;
+    // A link (root's own, as `check_private_dir` allows) is judged with where it leads.
+    let link = std::fs::symlink_metadata(dir)?;
+    let meta = std::fs::metadata(dir)?;
+    if !ours(link.uid()) || !meta.is_dir() || !ours(meta.uid()) || meta.mode() & 0o022 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "state.dir {} was made by someone else before the bridge could (owner uid \
+                 {}, mode {:o}); point state.dir at a directory only root can write",
+                dir.display(),
+                if ours(link.uid()) {
+                    meta.uid()
+                } else {
+                    link.uid()
+                },
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The owner file's bytes (at most 4 KiB), `None` when there is none yet. Never through a
@@ -160,6 +191,27 @@ mod tests {
         let forged = format!("x\"\nlock_dir {:?}", locks.display().to_string());
         claim(&dir, &owner(&forged, tmp.path())).unwrap();
         assert!(claim(&dir, &owner("x", &locks)).is_err());
+    }
+
+    /// Another user who made the state dir between the bridge's check (when it did not
+    /// exist yet) and its creation gets nothing written into it. Needs root.
+    #[test]
+    fn a_state_dir_another_user_made_first_is_refused() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: needs root to give a directory to another user");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(1000), Some(1000)).unwrap();
+        let err = claim(&dir, &owner("nfs", tmp.path())).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("uid 1000"), "{err}");
+        assert!(
+            std::fs::read_dir(&dir).unwrap().next().is_none(),
+            "written into it"
+        );
     }
 
     #[test]
