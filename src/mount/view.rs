@@ -375,12 +375,39 @@ fn process_namespace_inode(pid: u32) -> Option<u64> {
         .map(|m| m.ino())
 }
 
+/// A process through which the namespace `inode` may be looked at: the first one in it
+/// that can speak for it (`speaks_for_its_namespace`).
 fn find_process_in_namespace(inode: u64) -> Option<u32> {
-    std::fs::read_dir("/proc")
+    let pids = std::fs::read_dir("/proc")
         .ok()?
         .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .find(|pid| process_namespace_inode(*pid) == Some(inode))
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok());
+    first_speaking_for(inode, pids)
+}
+
+fn first_speaking_for(inode: u64, mut pids: impl Iterator<Item = u32>) -> Option<u32> {
+    pids.find(|pid| process_namespace_inode(*pid) == Some(inode) && speaks_for_its_namespace(*pid))
+}
+
+/// Whether the mount table and root seen through `/proc/<pid>` are its namespace's: the
+/// process is root's and its root directory is the namespace's root. Any user's process
+/// may share Cubelet's namespace (the host's, often); one that `chroot`s (after
+/// `unshare -U`, no privilege needed) sees, and shows through `/proc/<pid>/mountinfo` and
+/// `/proc/<pid>/root`, only what lies below its new root, so the bridge would find every
+/// volume's mount absent.
+fn speaks_for_its_namespace(pid: u32) -> bool {
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    // The effective uid from `status`: /proc/<pid> itself is root's for any process that
+    // is not dumpable, as one that dropped root is.
+    let runs_as_root = std::fs::read_to_string(proc_dir.join("status")).is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("Uid:"))
+            .and_then(|uids| uids.split_whitespace().nth(1))
+            == Some("0")
+    });
+    runs_as_root
+        && std::fs::read_link(proc_dir.join("root")).is_ok_and(|root| root == Path::new("/"))
 }
 
 /// Forks this executable as `<exe> __mountinfo-in-namespace <file>`; the child enters the
@@ -448,6 +475,59 @@ pub fn print_mountinfo_in_namespace(file: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process of the namespace that chrooted (an unprivileged user can, after
+    /// `unshare -U`), or that another user runs, is not the one the view reads Cubelet's
+    /// mounts through; before, the first process found in the namespace was. Needs root
+    /// (to chroot and to drop to another uid).
+    #[test]
+    fn the_namespace_is_read_only_through_a_root_process_at_its_root() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: needs root to chroot and change uid");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let own_ns = process_namespace_inode(std::process::id()).unwrap();
+        // Children that only make async-signal-safe calls after the fork (chroot, setuid,
+        // pause), so forking this multi-threaded test process is sound.
+        let child = |become_other: &dyn Fn() -> nix::Result<()>| {
+            // SAFETY: the child calls only chroot/setuid, pause and _exit.
+            match unsafe { nix::unistd::fork() }.unwrap() {
+                nix::unistd::ForkResult::Child => {
+                    let _ = become_other();
+                    loop {
+                        nix::unistd::pause();
+                    }
+                }
+                nix::unistd::ForkResult::Parent { child } => child,
+            }
+        };
+        let root = tmp.path().to_path_buf();
+        let in_chroot = child(&|| nix::unistd::chroot(&root));
+        let as_nobody = child(&|| nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)));
+        // Let both change before looking.
+        std::thread::sleep(Duration::from_millis(200));
+        let candidates = [
+            in_chroot.as_raw() as u32,
+            as_nobody.as_raw() as u32,
+            std::process::id(),
+        ];
+        let seen: Vec<bool> = candidates[..2]
+            .iter()
+            .map(|pid| process_namespace_inode(*pid) == Some(own_ns))
+            .collect();
+        let chosen = first_speaking_for(own_ns, candidates.into_iter());
+        for pid in [in_chroot, as_nobody] {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::wait::waitpid(pid, None);
+        }
+        assert_eq!(seen, [true, true], "the children left the namespace");
+        assert_eq!(
+            chosen,
+            Some(std::process::id()),
+            "candidates {candidates:?}"
+        );
+    }
 
     /// A stat stuck on a hung filesystem holds its blocking thread until the filesystem
     /// answers. Every later check of that path (each Attach, each inventory pass) joins
