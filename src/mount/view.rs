@@ -326,13 +326,11 @@ impl MountView {
                     let owned = path.to_path_buf();
                     let under_way = Arc::clone(&self.health_in_flight);
                     tokio::task::spawn_blocking(move || {
-                        let health = check(&owned).map_err(|e| (e.kind(), e.to_string()));
-                        // Forgotten before it is told: a check that starts after this
-                        // answer starts a stat of its own.
-                        under_way
-                            .lock()
-                            .expect("health checks poisoned")
-                            .remove(&owned);
+                        // Forgotten before it is told (a check that starts after this
+                        // answer starts a stat of its own), and also if `check` panics.
+                        let forget = Forget(under_way, owned);
+                        let health = check(&forget.1).map_err(|e| (e.kind(), e.to_string()));
+                        drop(forget);
                         let _ = tell.send(Some(health));
                     });
                     answer
@@ -357,6 +355,17 @@ impl MountView {
                     path.display()
                 ),
             )),
+        }
+    }
+}
+
+/// Takes a path's check under way off `MountView::health_in_flight` when dropped.
+struct Forget(Arc<Mutex<HashMap<PathBuf, HealthWatch>>>, PathBuf);
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        if let Ok(mut in_flight) = self.0.lock() {
+            in_flight.remove(&self.1);
         }
     }
 }
@@ -575,6 +584,22 @@ mod tests {
             MountHealth::Answers
         );
         assert_eq!(STATS.load(Ordering::SeqCst), 2);
+
+        // A check that panics leaves nothing under way: the next one stats afresh.
+        fn panicking_stat(_: &Path) -> std::io::Result<MountHealth> {
+            panic!("a stat that panicked")
+        }
+        let failed = view
+            .shared_health_check(path, &deadline, panicking_stat)
+            .await;
+        assert!(failed.is_err());
+        assert_eq!(
+            view.shared_health_check(path, &deadline, hung_stat)
+                .await
+                .unwrap(),
+            MountHealth::Answers
+        );
+        assert_eq!(STATS.load(Ordering::SeqCst), 3);
     }
 
     /// The daemon asks a disk or memory filesystem's health without a trip to a blocking
