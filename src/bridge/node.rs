@@ -536,9 +536,12 @@ impl NodeSide {
                     first: req.ref_count == 0,
                     at: self.clock.now_secs(),
                 };
-                let result = self.attach_locked(&req, caller, &change, &deadline).await;
+                let mut held_before = None;
+                let result = self
+                    .attach_locked(&req, caller, &change, &deadline, &mut held_before)
+                    .await;
                 if result.is_err() {
-                    self.release_after_failure(&req, &change).await;
+                    self.release_after_failure(&req, &change, held_before).await;
                 }
                 result
             },
@@ -546,15 +549,18 @@ impl NodeSide {
         .await
     }
 
-    /// Attach, under the volume's lock.
+    /// Attach, under the volume's lock. `held_before` is set, once the record is read,
+    /// to whether the sandbox held the volume before this Attach.
     async fn attach_locked(
         &self,
         req: &AttachVolume,
         caller: &Caller,
         change: &HolderChange,
         deadline: &Deadline,
+        held_before: &mut Option<bool>,
     ) -> Result<Attached, BridgeError> {
         let (mut record, paths, paths_checked) = self.record_for_attach(req, deadline).await?;
+        *held_before = Some(change.sandbox_held_in(&record.holders));
         // Only a published or held volume can be mounted for someone here: a fresh
         // record needs no check of its own (record_for_attach has already refused one
         // whose paths another instance mounted).
@@ -571,9 +577,9 @@ impl NodeSide {
         if self.attach_is_hot(&record, req, &paths, visible && dead.is_none()) {
             // Already attached and healthy: no CSI call, and at most one appended
             // line for the holder.
-            let holders_before = record.holders.clone();
+            let held_before = change.sandbox_held_in(&record.holders);
             if caller.is_gone() {
-                self.withdraw_holder(&mut record, &holders_before, change, req.ref_count)
+                self.withdraw_holder(&mut record, held_before, change, req.ref_count)
                     .await?;
                 return Err(BridgeError::CallerGone);
             }
@@ -581,7 +587,7 @@ impl NodeSide {
             tracing::debug!(ref_count = req.ref_count, "already mounted");
             let answer = attached(&record, &req.volume_id);
             if !caller.deliver(Answer::Attached(answer.clone())).await {
-                self.withdraw_holder(&mut record, &holders_before, change, req.ref_count)
+                self.withdraw_holder(&mut record, held_before, change, req.ref_count)
                     .await?;
                 return Err(BridgeError::CallerGone);
             }
@@ -748,17 +754,25 @@ impl NodeSide {
     /// not). The paths that undo an Attach release it themselves; this catches every other
     /// failure after the lock was taken (a refused path, a dead mount that could not be
     /// checked, a caller gone before anything changed), so that a sandbox that held the
-    /// volume before is not left holding it here. Under the volume's lock.
-    async fn release_after_failure(&self, req: &AttachVolume, change: &HolderChange) {
+    /// volume before is not left holding it here. `held_before` is what the record said
+    /// before this Attach changed it (None: it failed before reading the record, so the
+    /// record is as it was); a holder this Attach added and could not undo is released
+    /// as new, which leaves the namespace's other holders. Under the volume's lock.
+    async fn release_after_failure(
+        &self,
+        req: &AttachVolume,
+        change: &HolderChange,
+        held_before: Option<bool>,
+    ) {
         let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
             return;
         };
         if !change.sandbox_held_in(&record.holders) {
             return;
         }
-        let holders = record.holders.clone();
+        let held_before = held_before.unwrap_or(true);
         if let Err(error) = self
-            .withdraw_holder(&mut record, &holders, change, req.ref_count)
+            .withdraw_holder(&mut record, held_before, change, req.ref_count)
             .await
         {
             tracing::warn!(
@@ -886,16 +900,16 @@ impl NodeSide {
     /// Mirrors Cube's Release after a hot Attach whose answer never reached Cube (which
     /// then counts the Attach as failed, releases the sandbox and never Detaches it): the
     /// holder this Attach recorded is taken back, and so is the sandbox's earlier one, as
-    /// Cube drops it too (`HolderChange::released_after_failure`). A volume left with no
-    /// holder at all is torn down.
+    /// Cube drops it too (`HolderChange::released_after_failure`; `held_before`: the
+    /// sandbox held the volume before this Attach). A volume left with no holder at all is
+    /// torn down.
     async fn withdraw_holder(
         &self,
         record: &mut NodeRecord,
-        holders_before: &Holders,
+        held_before: bool,
         change: &HolderChange,
         ref_count: i64,
     ) -> Result<(), BridgeError> {
-        let held_before = change.sandbox_held_in(holders_before);
         let Some(release) = change.released_after_failure(ref_count, held_before) else {
             return Ok(());
         };
