@@ -1,8 +1,8 @@
 //! The daemon's listeners: the Unix socket Cube dials (bound here, or inherited from
 //! systemd socket activation), the optional loopback TCP port, and who may connect.
 //!
-//! The socket is created under a umask so it is never wider than 0660, even for an
-//! instant; its group can be set so a non-root Cubelet in that group can dial it; an
+//! The socket is refused where another user could replace it once bound; it is created
+//! under a umask so it is never wider than 0660, even for an instant; its group can be set so a non-root Cubelet in that group can dial it; an
 //! existing path is replaced only if it is a stale socket (never followed if it is a
 //! symlink); and it is removed on shutdown only if it is still the one this process made.
 //! With `serve.allowed_uids`, every connection's peer uid is checked (SO_PEERCRED on the
@@ -11,7 +11,7 @@
 
 use std::net::SocketAddr;
 use std::os::fd::{FromRawFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -32,6 +32,15 @@ pub enum ListenError {
     InUse { path: PathBuf },
     #[error("{path} exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
+    /// Another user could swap the socket after it is bound: rename one of their own over
+    /// it (and answer Cube's hooks in the bridge's place), or a symlink the bind's next
+    /// steps would follow.
+    #[error(
+        "{why}, so another user could replace the socket once it is bound and answer \
+         Cube's hooks in the bridge's place; put serve.socket in a directory only root can \
+         write, reached through no other user's symlink (chown root and chmod go-w it)"
+    )]
+    Replaceable { why: String },
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -129,9 +138,19 @@ impl UnixSocket {
         }))
     }
 
-    /// Binds `path`: parent created, a stale socket replaced, a live one refused, mode at
-    /// most 0660 from the first instant, group `gid` when given.
+    /// Binds `path`: refused where another user could replace it (a directory they may
+    /// write, their symlink on the way), parent created, a stale socket replaced, a live
+    /// one refused, mode 0660 from the first instant, group `gid` when given.
     pub async fn bind(path: &Path, gid: Option<u32>) -> Result<Self, ListenError> {
+        let written = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        let euid = nix::unistd::geteuid().as_raw();
+        if let Some(replaceable) =
+            crate::config::untrusted_on_the_way([written.as_path()], euid, false)
+        {
+            return Err(ListenError::Replaceable {
+                why: replaceable.describe(&format!("serve.socket {}", path.display())),
+            });
+        }
         if let Some(dir) = path.parent() {
             crate::mount::ops::ensure_dir(dir, 0o755).map_err(io("socket directory"))?;
         }
@@ -171,9 +190,14 @@ impl UnixSocket {
             )
             .map_err(|e| io(format!("chgrp {gid} {}", path.display()))(e.into()))?;
         }
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-            .map_err(io(format!("chmod 0660 {}", path.display())))?;
+        // No chmod: the umask made it 0660, and a chmod by path would follow whatever
+        // lies there by then.
         let meta = std::fs::symlink_metadata(path).map_err(io(path.display().to_string()))?;
+        if !meta.file_type().is_socket() {
+            return Err(ListenError::NotASocket {
+                path: path.to_path_buf(),
+            });
+        }
         Ok(Self {
             listener,
             file: SocketFile {
@@ -464,6 +488,7 @@ fn loopback_peer_uid(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     /// A loopback connection: (client, server end, client address, server address).
     fn loopback_pair(
@@ -595,6 +620,60 @@ mod tests {
             Err(ListenError::NotASocket { .. })
         ));
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "data");
+    }
+
+    /// A socket another user could swap once it is bound is refused before anything is
+    /// made: in a directory they may write (no sticky bit), or reached through their symlink.
+    #[tokio::test]
+    async fn a_socket_another_user_could_replace_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let open = tmp.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let refused = UnixSocket::bind(&open.join("b.sock"), None).await;
+        let Err(ListenError::Replaceable { why }) = &refused else {
+            panic!("a socket in a directory others may write was bound: {refused:?}");
+        };
+        assert!(why.contains("mode 777"), "{why}");
+        assert!(!open.join("b.sock").exists());
+        let refused = UnixSocket::bind(&open.join("sub/b.sock"), None).await;
+        assert!(
+            matches!(refused, Err(ListenError::Replaceable { .. })),
+            "{refused:?}"
+        );
+        assert!(
+            !open.join("sub").exists(),
+            "made a directory before refusing"
+        );
+        // Sticky (as /tmp): nobody else may rename over the bridge's socket.
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        UnixSocket::bind(&open.join("b.sock"), None).await.unwrap();
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this part must not skip"
+            );
+            eprintln!("skipped the symlink part: needs root to give a link to another user");
+            return;
+        }
+        let private = tmp.path().join("private");
+        std::fs::create_dir(&private).unwrap();
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&private, &link).unwrap();
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            &link,
+            Some(nix::unistd::Uid::from_raw(65534)),
+            None,
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+        let refused = UnixSocket::bind(&link.join("b.sock"), None).await;
+        let Err(ListenError::Replaceable { why }) = &refused else {
+            panic!("a socket behind another user's symlink was bound: {refused:?}");
+        };
+        assert!(why.contains("uid 65534"), "{why}");
+        assert!(!private.join("b.sock").exists());
     }
 
     #[test]

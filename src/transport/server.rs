@@ -51,7 +51,11 @@ impl ServeError {
     pub fn exit_code(&self) -> u8 {
         match self {
             ServeError::Misconfigured(_) | ServeError::Host(_) => 78,
-            ServeError::Listen(ListenError::InUse { .. } | ListenError::NotASocket { .. }) => 78,
+            ServeError::Listen(
+                ListenError::InUse { .. }
+                | ListenError::NotASocket { .. }
+                | ListenError::Replaceable { .. },
+            ) => 78,
             _ => 1,
         }
     }
