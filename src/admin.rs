@@ -48,6 +48,7 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Findi
     let roles = config.serve.roles;
     let base = config.node.default_volume_base_dir.clone();
     let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
+    let dirs = crate::app::host_dirs(&config);
     let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts.clone())?;
     if reachable {
         match bridge.check(&deadline).await {
@@ -82,7 +83,7 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Findi
                 format!("volume base dir {} does not exist yet", base.display()),
             ),
         }
-        let (ok, what) = prove_visibility(&base, mounts.as_ref(), &deadline).await;
+        let (ok, what) = prove_visibility(&base, &dirs, mounts.as_ref(), &deadline).await;
         report(ok, what);
     }
     Ok(findings)
@@ -107,25 +108,20 @@ pub fn render_findings(findings: &[Finding], output: Output) -> String {
 /// what every Attach depends on, proven before the first sandbox needs it.
 async fn prove_visibility(
     base: &Path,
+    dirs: &crate::mount::HostDirs,
     mounts: &dyn crate::bridge::ports::MountCheck,
     deadline: &Deadline,
 ) -> (bool, String) {
     use crate::bridge::ports::Visibility;
-    use crate::mount::ops;
     if !nix::unistd::Uid::effective().is_root() {
         return (
             false,
             "propagation not proven: making a test mount needs root".into(),
         );
     }
-    let probe = base.join(format!(".cube-csi-bridge-check-{}", std::process::id()));
-    let source = probe.with_extension("src");
-    let made = (|| {
-        ops::ensure_dir(&probe, 0o700)?;
-        ops::ensure_dir(&source, 0o700)?;
-        ops::bind_mount(&source, &probe, true)
-    })();
-    let verdict = match made {
+    let name = format!(".cube-csi-bridge-check-{}", std::process::id());
+    let made = dirs.probe_mount(base, &name);
+    let verdict = match &made {
         Err(e) => (
             false,
             format!(
@@ -133,7 +129,7 @@ async fn prove_visibility(
                 base.display()
             ),
         ),
-        Ok(()) => match mounts.visibility(&probe, deadline).await {
+        Ok(probe) => match mounts.visibility(&probe.path, deadline).await {
             Ok(Visibility::Mounted) => (
                 true,
                 format!(
@@ -162,9 +158,9 @@ async fn prove_visibility(
             ),
         },
     };
-    let _ = ops::unmount(&probe);
-    let _ = ops::remove_dir_if_empty(&probe);
-    let _ = ops::remove_dir_if_empty(&source);
+    if let Ok(probe) = made {
+        probe.remove();
+    }
     verdict
 }
 
@@ -651,4 +647,74 @@ pub async fn expand(
     };
     let _ = writeln!(out, "{node_line}");
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::MountViewSetting;
+    use crate::mount::{BaseDirPolicy, HostDirs};
+    use std::os::unix::fs::{PermissionsExt, symlink};
+
+    /// Needs root (CI runs it as root). `check`'s test mount is made only on directories
+    /// it has just made in a base dir that passes the hooks' check: names planted in the
+    /// base dir (its pid is known before the mount) never get a directory of root's
+    /// covered, whatever the base dir policy.
+    #[tokio::test]
+    async fn the_check_mount_never_covers_a_directory_planted_in_the_base_dir() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to mount");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let victim = tmp.path().join("victim");
+        let evil = tmp.path().join("evil");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::create_dir(&evil).unwrap();
+        std::fs::write(victim.join("orig"), "").unwrap();
+        std::fs::write(evil.join("marker"), "").unwrap();
+        let base = tmp.path().join("base");
+        std::fs::create_dir(&base).unwrap();
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let name = format!(".cube-csi-bridge-check-{}", std::process::id());
+        symlink(&victim, base.join(&name)).unwrap();
+        symlink(&evil, base.join(format!("{name}.src"))).unwrap();
+        let mounts = MountView::new(&MountViewSetting::Own, false);
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let policies = [
+            BaseDirPolicy::Strict,
+            BaseDirPolicy::AnyOwner {
+                reason: "a test".into(),
+            },
+        ];
+        for policy in policies {
+            let dirs = HostDirs::new(policy.clone());
+            let (ok, what) = prove_visibility(&base, &dirs, &mounts, &deadline).await;
+            let covered = victim.join("marker").exists();
+            if covered {
+                let _ = crate::mount::ops::unmount_lazy(&victim);
+            }
+            assert!(
+                !covered,
+                "{policy:?}: the check mounted over {}",
+                victim.display()
+            );
+            assert!(!ok, "{policy:?}: {what}");
+            assert!(victim.join("orig").exists());
+            assert!(
+                base.join(&name).is_symlink(),
+                "{policy:?}: removed what it did not make"
+            );
+        }
+        // A base dir that passes: the test mount is made, seen and removed.
+        let good = tmp.path().join("good");
+        std::fs::create_dir(&good).unwrap();
+        let (ok, what) = prove_visibility(&good, &HostDirs::default(), &mounts, &deadline).await;
+        assert!(ok, "{what}");
+        assert_eq!(std::fs::read_dir(&good).unwrap().count(), 0, "left behind");
+    }
 }

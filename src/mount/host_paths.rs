@@ -363,6 +363,98 @@ fn mkdir(dir: &OwnedFd, name: &OsStr, path: &Path) -> Result<(), PathError> {
     }
 }
 
+/// A bind mount `check` made under a base dir (`HostDirs::probe_mount`), unmounted and
+/// its directories removed by `remove`.
+#[derive(Debug)]
+pub struct ProbeMount {
+    base: OwnedFd,
+    /// The mount point, `<base>/<name>`.
+    pub path: PathBuf,
+    names: [String; 2],
+}
+
+impl ProbeMount {
+    /// Unmounts the probe and removes both its directories (best effort: this is
+    /// `check`'s cleanup). The mount point is named by path: a mount point cannot be
+    /// renamed away, so the path is still the mount this probe made.
+    pub fn remove(self) {
+        let _ = ops::unmount(&self.path);
+        for name in &self.names {
+            let _ = unlinkat(&self.base, name.as_str(), UnlinkatFlags::RemoveDir);
+        }
+    }
+}
+
+impl HostDirs {
+    /// Makes two fresh directories `name` and `name.src` in the base dir `base` and
+    /// bind-mounts the second onto the first, as a driver mounts a volume: `check`'s
+    /// proof that mounts made there reach Cubelet. The base dir is checked as for a
+    /// volume (its owner and mode, with this policy); both directories are made here and
+    /// reached from the base dir's descriptor without following, and the mount is made
+    /// through those descriptors, so a name planted in the base dir (a symlink to a
+    /// directory of root's) is refused, never mounted over.
+    pub fn probe_mount(&self, base: &Path, name: &str) -> Result<ProbeMount, PathError> {
+        let Some(base_fd) = self.open_base(base)? else {
+            return Err(io("open the volume base dir", base, Errno::ENOENT));
+        };
+        let names = [name.to_string(), format!("{name}.src")];
+        let mut opened = Vec::new();
+        for (i, made) in names.iter().enumerate() {
+            let path = base.join(made);
+            let fd = match mkdirat(&base_fd, made.as_str(), Mode::from_bits_truncate(0o700)) {
+                Ok(()) => openat(&base_fd, made.as_str(), dir_flags(), Mode::empty())
+                    .map_err(|e| io("open", &path, e)),
+                Err(Errno::EEXIST) => Err(refused(
+                    &path,
+                    "already exists, and check makes its test mount only on a directory it \
+                     has just made",
+                    None,
+                    BELOW_HINT,
+                )),
+                Err(e) => Err(io("create directory", &path, e)),
+            };
+            let checked = fd.and_then(|fd| {
+                let stat = fstat(&fd).map_err(|e| io("check", &path, e))?;
+                match owned_and_closed(&stat) {
+                    None => Ok(fd),
+                    Some(problem) => Err(refused(&path, problem, Some(found(&stat)), BELOW_HINT)),
+                }
+            });
+            match checked {
+                Ok(fd) => opened.push(fd),
+                Err(e) => {
+                    // Only what this call made goes (not a name someone planted).
+                    for made in &names[..i] {
+                        let _ = unlinkat(&base_fd, made.as_str(), UnlinkatFlags::RemoveDir);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let through = |fd: &OwnedFd| {
+            use std::os::fd::AsRawFd;
+            PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        };
+        let path = base.join(name);
+        let probe = ProbeMount {
+            base: base_fd,
+            path: path.clone(),
+            names,
+        };
+        // Not read-only: a remount would name the target again, and its descriptor
+        // leads to the directory under the mount, not to the mount. Nothing writes there.
+        if let Err(e) = ops::bind_mount(&through(&opened[1]), &through(&opened[0]), false) {
+            probe.remove();
+            return Err(PathError::Io {
+                op: "make a test mount at",
+                path,
+                source: e,
+            });
+        }
+        Ok(probe)
+    }
+}
+
 impl HostPaths for HostDirs {
     fn ensure_base_dir(&self, base: &Path) -> Result<(), PathError> {
         // Made only when it is missing (a mkdir that finds it takes its parent's lock).
@@ -609,6 +701,39 @@ mod tests {
         assert!(dirs.park_staging_dir(&base, &staging).unwrap());
         assert!(!staging.exists());
         assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    }
+
+    /// Needs root (CI runs it as root): `check`'s probe takes only names it makes; one
+    /// planted beside them undoes what the call made and mounts nothing; made, it is a
+    /// bind mount of the source and leaves nothing once removed.
+    #[test]
+    fn a_probe_mount_is_made_only_on_directories_it_made() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to mount");
+            return;
+        }
+        let (dir, base) = base();
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        symlink(&elsewhere, base.join("p.src")).unwrap();
+        let dirs = HostDirs::default();
+        let refused = refused_path(dirs.probe_mount(&base, "p").unwrap_err());
+        assert_eq!(refused, base.join("p.src"));
+        assert!(!base.join("p").exists(), "what the call made was left");
+        std::fs::remove_file(base.join("p.src")).unwrap();
+        let probe = dirs.probe_mount(&base, "p").unwrap();
+        std::fs::write(base.join("p.src/seen"), "").unwrap();
+        assert!(
+            probe.path.join("seen").exists(),
+            "not a bind mount of the source"
+        );
+        std::fs::remove_file(base.join("p.src/seen")).unwrap();
+        probe.remove();
+        assert_eq!(std::fs::read_dir(&base).unwrap().count(), 0);
     }
 
     /// Needs root (CI runs it as root): a staging dir still mounted is not parked (the
