@@ -387,8 +387,14 @@ impl NodeSide {
     }
 
     /// Records a holder change on the hot path: one appended line when it changes the
-    /// holders, and a fold of the log into the record (without fsync, like the log) once the
-    /// log passes its limit. Never a CSI call.
+    /// holders, after a fold of the log into the record (without fsync, like the log) when
+    /// the log as loaded is past its limit. Never a CSI call.
+    ///
+    /// The fold comes first: Cube kills a forked hook at any instant and then counts the
+    /// hook failed (an Attach's sandbox released, never Detached). A hook stopped in the
+    /// fold (the intent log's lock, a checkpoint's fsyncs on a stalled disk) has then
+    /// left no trace of its change; the change's line is the last thing written before the
+    /// answer.
     fn record_holder_change(
         &self,
         record: &mut NodeRecord,
@@ -399,17 +405,16 @@ impl NodeSide {
         if holders == record.holders {
             return Ok(());
         }
-        let log_size = self
-            .node_journal()
-            .append_holder(&record.volume_id, change)?;
-        record.apply(change);
-        if log_size > HOLDER_LOG_LIMIT {
-            // The change is in the log already: a fold that fails (a full disk) leaves the
-            // log long, not the hook failed. The next change tries the fold again.
+        if self.node_journal().holder_log_changes(&record.volume_id) > HOLDER_LOG_LIMIT {
+            // A fold that fails (a full disk) leaves the log long, not the hook failed;
+            // the next change tries it again.
             if let Err(error) = self.node_journal().save(record, false) {
-                tracing::warn!(%error, "could not fold the holder log into its record; the log keeps the change");
+                tracing::warn!(%error, "could not fold the holder log into its record; the log stays long");
             }
         }
+        self.node_journal()
+            .append_holder(&record.volume_id, change)?;
+        record.apply(change);
         Ok(())
     }
 

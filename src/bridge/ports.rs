@@ -738,6 +738,10 @@ pub trait NodeJournal: Send + Sync + fmt::Debug {
     /// last save, so that the core can fold a long log into the record
     /// (`HOLDER_LOG_LIMIT`).
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError>;
+    /// The size of the changes after the snapshot in `volume_id`'s holder log as this
+    /// process last loaded it (0 when it has not), read from memory: lets the core fold a
+    /// long log before it appends the next change rather than after.
+    fn holder_log_changes(&self, volume_id: &str) -> u64;
     /// Keeps when each namespace of `last_hook` last hooked a volume whose record is
     /// going (a teardown), so that the namespace's holders of other volumes are not
     /// judged stale for want of it. Off the hot path. Default: not kept.

@@ -2970,6 +2970,10 @@ struct FailingSaves {
     fill_after_durable: std::sync::atomic::AtomicBool,
     /// Every record written, in order.
     saved: Mutex<Vec<NodeRecord>>,
+    /// The next save that is no durable one (a fold of the holder log) says so on the
+    /// first channel, then stalls until the second one speaks, then fails: a hook Cube
+    /// kills while it waits for a disk.
+    stall_next_fold: Mutex<Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>>,
 }
 
 impl NodeJournal for FailingSaves {
@@ -2978,6 +2982,17 @@ impl NodeJournal for FailingSaves {
     }
     fn save(&self, record: &NodeRecord, durable: bool) -> Result<(), JournalError> {
         use std::sync::atomic::Ordering::SeqCst;
+        let stall = (!durable)
+            .then(|| self.stall_next_fold.lock().unwrap().take())
+            .flatten();
+        if let Some((reached, release)) = stall {
+            reached.send(()).unwrap();
+            let _ = release.recv();
+            return Err(JournalError::Io {
+                path: "record".into(),
+                source: std::io::Error::from_raw_os_error(28),
+            });
+        }
         if self.fail.load(SeqCst) {
             return Err(JournalError::Io {
                 path: "record".into(),
@@ -2997,6 +3012,9 @@ impl NodeJournal for FailingSaves {
         change: &super::records::HolderChange,
     ) -> Result<u64, JournalError> {
         self.inner.append_holder(volume_id, change)
+    }
+    fn holder_log_changes(&self, volume_id: &str) -> u64 {
+        self.inner.holder_log_changes(volume_id)
     }
     fn load_holders(
         &self,
@@ -3043,6 +3061,7 @@ impl World {
             fail: Default::default(),
             fill_after_durable: Default::default(),
             saved: Default::default(),
+            stall_next_fold: Default::default(),
         });
         self.bridge = sides_over(
             &config,
@@ -3056,10 +3075,10 @@ impl World {
     }
 }
 
-/// Once a hot Attach or Detach has appended its line, the change is kept: a fold of the
-/// long log into the record that fails (a full disk) does not fail the hook Cube sees.
+/// A fold of a long holder log into its record that fails (a full disk) does not fail the
+/// hot Attach or Detach Cube sees: the change is still appended, the log stays long.
 #[tokio::test]
-async fn a_failed_fold_after_the_holder_line_is_written_does_not_fail_the_hook() {
+async fn a_failed_fold_of_the_holder_log_does_not_fail_the_hook() {
     let mut w = World::new(Fake::new(false, false));
     let journal = w.with_failing_saves();
     w.attach("v", "ns1", "holder", 0).await.unwrap();
@@ -3086,6 +3105,59 @@ async fn a_failed_fold_after_the_holder_line_is_written_does_not_fail_the_hook()
     assert_eq!(
         w.record("v").unwrap().holders["ns1"],
         BTreeSet::from(["holder".to_string()])
+    );
+}
+
+/// Cube kills a forked hook at any instant and then counts it failed: an Attach's sandbox
+/// is released and never Detached. A hot Attach that must fold a long holder log into its
+/// record does so before it writes its own line, so a hook stopped in the fold (here: a
+/// disk that stalls, the files looked at as a kill would leave them) has recorded nothing
+/// of its sandbox.
+#[test]
+fn a_hot_attach_stopped_while_it_folds_the_log_has_not_recorded_its_sandbox() {
+    let (reached_tx, reached) = std::sync::mpsc::channel();
+    let (release, release_rx) = std::sync::mpsc::channel();
+    let (journal_dir_tx, journal_dir) = std::sync::mpsc::channel();
+    let attaching = Arc::new(Mutex::new(String::new()));
+    let hooks = {
+        let attaching = attaching.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let mut w = World::new(Fake::new(false, false));
+                let journal = w.with_failing_saves();
+                journal_dir_tx
+                    .send(w.dir.path().join("state/node"))
+                    .unwrap();
+                w.attach("v", "ns1", "holder", 0).await.unwrap();
+                *journal.stall_next_fold.lock().unwrap() = Some((reached_tx, release_rx));
+                for n in 0..1000 {
+                    let sandbox = format!("sandbox-with-a-long-name-{n}");
+                    *attaching.lock().unwrap() = sandbox.clone();
+                    w.attach("v", "ns1", &sandbox, 1).await.unwrap();
+                    if journal.stall_next_fold.lock().unwrap().is_none() {
+                        return;
+                    }
+                }
+                panic!("no fold in 1000 hot Attaches");
+            });
+        })
+    };
+    reached
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("a hot Attach folded the log");
+    let stopped = attaching.lock().unwrap().clone();
+    let journal = crate::store::FileJournal::open(&journal_dir.recv().unwrap()).unwrap();
+    let holders = journal.load("v").unwrap().unwrap().holders;
+    release.send(()).unwrap();
+    hooks.join().unwrap();
+    assert!(holders["ns1"].contains("holder"));
+    assert!(
+        !holders["ns1"].contains(&stopped),
+        "{stopped}, stopped in its fold, is recorded as a holder"
     );
 }
 

@@ -168,6 +168,15 @@ impl LoadMemo {
         );
     }
 
+    /// The size of the changes after the snapshot in the log last loaded of `volume_id`.
+    fn log_changes(&self, volume_id: &str) -> u64 {
+        let memo = self.by_volume.lock().expect("poisoned");
+        memo.get(volume_id)
+            .and_then(|loaded| loaded.log.as_deref())
+            .and_then(|log| changes_from(log).map(|start| (log.len() - start) as u64))
+            .unwrap_or(0)
+    }
+
     fn forget(&self, volume_id: &str) {
         self.by_volume.lock().expect("poisoned").remove(volume_id);
     }
@@ -765,6 +774,10 @@ impl NodeJournal for FileJournal {
     /// rewriting it (the snapshot does not count: it is as long as the holders are many).
     fn append_holder(&self, volume_id: &str, change: &HolderChange) -> Result<u64, JournalError> {
         self.append_holder_lines(volume_id, &holder_line(change))
+    }
+
+    fn holder_log_changes(&self, volume_id: &str) -> u64 {
+        self.loaded.log_changes(volume_id)
     }
 
     /// Forgets `volume_id` (after a complete teardown). Not waited for on disk: a record
