@@ -268,6 +268,23 @@ impl IntentLog {
         crate::mount::ops::ensure_dir(&self.dir, 0o700).map_err(|e| (self.dir.clone(), e))?;
         let path = self.log_path();
         let _exclusive = self.lock(FlockArg::LockExclusive)?;
+        let new = match std::fs::symlink_metadata(&path) {
+            Ok(_) => false,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+            Err(e) => return Err((path, e)),
+        };
+        if new {
+            // A new log starts at count 0: a snapshot left from before (the log removed
+            // by hand) must not pass for one of its checkpoints. Removed before the log
+            // is made: a log with no header beside a snapshot is a checkpoint cut short,
+            // whose snapshot counts (`last_entries_on_disk`).
+            match std::fs::remove_file(self.snapshot_path()) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err((self.snapshot_path(), e));
+                }
+                _ => {}
+            }
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .append(true)
@@ -276,15 +293,7 @@ impl IntentLog {
             .open(&path)
             .map_err(|e| (path.clone(), e))?;
         let size = file.metadata().map_err(|e| (path.clone(), e))?.len();
-        if size == 0 {
-            // A new log starts at count 0: a snapshot left from before (the log removed
-            // by hand) must not pass for one of its checkpoints.
-            match std::fs::remove_file(self.snapshot_path()) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                    return Err((self.snapshot_path(), e));
-                }
-                _ => {}
-            }
+        if new && size == 0 {
             // The log, its name and its directory's name (and the snapshot's removal) are
             // on disk before any entry relies on them.
             (&file)
@@ -412,17 +421,20 @@ impl IntentLog {
         let path = self.log_path();
         let text = std::fs::read(&path).map_err(|e| (path.clone(), e))?;
         let header = Self::read_header(file).map_err(|e| (path.clone(), e))?;
-        let mut last = match header {
-            Some((boot, count)) => self.snapshot_entries(&boot, count)?,
-            None => LastEntries::new(),
-        };
+        // No header: a checkpoint emptied the log and was stopped before it wrote one (a
+        // kill, or a power loss that kept the truncate), so the snapshot it had just made
+        // holds every live record. (A new log's snapshot is removed before the log is
+        // made, so none is left over beside one.)
+        let mut last =
+            self.snapshot_entries(header.as_ref().map(|(boot, n)| (boot.as_str(), *n)))?;
         last.extend(last_entries(&text));
         Ok(last)
     }
 
-    /// The snapshot's entries when its header names `boot` and the count `count` (or the
-    /// one after it); none otherwise (no snapshot, or one of another boot or log).
-    fn snapshot_entries(&self, boot: &str, count: u64) -> Result<LastEntries, IntentError> {
+    /// The snapshot's entries when its header names `log`'s boot and checkpoint count (or
+    /// the count after it); none otherwise (no snapshot, or one of another boot or log).
+    /// `log` None (a log with no header): whatever snapshot there is.
+    fn snapshot_entries(&self, log: Option<(&str, u64)>) -> Result<LastEntries, IntentError> {
         let path = self.snapshot_path();
         let text = match std::fs::read(&path) {
             Ok(text) => text,
@@ -435,8 +447,13 @@ impl IntentLog {
             .and_then(|line| line.strip_prefix(SNAPSHOT_HEADER))
             .and_then(|rest| rest.split_once('\t'))
             .and_then(|(at, n)| Some((at, n.parse::<u64>().ok()?)));
-        Ok(match named {
-            Some((at, n)) if at == boot && (n == count || n == count + 1) => last_entries(&text),
+        Ok(match (named, log) {
+            (Some(_), None) => last_entries(&text),
+            (Some((at, n)), Some((boot, count)))
+                if at == boot && (n == count || n == count + 1) =>
+            {
+                last_entries(&text)
+            }
             _ => LastEntries::new(),
         })
     }
@@ -786,6 +803,44 @@ mod tests {
             // Started afresh for b3 with a snapshot of its own; make the next open a
             // reboot again.
             std::fs::write(&log_path, format!("{HEADER}b2\t{CHECKPOINT_TAG}1\n")).unwrap();
+        }
+    }
+
+    /// A checkpoint stopped between emptying the log and writing its header (a kill; or a
+    /// power loss that kept the truncate and lost the header) leaves a log with no header
+    /// beside the snapshot it had just made, which holds every live record. The next open,
+    /// of this boot or of the next, keeps that snapshot: a power loss after it still finds
+    /// every record.
+    #[test]
+    fn a_checkpoint_stopped_after_it_emptied_the_log_keeps_its_snapshot() {
+        for reopened_in_the_same_boot in [true, false] {
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = tmp.path();
+            let log_path = dir.join("intents/log");
+            let log = IntentLog::open(dir, "b").unwrap();
+            save(&log, "a", br#"{"v":1}"#, true);
+            save(&log, "c", br#"{"v":2}"#, true);
+            {
+                let file = log.file().unwrap();
+                let _exclusive = log.lock(FlockArg::LockExclusive).unwrap();
+                let last = log.last_entries_on_disk(&file).unwrap();
+                log.checkpoint(&file, last).unwrap();
+            }
+            drop(log);
+            // The stop: emptied, no header yet.
+            std::fs::write(&log_path, "").unwrap();
+            if reopened_in_the_same_boot {
+                let log = IntentLog::open(dir, "b").unwrap();
+                save(&log, "d", br#"{"v":3}"#, false);
+            }
+            // A power loss takes the record files.
+            for id in ["a", "c"] {
+                std::fs::remove_file(dir.join(format!("{id}.json"))).unwrap();
+            }
+            IntentLog::open(dir, "b2").unwrap();
+            let case = format!("reopened in the same boot: {reopened_in_the_same_boot}");
+            assert_eq!(read(dir, "a").as_deref(), Some(r#"{"v":1}"#), "{case}");
+            assert_eq!(read(dir, "c").as_deref(), Some(r#"{"v":2}"#), "{case}");
         }
     }
 
