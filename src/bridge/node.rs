@@ -412,8 +412,24 @@ impl NodeSide {
                 tracing::warn!(%error, "could not fold the holder log into its record; the log stays long");
             }
         }
-        self.node_journal()
-            .append_holder(&record.volume_id, change)?;
+        if let Err(error) = self.node_journal().append_holder(&record.volume_id, change) {
+            // A removal must not fail for want of a block (a full disk): a release Cube
+            // has already counted (a failed Attach's) comes no second time. The record
+            // rewritten in place, its log brought to it, needs none. An addition fails:
+            // Cube then releases the sandbox, and nothing was recorded.
+            if !matches!(change, HolderChange::Detach { .. }) {
+                return Err(error.into());
+            }
+            let mut changed = record.clone();
+            changed.apply(change);
+            if let Err(also) = self.node_journal().save(&changed, false) {
+                tracing::warn!(error = %also, "could not rewrite the record either");
+                return Err(error.into());
+            }
+            tracing::warn!(%error, "could not append to the holder log; the record was rewritten instead");
+            *record = changed;
+            return Ok(());
+        }
         record.apply(change);
         Ok(())
     }

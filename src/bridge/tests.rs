@@ -2522,6 +2522,34 @@ async fn a_retried_attach_failing_its_mount_check_releases_the_sandbox() {
     );
 }
 
+/// On a full disk the holder log cannot take the line that releases a sandbox (it needs a
+/// new block): the release rewrites the record in place instead, so a sandbox Cube has
+/// released (it never Detaches after a failed Attach) is not kept. An addition that cannot
+/// be appended still fails, recording nothing.
+#[tokio::test]
+async fn a_release_on_a_full_disk_still_takes_the_sandbox_off() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut w = World::new(Fake::new(true, false));
+    let journal = w.with_failing_saves();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    journal.fail_appends.store(true, SeqCst);
+    w.attach("v", "ns1", "s3", 2).await.unwrap_err();
+    w.fake.health_fails.store(true, SeqCst);
+    let error = w
+        .bridge
+        .attach(w.attach_req("v", "ns1", "s1", 2), &Caller::waiting())
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("timed out"), "{error}");
+    let holders = w.record("v").unwrap().holders;
+    assert_eq!(
+        holders["ns1"],
+        BTreeSet::from(["s2".to_string()]),
+        "{holders:?}"
+    );
+}
+
 /// Both paths record when a holder was added (the full path in the record, the hot path
 /// in its log line), a retried Attach keeps the first time, and a teardown keeps its
 /// namespaces' last hooks after its record is gone (issue 19, defect 1: else a namespace
@@ -2968,6 +2996,8 @@ struct FailingSaves {
     /// The disk fills up right after the next durable save (the one before the first CSI
     /// call): every later save fails.
     fill_after_durable: std::sync::atomic::AtomicBool,
+    /// Holder lines cannot be appended (the log needs a block a full disk has not).
+    fail_appends: std::sync::atomic::AtomicBool,
     /// Every record written, in order.
     saved: Mutex<Vec<NodeRecord>>,
     /// The next save that is no durable one (a fold of the holder log) says so on the
@@ -3011,6 +3041,12 @@ impl NodeJournal for FailingSaves {
         volume_id: &str,
         change: &super::records::HolderChange,
     ) -> Result<u64, JournalError> {
+        if self.fail_appends.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(JournalError::Io {
+                path: "holder log".into(),
+                source: std::io::Error::from_raw_os_error(28),
+            });
+        }
         self.inner.append_holder(volume_id, change)
     }
     fn holder_log_changes(&self, volume_id: &str) -> u64 {
@@ -3060,6 +3096,7 @@ impl World {
             inner: crate::store::FileJournal::open(&config.state.journal_dir()).unwrap(),
             fail: Default::default(),
             fill_after_durable: Default::default(),
+            fail_appends: Default::default(),
             saved: Default::default(),
             stall_next_fold: Default::default(),
         });
