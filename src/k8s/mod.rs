@@ -158,8 +158,39 @@ async fn load_kubeconfig(path: &PathBuf) -> Result<kube::Config, KubeError> {
         source_desc: path.display().to_string(),
         message: e.to_string(),
     };
+    // A kubeconfig says which API server to believe and may name a command to run for
+    // credentials (`exec`): one that another user could change or replace is theirs to
+    // run as root, as the config file would be.
+    crate::config::check_trusted_file(path).map_err(|e| configure(&e))?;
     let kubeconfig = Kubeconfig::read_from(path).map_err(|e| configure(&e))?;
     kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .map_err(|e| configure(&e))
+}
+
+#[cfg(test)]
+mod kubeconfig_tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A kubeconfig another user could change (here: writable by others) is refused
+    /// before it is read: its `exec` command would run as root. The bridge's own loads.
+    #[tokio::test]
+    async fn a_kubeconfig_another_user_could_change_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("kubeconfig");
+        std::fs::write(
+            &path,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let error = load_kubeconfig(&path).await.unwrap_err().to_string();
+        assert!(
+            error.contains("writable by its group or by others"),
+            "{error}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        load_kubeconfig(&path).await.unwrap();
+    }
 }

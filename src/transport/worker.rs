@@ -319,10 +319,15 @@ fn worker_log((setting, state_dir): &LogTo) -> Option<OwnedFd> {
         Some(OwnedFd::from(stream))
     };
     let file = |path: &std::path::Path| {
-        if std::fs::metadata(path).is_ok_and(|m| m.len() > WORKER_LOG_LIMIT) {
+        // Its size is asked of the file opened and checked, never of the path: a stat by
+        // path follows a symlink (to a hung network mount, it would hold the worker and
+        // its volume's lock), and a rename would move another user's link.
+        let opened = open_log_file(path).ok()?;
+        if opened.metadata().is_ok_and(|m| m.len() > WORKER_LOG_LIMIT) {
             let _ = std::fs::rename(path, path.with_extension("log.1"));
+            return open_log_file(path).ok().map(OwnedFd::from);
         }
-        open_log_file(path).ok().map(OwnedFd::from)
+        Some(OwnedFd::from(opened))
     };
     match setting {
         WorkerLog::Journal => journal(),
@@ -437,6 +442,37 @@ mod tests {
             std::os::unix::fs::chown(&own, Some(1000), None).unwrap();
             assert!(open_log_file(&own).is_err(), "another user's file");
         }
+    }
+
+    /// A symlink at the worker log's path is neither followed nor moved, even when it
+    /// leads to a file past the size that starts a new log (before, its target was
+    /// stat'ed by path, and the link renamed aside).
+    #[test]
+    fn a_symlink_at_the_worker_log_is_neither_followed_nor_moved() {
+        let tmp = tempfile::tempdir().unwrap();
+        let big = tmp.path().join("big");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(WORKER_LOG_LIMIT + 1)
+            .unwrap();
+        let path = tmp.path().join("worker.log");
+        std::os::unix::fs::symlink(&big, &path).unwrap();
+        let setting = (WorkerLog::File(path.clone()), tmp.path().to_path_buf());
+        assert!(
+            worker_log(&setting).is_none(),
+            "a symlink was taken for the worker log"
+        );
+        assert!(path.is_symlink(), "the link was moved");
+        assert!(!tmp.path().join("worker.log.1").exists());
+        // The bridge's own log past the limit starts a new file.
+        std::fs::remove_file(&path).unwrap();
+        open_log_file(&path)
+            .unwrap()
+            .set_len(WORKER_LOG_LIMIT + 1)
+            .unwrap();
+        assert!(worker_log(&setting).is_some());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+        assert!(tmp.path().join("worker.log.1").exists());
     }
 
     #[test]
