@@ -28,7 +28,8 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Findi
     let mut report = |ok: bool, what: String| findings.push(Finding { ok, what });
     report(true, format!("config {} is valid", config.source.display()));
     let deadline = Deadline::after(budget);
-    let node = GrpcDriver::new(CsiClient::new(&config.csi.endpoint));
+    let node =
+        GrpcDriver::new(CsiClient::new(&config.csi.endpoint).trusting(&config.csi.driver_uids));
     let reachable = match node.identity(&deadline).await {
         Ok(id) => {
             let answer = format!(
@@ -437,7 +438,8 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
         .iter()
         .any(|v| v.condition == Some(crate::bridge::inventory::Condition::Normal))
     {
-        let driver = GrpcDriver::new(CsiClient::new(&config.csi.endpoint));
+        let driver =
+            GrpcDriver::new(CsiClient::new(&config.csi.endpoint).trusting(&config.csi.driver_uids));
         add_driver_conditions(&mut volumes, &driver).await;
     }
     if output == Output::Json {

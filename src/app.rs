@@ -110,7 +110,11 @@ pub fn open_sides(
 
 fn shared(config: &Config, keeps_records: bool) -> Result<Shared, BridgeError> {
     let label = DriverLabel::of(config);
-    let client = |endpoint| CsiClient::new(endpoint).labelled(label.clone());
+    let client = |endpoint| {
+        CsiClient::new(endpoint)
+            .trusting(&config.csi.driver_uids)
+            .labelled(label.clone())
+    };
     let node_driver = Arc::new(GrpcDriver::new(client(&config.csi.endpoint)));
     let controller_driver: Arc<dyn ControllerDriver> = match &config.csi.controller_endpoint {
         Some(endpoint) => Arc::new(GrpcDriver::new(client(endpoint))),

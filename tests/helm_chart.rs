@@ -397,6 +397,7 @@ volume:
     preferred:
       - {topology.example.com/zone: zone-b}
 timeouts: {attachSecs: 60, detachSecs: 20}
+driverUids: [65532, 1001]
 node:
   controllerEndpoint: "http://10.0.0.8:10000"
 controller:
@@ -440,6 +441,9 @@ controller:
                 _ => format!("/run/cube-csi-bridge/{}-controller.sock", config.driver),
             };
             assert_eq!(socket, expected, "{name}/{key}");
+            if name != "rich" {
+                assert!(config.csi.driver_uids.is_empty(), "{name}/{key}");
+            }
             assert_eq!(
                 config.node.default_volume_base_dir,
                 Path::new("/data/cube-shared/volume"),
@@ -484,6 +488,7 @@ controller:
                     [zone(&[("topology.example.com/zone", "zone-b")])]
                 );
                 assert_eq!(config.timeouts.attach, std::time::Duration::from_secs(60));
+                assert_eq!(config.csi.driver_uids, [65532, 1001]);
                 // The pin reaches the side that reads the key, and only that one.
                 assert_eq!(
                     config.kubernetes.record_key_sha256.is_some(),

@@ -61,6 +61,8 @@ pub(super) struct CsiFile {
     pub controller_endpoint: Option<String>,
     #[serde(default)]
     pub node_id: Option<String>,
+    #[serde(default)]
+    pub driver_uids: Vec<u32>,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -95,6 +95,9 @@ pub struct CsiSettings {
     pub controller_endpoint: Option<Endpoint>,
     /// Use this node id for ControllerPublish instead of asking NodeGetInfo.
     pub node_id: Option<String>,
+    /// Users besides root and the bridge's own whose processes may serve the driver's
+    /// Unix sockets (a driver that runs as another user); anyone else's is refused.
+    pub driver_uids: Vec<u32>,
 }
 
 impl CsiSettings {
@@ -689,6 +692,7 @@ impl Checker<'_> {
             endpoint,
             controller_endpoint,
             node_id: raw.node_id,
+            driver_uids: raw.driver_uids,
         })
     }
 

@@ -112,6 +112,15 @@ impl CsiClient {
         }
     }
 
+    /// Also lets processes of `uids` serve the driver's Unix socket (`csi.driver_uids`);
+    /// root's and the bridge's own user's always may.
+    pub fn trusting(mut self, uids: &[u32]) -> Self {
+        if let CsiChannel::Unix(connection) = self.channel {
+            self.channel = CsiChannel::Unix(connection.trusting(uids));
+        }
+        self
+    }
+
     /// Records this client's calls under `driver` (a daemon serving several drivers).
     pub fn labelled(mut self, driver: crate::metrics::DriverLabel) -> Self {
         self.metrics = driver;

@@ -26,6 +26,8 @@ pub(super) type BoxError = Box<dyn StdError + Send + Sync>;
 #[derive(Clone)]
 pub struct UnixConnection {
     path: Arc<PathBuf>,
+    /// Users besides root and this process's euid whose processes may serve the socket.
+    trusted: Arc<[u32]>,
     /// The open connection's sender; None until the first call, or after it closed.
     sender: Arc<tokio::sync::Mutex<Option<SendRequest<Body>>>>,
 }
@@ -42,8 +44,38 @@ impl UnixConnection {
     pub fn new(path: PathBuf) -> Self {
         Self {
             path: Arc::new(path),
+            trusted: Arc::new([]),
             sender: Default::default(),
         }
+    }
+
+    /// Also lets processes of `uids` serve the socket (a driver that runs as another user).
+    pub fn trusting(mut self, uids: &[u32]) -> Self {
+        self.trusted = uids.into();
+        self
+    }
+
+    /// Refuses a connection whose server is not root, this process's user or a trusted
+    /// one, before anything is sent on it: the driver's calls carry its secrets, and a
+    /// socket path another user could take over (the driver restarting, its directory
+    /// theirs to write) must not hand them over, nor let them answer for the driver.
+    fn check_server(&self, stream: &tokio::net::UnixStream) -> Result<(), BoxError> {
+        let uid = match stream.peer_cred() {
+            Ok(cred) => cred.uid(),
+            Err(e) => {
+                let message = format!("cannot tell who serves {}: {e}", self.path.display());
+                return Err(unavailable(message, e));
+            }
+        };
+        if uid == 0 || uid == nix::unistd::geteuid().as_raw() || self.trusted.contains(&uid) {
+            return Ok(());
+        }
+        Err(Box::new(tonic::Status::failed_precondition(format!(
+            "the CSI driver socket {} is served by a process of uid {uid}, not root: nothing \
+             is sent to it (the driver's calls carry its secrets); if the driver runs as \
+             that user, list it in csi.driver_uids, else find who took the socket's path",
+            self.path.display()
+        ))))
     }
 
     /// A sender on the open connection, dialing it first when there is none (or it was
@@ -59,6 +91,7 @@ impl UnixConnection {
         let stream = tokio::net::UnixStream::connect(&*self.path)
             .await
             .map_err(|e| unavailable(format!("error trying to connect: {e}"), e))?;
+        self.check_server(&stream)?;
         let (sender, connection) =
             hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
                 .await
@@ -159,6 +192,81 @@ mod tests {
             probe(&client, Duration::from_secs(10)).await,
             Ok(Some(true))
         );
+    }
+
+    /// Needs root (CI runs it as root). A socket served by another user's process (one
+    /// that took the driver's path) gets nothing: the call fails at once, final, before
+    /// any byte is sent, naming the uid and the setting; listed in `csi.driver_uids`, the
+    /// same process is spoken to.
+    #[tokio::test]
+    async fn a_socket_served_by_another_user_gets_nothing() {
+        use std::os::fd::AsRawFd;
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to serve a socket as another user");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let socket = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let address = nix::sys::socket::UnixAddr::new(&path).unwrap();
+        nix::sys::socket::bind(socket.as_raw_fd(), &address).unwrap();
+        // The server's credentials are taken when it listens: a child that becomes
+        // uid 65534 first (only async-signal-safe calls after the fork).
+        // SAFETY: the child makes raw system calls only, then waits to be killed.
+        let child = match unsafe { nix::unistd::fork() }.unwrap() {
+            nix::unistd::ForkResult::Child => unsafe {
+                nix::libc::setresgid(65534, 65534, 65534);
+                nix::libc::setresuid(65534, 65534, 65534);
+                nix::libc::listen(socket.as_raw_fd(), 16);
+                loop {
+                    nix::libc::pause();
+                }
+            },
+            nix::unistd::ForkResult::Parent { child } => child,
+        };
+        drop(socket);
+        let probe_with = |client: CsiClient| async move {
+            client
+                .probe(
+                    csi::ProbeRequest::default(),
+                    &Deadline::after(Duration::from_millis(1500)),
+                    &Redactions::NONE,
+                )
+                .await
+                .unwrap_err()
+        };
+        // Wait until the child listens (a connect before that is refused).
+        let mut refused = probe_with(CsiClient::new(&Endpoint::Unix(path.clone()))).await;
+        for _ in 0..50 {
+            if refused.status != "Unavailable" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            refused = probe_with(CsiClient::new(&Endpoint::Unix(path.clone()))).await;
+        }
+        let trusted =
+            probe_with(CsiClient::new(&Endpoint::Unix(path.clone())).trusting(&[65534])).await;
+        let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::wait::waitpid(child, None);
+        assert_eq!(refused.status, "FailedPrecondition", "{refused:?}");
+        assert_eq!(refused.finality, Finality::Final, "{refused:?}");
+        assert_eq!(refused.attempts, 1, "{refused:?}");
+        assert!(
+            refused.message.contains("uid 65534") && refused.message.contains("csi.driver_uids"),
+            "{refused:?}"
+        );
+        // Trusted, it is dialed and spoken to (it never answers: the call runs out).
+        assert_ne!(trusted.status, "FailedPrecondition", "{trusted:?}");
     }
 
     /// No driver on the socket: UNAVAILABLE, uncertain (retried until the budget is

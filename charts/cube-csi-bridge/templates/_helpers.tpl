@@ -139,6 +139,9 @@ endpoint = "unix:///csi/csi.sock"
 {{- if and (eq $side "node") $v.node.controllerEndpoint }}
 controller_endpoint = {{ $v.node.controllerEndpoint | toJson }}
 {{- end }}
+{{- with $v.driverUids }}
+driver_uids = {{ toJson . }}
+{{- end }}
 
 [serve]
 socket = {{ ternary (include "cube-csi-bridge.controllerSocket" .root) (include "cube-csi-bridge.nodeSocket" .root) (eq $side "controller") | toJson }}
