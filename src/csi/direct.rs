@@ -246,14 +246,13 @@ mod tests {
                 .unwrap_err()
         };
         // Wait until the child listens (a connect before that is refused).
-        let mut refused = probe_with(CsiClient::new(&Endpoint::Unix(path.clone()))).await;
-        for _ in 0..50 {
-            if refused.status != "Unavailable" {
+        for _ in 0..500 {
+            if std::os::unix::net::UnixStream::connect(&path).is_ok() {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            refused = probe_with(CsiClient::new(&Endpoint::Unix(path.clone()))).await;
+            std::thread::sleep(Duration::from_millis(10));
         }
+        let refused = probe_with(CsiClient::new(&Endpoint::Unix(path.clone()))).await;
         let trusted =
             probe_with(CsiClient::new(&Endpoint::Unix(path.clone())).trusting(&[65534])).await;
         let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
