@@ -2523,9 +2523,10 @@ async fn a_retried_attach_failing_its_mount_check_releases_the_sandbox() {
 }
 
 /// On a full disk the holder log cannot take the line that releases a sandbox (it needs a
-/// new block): the release rewrites the record in place instead, so a sandbox Cube has
-/// released (it never Detaches after a failed Attach) is not kept. An addition that cannot
-/// be appended still fails, recording nothing.
+/// new block): the release rewrites the record instead (in place here: this process made
+/// the volume's durable save), so a sandbox Cube has released (it never Detaches after a
+/// failed Attach) is not kept. An addition that cannot be appended still fails, recording
+/// nothing.
 #[tokio::test]
 async fn a_release_on_a_full_disk_still_takes_the_sandbox_off() {
     use std::sync::atomic::Ordering::SeqCst;

@@ -58,6 +58,16 @@ impl CsiChannel {
             Endpoint::Tcp(_) => CsiChannel::Tcp(channel(endpoint)),
         }
     }
+
+    /// The channel a `CsiClient` of `endpoint` sends on, its Unix socket's server also
+    /// allowed to be one of `uids` (`csi.driver_uids`): for a caller that makes its own
+    /// typed client (the readiness probe), held to the same check of who serves it.
+    pub fn to(endpoint: &Endpoint, uids: &[u32]) -> Self {
+        match Self::new(endpoint) {
+            CsiChannel::Unix(connection) => CsiChannel::Unix(connection.trusting(uids)),
+            tcp => tcp,
+        }
+    }
 }
 
 impl tower::Service<http::Request<tonic::body::Body>> for CsiChannel {

@@ -200,7 +200,6 @@ mod tests {
     /// same process is spoken to.
     #[tokio::test]
     async fn a_socket_served_by_another_user_gets_nothing() {
-        use std::os::fd::AsRawFd;
         if !nix::unistd::Uid::effective().is_root() {
             assert!(
                 std::env::var("CI").is_err(),
@@ -211,30 +210,7 @@ mod tests {
         }
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("csi.sock");
-        let socket = nix::sys::socket::socket(
-            nix::sys::socket::AddressFamily::Unix,
-            nix::sys::socket::SockType::Stream,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .unwrap();
-        let address = nix::sys::socket::UnixAddr::new(&path).unwrap();
-        nix::sys::socket::bind(socket.as_raw_fd(), &address).unwrap();
-        // The server's credentials are taken when it listens: a child that becomes
-        // uid 65534 first (only async-signal-safe calls after the fork).
-        // SAFETY: the child makes raw system calls only, then waits to be killed.
-        let child = match unsafe { nix::unistd::fork() }.unwrap() {
-            nix::unistd::ForkResult::Child => unsafe {
-                nix::libc::setresgid(65534, 65534, 65534);
-                nix::libc::setresuid(65534, 65534, 65534);
-                nix::libc::listen(socket.as_raw_fd(), 16);
-                loop {
-                    nix::libc::pause();
-                }
-            },
-            nix::unistd::ForkResult::Parent { child } => child,
-        };
-        drop(socket);
+        let child = crate::csi::fake_identity::listen_as(&path, 65534);
         let probe_with = |client: CsiClient| async move {
             client
                 .probe(
@@ -245,18 +221,10 @@ mod tests {
                 .await
                 .unwrap_err()
         };
-        // Wait until the child listens (a connect before that is refused).
-        for _ in 0..500 {
-            if std::os::unix::net::UnixStream::connect(&path).is_ok() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
         let refused = probe_with(CsiClient::new(&Endpoint::Unix(path.clone()))).await;
         let trusted =
             probe_with(CsiClient::new(&Endpoint::Unix(path.clone())).trusting(&[65534])).await;
-        let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
-        let _ = nix::sys::wait::waitpid(child, None);
+        drop(child);
         assert_eq!(refused.status, "FailedPrecondition", "{refused:?}");
         assert_eq!(refused.finality, Finality::Final, "{refused:?}");
         assert_eq!(refused.attempts, 1, "{refused:?}");

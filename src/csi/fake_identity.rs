@@ -52,3 +52,51 @@ pub(crate) fn serve(
     );
     (stop, server)
 }
+
+/// A process of `uid` listening at `path` that never answers: a socket another user
+/// serves (needs root). It is killed when the guard drops.
+pub(crate) fn listen_as(path: &Path, uid: u32) -> ListeningChild {
+    use std::os::fd::AsRawFd;
+    let socket = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Stream,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let address = nix::sys::socket::UnixAddr::new(path).unwrap();
+    nix::sys::socket::bind(socket.as_raw_fd(), &address).unwrap();
+    // The server's credentials are taken when it listens: a child that becomes `uid`
+    // first (only async-signal-safe calls after the fork).
+    // SAFETY: the child makes raw system calls only, then waits to be killed.
+    let child = match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => unsafe {
+            nix::libc::setresgid(uid, uid, uid);
+            nix::libc::setresuid(uid, uid, uid);
+            nix::libc::listen(socket.as_raw_fd(), 16);
+            loop {
+                nix::libc::pause();
+            }
+        },
+        nix::unistd::ForkResult::Parent { child } => child,
+    };
+    drop(socket);
+    // Listening once a connect is accepted (before, it is refused).
+    for _ in 0..500 {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    ListeningChild(child)
+}
+
+/// Kills and reaps the child of `listen_as` when dropped.
+pub(crate) struct ListeningChild(nix::unistd::Pid);
+
+impl Drop for ListeningChild {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::wait::waitpid(self.0, None);
+    }
+}

@@ -126,6 +126,7 @@ impl Kube {
         let (mut config, source_desc) = match &self.settings.kubeconfig {
             Some(path) => (load_kubeconfig(path).await?, path.display().to_string()),
             None => {
+                check_inferred_kubeconfigs()?;
                 let config = kube::Config::infer()
                     .await
                     .map_err(|e| KubeError::Configure {
@@ -151,6 +152,29 @@ impl Kube {
         tracing::debug!(%namespace, "Kubernetes API client configured");
         Ok((client, namespace))
     }
+}
+
+/// The kubeconfig files `kube::Config::infer` would read (`$KUBECONFIG`'s, else
+/// `~/.kube/config`), held to the config file's rule as an explicit one is: a forked hook
+/// inherits Cubelet's environment and home. The files they name (a token file, a CA) and
+/// the program an `exec` entry names are not checked here.
+fn check_inferred_kubeconfigs() -> Result<(), KubeError> {
+    let candidates: Vec<PathBuf> = match std::env::var_os("KUBECONFIG") {
+        Some(list) => std::env::split_paths(&list)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect(),
+        None => std::env::var_os("HOME")
+            .map(|home| PathBuf::from(home).join(".kube/config"))
+            .into_iter()
+            .collect(),
+    };
+    for path in candidates.iter().filter(|p| p.exists()) {
+        crate::config::check_trusted_file(path).map_err(|message| KubeError::Configure {
+            source_desc: path.display().to_string(),
+            message,
+        })?;
+    }
+    Ok(())
 }
 
 async fn load_kubeconfig(path: &PathBuf) -> Result<kube::Config, KubeError> {
@@ -192,5 +216,19 @@ mod kubeconfig_tests {
         );
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         load_kubeconfig(&path).await.unwrap();
+        // Inferred from $KUBECONFIG (as a forked hook inherits it): the same rule.
+        // SAFETY (set_var): no other test of this binary reads KUBECONFIG or HOME.
+        let other = tmp.path().join("other");
+        std::fs::copy(&path, &other).unwrap();
+        std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let list = std::env::join_paths([&path, &other]).unwrap();
+        unsafe { std::env::set_var("KUBECONFIG", &list) };
+        let inferred = check_inferred_kubeconfigs();
+        unsafe { std::env::remove_var("KUBECONFIG") };
+        let error = inferred.unwrap_err().to_string();
+        assert!(
+            error.contains("other") && error.contains("writable"),
+            "{error}"
+        );
     }
 }

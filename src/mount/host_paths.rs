@@ -363,95 +363,141 @@ fn mkdir(dir: &OwnedFd, name: &OsStr, path: &Path) -> Result<(), PathError> {
     }
 }
 
-/// A bind mount `check` made under a base dir (`HostDirs::probe_mount`), unmounted and
-/// its directories removed by `remove`.
+/// A bind mount `check` made under a base dir (`HostDirs::probe_mount`): in a directory of
+/// the bridge's own there, `<name>/source` bind-mounted onto `<name>/mount`. Unmounted
+/// and its directories removed by `remove`.
 #[derive(Debug)]
 pub struct ProbeMount {
     base: OwnedFd,
-    /// The mount point, `<base>/<name>`.
+    name: String,
+    /// `<base>/<name>`, made here 0700: nobody else can touch what is in it, wherever
+    /// its owner of the base dir moves it.
+    dir: OwnedFd,
+    /// The mount's root, once mounted: what it is unmounted through.
+    root: Option<OwnedFd>,
+    /// The mount point, `<base>/<name>/mount`.
     pub path: PathBuf,
-    names: [String; 2],
+}
+
+/// The path through which a syscall reaches what `fd` is open on.
+fn through(fd: &OwnedFd) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 impl ProbeMount {
-    /// Unmounts the probe and removes both its directories (best effort: this is
-    /// `check`'s cleanup). The mount point is named by path: a mount point cannot be
-    /// renamed away, so the path is still the mount this probe made.
+    /// Unmounts the probe (through its root: the directory above it may have been moved;
+    /// detached lazily if busy) and removes its directories (best effort: this is
+    /// `check`'s cleanup). `<name>` goes only while it is still the directory made here.
     pub fn remove(self) {
-        let _ = ops::unmount(&self.path);
-        for name in &self.names {
-            let _ = unlinkat(&self.base, name.as_str(), UnlinkatFlags::RemoveDir);
+        if let Some(root) = &self.root
+            && nix::mount::umount2(&through(root), nix::mount::MntFlags::empty()).is_err()
+        {
+            let _ = nix::mount::umount2(&through(root), nix::mount::MntFlags::MNT_DETACH);
+        }
+        drop(self.root);
+        for inside in [PROBE_MOUNT, PROBE_SOURCE] {
+            let _ = unlinkat(&self.dir, inside, UnlinkatFlags::RemoveDir);
+        }
+        let nofollow = nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW;
+        let same = |a: &FileStat, b: &FileStat| (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino);
+        if let (Ok(there), Ok(made)) = (
+            fstatat(&self.base, self.name.as_str(), nofollow),
+            fstat(&self.dir),
+        ) && same(&there, &made)
+        {
+            let _ = unlinkat(&self.base, self.name.as_str(), UnlinkatFlags::RemoveDir);
         }
     }
 }
 
+/// The probe's mount point and source, in its directory.
+const PROBE_MOUNT: &str = "mount";
+const PROBE_SOURCE: &str = "source";
+
 impl HostDirs {
-    /// Makes two fresh directories `name` and `name.src` in the base dir `base` and
-    /// bind-mounts the second onto the first, as a driver mounts a volume: `check`'s
-    /// proof that mounts made there reach Cubelet. The base dir is checked as for a
-    /// volume (its owner and mode, with this policy); both directories are made here and
-    /// reached from the base dir's descriptor without following, and the mount is made
-    /// through those descriptors, so a name planted in the base dir (a symlink to a
+    /// Makes a directory `name` of its own in the base dir `base` and, in it, bind-mounts
+    /// `source` onto `mount`, as a driver mounts a volume: `check`'s proof that mounts
+    /// made there reach Cubelet. The base dir is checked as for a volume (its owner and
+    /// mode, with this policy); `name` is made here (one already there is refused, never
+    /// reused) and reached from the base dir's descriptor without following; what is in
+    /// it, 0700, only root can change. So a name planted in the base dir (a symlink to a
     /// directory of root's) is refused, never mounted over.
     pub fn probe_mount(&self, base: &Path, name: &str) -> Result<ProbeMount, PathError> {
         let Some(base_fd) = self.open_base(base)? else {
             return Err(io("open the volume base dir", base, Errno::ENOENT));
         };
-        let names = [name.to_string(), format!("{name}.src")];
-        let mut opened = Vec::new();
-        for (i, made) in names.iter().enumerate() {
-            let path = base.join(made);
-            let fd = match mkdirat(&base_fd, made.as_str(), Mode::from_bits_truncate(0o700)) {
-                Ok(()) => openat(&base_fd, made.as_str(), dir_flags(), Mode::empty())
-                    .map_err(|e| io("open", &path, e)),
-                Err(Errno::EEXIST) => Err(refused(
-                    &path,
-                    "already exists, and check makes its test mount only on a directory it \
+        let at = base.join(name);
+        match mkdirat(&base_fd, name, Mode::from_bits_truncate(0o700)) {
+            Ok(()) => {}
+            Err(Errno::EEXIST) => {
+                return Err(refused(
+                    &at,
+                    "already exists, and check makes its test mount only in a directory it \
                      has just made",
                     None,
                     BELOW_HINT,
-                )),
-                Err(e) => Err(io("create directory", &path, e)),
-            };
-            let checked = fd.and_then(|fd| {
-                let stat = fstat(&fd).map_err(|e| io("check", &path, e))?;
+                ));
+            }
+            Err(e) => return Err(io("create directory", &at, e)),
+        }
+        let dir = openat(&base_fd, name, dir_flags(), Mode::empty())
+            .map_err(|e| io("open", &at, e))
+            .and_then(|dir| {
+                let stat = fstat(&dir).map_err(|e| io("check", &at, e))?;
                 match owned_and_closed(&stat) {
-                    None => Ok(fd),
-                    Some(problem) => Err(refused(&path, problem, Some(found(&stat)), BELOW_HINT)),
+                    None => Ok(dir),
+                    Some(problem) => Err(refused(&at, problem, Some(found(&stat)), BELOW_HINT)),
                 }
             });
-            match checked {
-                Ok(fd) => opened.push(fd),
-                Err(e) => {
-                    // Only what this call made goes (not a name someone planted).
-                    for made in &names[..i] {
-                        let _ = unlinkat(&base_fd, made.as_str(), UnlinkatFlags::RemoveDir);
-                    }
-                    return Err(e);
-                }
+        let dir = match dir {
+            Ok(dir) => dir,
+            Err(e) => {
+                // Swapped since it was made: an empty directory of that name goes, nothing
+                // else can.
+                let _ = unlinkat(&base_fd, name, UnlinkatFlags::RemoveDir);
+                return Err(e);
+            }
+        };
+        let mut probe = ProbeMount {
+            base: base_fd,
+            name: name.to_string(),
+            dir,
+            root: None,
+            path: at.join(PROBE_MOUNT),
+        };
+        let made = (|| {
+            let mut opened = Vec::new();
+            for inside in [PROBE_MOUNT, PROBE_SOURCE] {
+                let path = at.join(inside);
+                mkdirat(&probe.dir, inside, Mode::from_bits_truncate(0o700))
+                    .map_err(|e| io("create directory", &path, e))?;
+                opened.push(
+                    openat(&probe.dir, inside, dir_flags(), Mode::empty())
+                        .map_err(|e| io("open", &path, e))?,
+                );
+            }
+            ops::bind_mount(&through(&opened[1]), &through(&opened[0]), false).map_err(
+                |source| PathError::Io {
+                    op: "make a test mount at",
+                    path: probe.path.clone(),
+                    source,
+                },
+            )?;
+            // Looked up again, the name now leads into the mount: its root.
+            openat(&probe.dir, PROBE_MOUNT, dir_flags(), Mode::empty())
+                .map_err(|e| io("open", &probe.path, e))
+        })();
+        match made {
+            Ok(root) => {
+                probe.root = Some(root);
+                Ok(probe)
+            }
+            Err(e) => {
+                probe.remove();
+                Err(e)
             }
         }
-        let through = |fd: &OwnedFd| {
-            use std::os::fd::AsRawFd;
-            PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        };
-        let path = base.join(name);
-        let probe = ProbeMount {
-            base: base_fd,
-            path: path.clone(),
-            names,
-        };
-        // Not read-only: a remount would name the target again, and its descriptor
-        // leads to the directory under the mount, not to the mount. Nothing writes there.
-        if let Err(e) = ops::bind_mount(&through(&opened[1]), &through(&opened[0]), false) {
-            probe.remove();
-            return Err(PathError::Io {
-                op: "make a test mount at",
-                path,
-                source: e,
-            });
-        }
-        Ok(probe)
     }
 }
 
@@ -703,11 +749,12 @@ mod tests {
         assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
     }
 
-    /// Needs root (CI runs it as root): `check`'s probe takes only names it makes; one
-    /// planted beside them undoes what the call made and mounts nothing; made, it is a
-    /// bind mount of the source and leaves nothing once removed.
+    /// Needs root (CI runs it as root): `check`'s probe takes only a name it makes; made,
+    /// it is a bind mount of its source, and removed it leaves nothing, even when the
+    /// base dir's owner moved its directory away meanwhile (the mount is reached through
+    /// its root, not by path).
     #[test]
-    fn a_probe_mount_is_made_only_on_directories_it_made() {
+    fn a_probe_mount_is_made_only_in_a_directory_it_made() {
         if !nix::unistd::Uid::effective().is_root() {
             assert!(
                 std::env::var("CI").is_err(),
@@ -719,21 +766,35 @@ mod tests {
         let (dir, base) = base();
         let elsewhere = dir.path().join("elsewhere");
         std::fs::create_dir(&elsewhere).unwrap();
-        symlink(&elsewhere, base.join("p.src")).unwrap();
+        symlink(&elsewhere, base.join("p")).unwrap();
         let dirs = HostDirs::default();
         let refused = refused_path(dirs.probe_mount(&base, "p").unwrap_err());
-        assert_eq!(refused, base.join("p.src"));
-        assert!(!base.join("p").exists(), "what the call made was left");
-        std::fs::remove_file(base.join("p.src")).unwrap();
+        assert_eq!(refused, base.join("p"));
+        assert!(base.join("p").is_symlink(), "removed what it did not make");
+        std::fs::remove_file(base.join("p")).unwrap();
+
         let probe = dirs.probe_mount(&base, "p").unwrap();
-        std::fs::write(base.join("p.src/seen"), "").unwrap();
+        assert_eq!(probe.path, base.join("p/mount"));
+        std::fs::write(base.join("p/source/seen"), "").unwrap();
         assert!(
             probe.path.join("seen").exists(),
             "not a bind mount of the source"
         );
-        std::fs::remove_file(base.join("p.src/seen")).unwrap();
+        std::fs::remove_file(base.join("p/source/seen")).unwrap();
         probe.remove();
         assert_eq!(std::fs::read_dir(&base).unwrap().count(), 0);
+
+        // Moved away after the mount: still unmounted; the moved directory left empty.
+        let probe = dirs.probe_mount(&base, "p").unwrap();
+        let moved = dir.path().join("moved");
+        std::fs::rename(base.join("p"), &moved).unwrap();
+        probe.remove();
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(
+            !table.contains(&moved.display().to_string()),
+            "the probe's mount was left behind"
+        );
+        assert_eq!(std::fs::read_dir(&moved).unwrap().count(), 0);
     }
 
     /// Needs root (CI runs it as root): a staging dir still mounted is not parked (the

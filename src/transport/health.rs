@@ -11,13 +11,13 @@
 use std::time::Duration;
 
 use tokio::time::MissedTickBehavior;
-use tonic::transport::Channel;
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
 use crate::config::{Config, Roles};
 use crate::csi::Endpoint;
+use crate::csi::client::CsiChannel;
 use crate::proto::csi::v1 as csi;
 use crate::proto::cube::v1 as pb;
 use csi::identity_client::IdentityClient;
@@ -54,7 +54,8 @@ impl DaemonHealth {
         if roles.controller && !endpoints.contains(config.csi.controller()) {
             endpoints.push(config.csi.controller().clone());
         }
-        let prober = tokio::spawn(keep_readiness(reporter, roles, down, endpoints));
+        let trusted = config.csi.driver_uids.clone();
+        let prober = tokio::spawn(keep_readiness(reporter, roles, down, endpoints, trusted));
         Self { server, prober }
     }
 
@@ -83,6 +84,7 @@ async fn keep_readiness(
     roles: Roles,
     down: Vec<(&'static str, String)>,
     endpoints: Vec<Endpoint>,
+    trusted: Vec<u32>,
 ) {
     use pb::volume_controller_service_server::VolumeControllerServiceServer as Controller;
     use pb::volume_plugin_service_server::VolumePluginServiceServer as Node;
@@ -105,12 +107,14 @@ async fn keep_readiness(
     reporter
         .set_service_status(READY_SERVICE, ServingStatus::NotServing)
         .await;
-    let clients: Vec<(String, IdentityClient<Channel>)> = endpoints
+    // The hooks' own channel: a socket another user serves is probed no more than it
+    // is called (`csi.driver_uids`), and readiness says why.
+    let clients: Vec<(String, IdentityClient<CsiChannel>)> = endpoints
         .iter()
         .map(|e| {
             (
                 e.to_string(),
-                IdentityClient::new(crate::csi::client::channel(e)),
+                IdentityClient::new(CsiChannel::to(e, &trusted)),
             )
         })
         .collect();
@@ -147,7 +151,7 @@ async fn keep_readiness(
 }
 
 /// Probes every endpoint once; the first failure explains the verdict.
-async fn probe_all(clients: &[(String, IdentityClient<Channel>)]) -> Result<(), String> {
+async fn probe_all(clients: &[(String, IdentityClient<CsiChannel>)]) -> Result<(), String> {
     for (endpoint, client) in clients {
         probe_once(client.clone(), PROBE_TIMEOUT)
             .await
@@ -157,7 +161,10 @@ async fn probe_all(clients: &[(String, IdentityClient<Channel>)]) -> Result<(), 
 }
 
 /// One `Probe`, with no retry: the next interval is the retry.
-async fn probe_once(mut client: IdentityClient<Channel>, timeout: Duration) -> Result<(), String> {
+async fn probe_once(
+    mut client: IdentityClient<CsiChannel>,
+    timeout: Duration,
+) -> Result<(), String> {
     // Bounded here rather than by a grpc-timeout header, which tonic's client reports as
     // CANCELLED, indistinguishable from a driver that cancelled.
     match tokio::time::timeout(timeout, client.probe(csi::ProbeRequest {})).await {
@@ -183,12 +190,13 @@ mod tests {
     use super::*;
     use crate::csi::fake_identity;
     use tokio_stream::wrappers::UnixListenerStream;
+    use tonic::transport::Channel;
 
     async fn verdict_for(ready: Option<bool>) -> Result<(), String> {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("csi.sock");
         let (_stop, server) = fake_identity::serve(&socket, ready);
-        let client = IdentityClient::new(crate::csi::client::channel(&Endpoint::Unix(socket)));
+        let client = IdentityClient::new(CsiChannel::to(&Endpoint::Unix(socket), &[]));
         let verdict = probe_once(client, Duration::from_secs(5)).await;
         server.abort();
         verdict
@@ -200,6 +208,32 @@ mod tests {
         assert_eq!(verdict_for(Some(true)).await, Ok(()));
         let err = verdict_for(Some(false)).await.unwrap_err();
         assert!(err.contains("ready=false"), "{err}");
+    }
+
+    /// Needs root (CI runs it as root). Readiness probes over the hooks' own channel: a
+    /// driver socket another user serves is sent nothing, and the verdict says why.
+    #[tokio::test]
+    async fn a_driver_socket_another_user_serves_is_not_ready() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to serve a socket as another user");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("csi.sock");
+        let _stranger = fake_identity::listen_as(&socket, 65534);
+        let endpoint = Endpoint::Unix(socket);
+        let client = IdentityClient::new(CsiChannel::to(&endpoint, &[]));
+        let err = probe_once(client, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(
+            err.contains("FailedPrecondition") && err.contains("uid 65534"),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -214,7 +248,7 @@ mod tests {
                 held.push(stream);
             }
         });
-        let client = IdentityClient::new(crate::csi::client::channel(&Endpoint::Unix(socket)));
+        let client = IdentityClient::new(CsiChannel::to(&Endpoint::Unix(socket), &[]));
         let err = probe_once(client, Duration::from_millis(300))
             .await
             .unwrap_err();

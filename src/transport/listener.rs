@@ -144,16 +144,33 @@ impl UnixSocket {
     pub async fn bind(path: &Path, gid: Option<u32>) -> Result<Self, ListenError> {
         let written = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         let euid = nix::unistd::geteuid().as_raw();
-        if let Some(replaceable) =
-            crate::config::untrusted_on_the_way([written.as_path()], euid, false)
-        {
-            return Err(ListenError::Replaceable {
+        let check = |paths: &[&Path]| match crate::config::untrusted_on_the_way(
+            paths.iter().copied(),
+            euid,
+            false,
+        ) {
+            Some(replaceable) => Err(ListenError::Replaceable {
                 why: replaceable.describe(&format!("serve.socket {}", path.display())),
-            });
-        }
+            }),
+            None => Ok(()),
+        };
+        check(&[&written])?;
         if let Some(dir) = path.parent() {
             crate::mount::ops::ensure_dir(dir, 0o755).map_err(io("socket directory"))?;
         }
+        // Again now that every directory exists (the first check passes over one not
+        // made yet, which another user may have made since), as written and resolved.
+        let resolved = written
+            .parent()
+            .and_then(|dir| std::fs::canonicalize(dir).ok())
+            .zip(written.file_name())
+            .map(|(dir, name)| dir.join(name));
+        check(
+            &[written.as_path()]
+                .into_iter()
+                .chain(resolved.as_deref())
+                .collect::<Vec<_>>(),
+        )?;
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
                 if UnixStream::connect(path).await.is_ok() {
@@ -174,7 +191,13 @@ impl UnixSocket {
         }
         let listener = {
             // bind(2) creates the file with the process umask applied: 0117 leaves 0660.
-            // The umask is process-wide, so it is restored at once.
+            // The umask is process-wide, so it is restored at once, and two binds (a
+            // daemon opening several drivers at once) take turns: interleaved, one would
+            // bind under the other's restored umask and leave 0117 behind for good.
+            static UMASK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+            let _turn = UMASK
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o117));
             let bound = UnixListener::bind(path);
             nix::sys::stat::umask(old);
@@ -197,6 +220,14 @@ impl UnixSocket {
             return Err(ListenError::NotASocket {
                 path: path.to_path_buf(),
             });
+        }
+        if meta.mode() & 0o777 != 0o660 {
+            return Err(io(format!("socket {}", path.display()))(
+                std::io::Error::other(format!(
+                    "bound with mode {:o}, not 660 (the umask changed meanwhile?)",
+                    meta.mode() & 0o777
+                )),
+            ));
         }
         Ok(Self {
             listener,
@@ -645,6 +676,18 @@ mod tests {
             !open.join("sub").exists(),
             "made a directory before refusing"
         );
+        // A root symlink to a root directory inside that one: their directory is found
+        // where the path resolves (they could rename the directory the link leads to).
+        std::fs::create_dir(open.join("inner")).unwrap();
+        let root_link = tmp.path().join("root-link");
+        std::os::unix::fs::symlink(open.join("inner"), &root_link).unwrap();
+        let refused = UnixSocket::bind(&root_link.join("b.sock"), None).await;
+        let Err(ListenError::Replaceable { why }) = &refused else {
+            panic!(
+                "a socket whose path resolves below a directory others may write was bound: {refused:?}"
+            );
+        };
+        assert!(why.contains(&open.display().to_string()), "{why}");
         // Sticky (as /tmp): nobody else may rename over the bridge's socket.
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
         UnixSocket::bind(&open.join("b.sock"), None).await.unwrap();

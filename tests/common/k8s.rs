@@ -153,8 +153,19 @@ impl ApiServer {
             .dir
             .path()
             .join(format!("sa-{namespace}-{name}.kubeconfig"));
-        // JSON is YAML, and kubeconfig readers take it.
-        std::fs::write(&path, serde_json::to_vec_pretty(&text).unwrap()).unwrap();
+        // JSON is YAML, and kubeconfig readers take it. Private, whatever the umask: it
+        // holds a token, and the bridge refuses a kubeconfig others could change.
+        {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .and_then(|mut file| file.write_all(&serde_json::to_vec_pretty(&text).unwrap()))
+                .unwrap();
+        }
         path
     }
 }
