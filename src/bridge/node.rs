@@ -413,12 +413,10 @@ impl NodeSide {
             }
         }
         if let Err(error) = self.node_journal().append_holder(&record.volume_id, change) {
-            // A removal must not fail for want of a block (a full disk) where it can be
-            // helped: a release Cube has already counted (a failed Attach's) comes no
-            // second time. The record rewritten in place, its log brought to it, needs
-            // none, but the intent log allows that only to a process whose durable save
-            // of the volume it covers (the daemon, a worker after its first save); a
-            // fresh forked process must replace the file, which needs a block too. An
+            // A removal must not fail for want of a block (a full disk): a release Cube
+            // has already counted (a failed Attach's) comes no second time. The record
+            // rewritten in place (the journal does so on a full disk when the intent log
+            // holds a durable entry of it), its log brought to it, needs none. An
             // addition fails: Cube then releases the sandbox, and nothing was recorded.
             if !matches!(change, HolderChange::Detach { .. }) {
                 return Err(error.into());

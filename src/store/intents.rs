@@ -254,6 +254,24 @@ impl IntentLog {
         Ok(())
     }
 
+    /// Whether the log on disk (after an `fdatasync` of it, here) or the snapshot that
+    /// goes with it holds a complete entry of `volume_id`: then its record file may be
+    /// rewritten in place whatever this process has synced, since a power loss that tore
+    /// the rewrite finds that entry. For a save that cannot replace its file (a full
+    /// disk: no inode or block for a new one). Call under `append`'s shared lock (from
+    /// its `apply`): no checkpoint runs meanwhile.
+    pub fn holds_durable_entry(&self, volume_id: &str) -> Result<bool, IntentError> {
+        let file = self.file()?;
+        file.sync_data().map_err(|e| (self.log_path(), e))?;
+        if !self.header_is_ours(&file)? {
+            return Ok(false);
+        }
+        Ok(matches!(
+            self.last_entries_on_disk(&file)?.get(volume_id),
+            Some(Some(_))
+        ))
+    }
+
     /// (durable saves so far, fdatasyncs of the log they needed), for tests.
     pub fn commit_counts(&self) -> (u64, u64) {
         self.commit.counts()

@@ -741,7 +741,22 @@ impl NodeJournal for FileJournal {
                     Ok(false) => {}
                     Err(error) => tracing::debug!(%error, path = %path.display(), "could not reuse the retired record file"),
                 }
-                write_atomic(&path, &bytes, None).map_err(|e| (path.clone(), e))
+                match write_atomic(&path, &bytes, None) {
+                    // A full disk has no inode or block for a new file: the record is
+                    // rewritten where it is if a power loss that tore it would find a
+                    // durable entry of it (a holder released for a Cube that never asks
+                    // again must not wait for space).
+                    Err(e) if matches!(e.raw_os_error(), Some(nix::libc::ENOSPC | nix::libc::EDQUOT))
+                        && overwrite == Overwrite::Replace
+                        && self.intents.holds_durable_entry(&record.volume_id).unwrap_or(false) =>
+                    {
+                        match overwrite_in_place(&path, &bytes) {
+                            Ok(true) => Ok(()),
+                            _ => Err((path.clone(), e)),
+                        }
+                    }
+                    written => written.map_err(|e| (path.clone(), e)),
+                }
             })
             .map_err(Self::intent_error)?;
         self.sync_holder_log(record)
@@ -1729,6 +1744,66 @@ mod tests {
         std::fs::write(journal.kept_hook_file("nsA"), "nsB").unwrap();
         assert!(!journal.kept_last_hooks().unwrap().contains_key("nsB"));
         assert!(journal.volume_ids().unwrap().is_empty());
+    }
+
+    /// On a full disk a process that has made no durable save of its own (a forked hook)
+    /// still saves a record that does not grow: it is rewritten in place, since the intent
+    /// log or its snapshot holds a durable entry of it (needs root for a small tmpfs; CI
+    /// runs it). Before, the save had to replace the file, and failed.
+    #[test]
+    fn a_fresh_process_saves_a_record_in_place_on_a_full_disk() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI runs as root: this test must not skip"
+            );
+            eprintln!("skipped: needs root to mount a small tmpfs");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = tmp.path().join("fs");
+        std::fs::create_dir(&fs).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &fs,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=256k,nr_inodes=64"),
+        )
+        .unwrap();
+        let outcome = std::panic::catch_unwind(|| {
+            let dir = fs.join("node");
+            let first = FileJournal::open(&dir).unwrap();
+            let mut record = NodeRecord::new("v", "h", PathBuf::from("/base/fk+v"));
+            for sandbox in ["s1", "s2"] {
+                record
+                    .holders
+                    .entry("ns".into())
+                    .or_default()
+                    .insert(sandbox.into());
+            }
+            first.save(&record, true).unwrap();
+            drop(first);
+            // Every block and inode taken.
+            let mut n = 0;
+            while let Ok(mut file) = std::fs::File::create(fs.join(format!("filler{n}"))) {
+                n += 1;
+                while file.write_all(&[0u8; 4096]).is_ok() {}
+            }
+            let fresh = FileJournal::open(&dir).unwrap();
+            let mut released = fresh.load("v").unwrap().unwrap();
+            released.holders.get_mut("ns").unwrap().remove("s1");
+            fresh.save(&released, false).unwrap();
+            let again = FileJournal::open(&dir).unwrap();
+            assert_eq!(
+                again.load("v").unwrap().unwrap().holders["ns"],
+                BTreeSet::from(["s2".to_string()])
+            );
+        });
+        nix::mount::umount2(&fs, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
     }
 
     /// An append that fails on a full file system leaves no part of its line behind
