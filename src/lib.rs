@@ -22,4 +22,6 @@ pub mod proto;
 pub mod store;
 pub mod system;
 pub mod telemetry;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod transport;

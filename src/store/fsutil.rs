@@ -318,26 +318,10 @@ mod tests {
     /// file (which would hold on to its pages); needs root for a small tmpfs (CI runs it).
     #[test]
     fn a_failed_write_on_a_full_disk_leaves_no_temporary_file() {
-        if !nix::unistd::Uid::effective().is_root() {
-            assert!(
-                std::env::var("CI").is_err(),
-                "CI runs as root: this test must not skip"
-            );
-            eprintln!("skipped: needs root to mount a small tmpfs");
+        if !crate::testing::as_root("mount a small tmpfs") {
             return;
         }
-        let tmp = tempfile::tempdir().unwrap();
-        let fs = tmp.path().join("fs");
-        std::fs::create_dir(&fs).unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            &fs,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some("size=64k"),
-        )
-        .unwrap();
-        let outcome = std::panic::catch_unwind(|| {
+        crate::testing::on_small_tmpfs("size=64k", |fs| {
             let path = fs.join("record");
             write_atomic(&path, b"old", None).unwrap();
             let mut fill = File::create(fs.join("filler")).unwrap();
@@ -346,16 +330,12 @@ mod tests {
             let error = write_atomic(&path, &[b'n'; 8192], None).unwrap_err();
             assert_eq!(error.raw_os_error(), Some(28), "{error}");
             assert_eq!(std::fs::read(&path).unwrap(), b"old");
-            let names: Vec<_> = std::fs::read_dir(&fs)
+            let names: Vec<_> = std::fs::read_dir(fs)
                 .unwrap()
                 .map(|e| e.unwrap().file_name())
                 .collect();
             assert_eq!(names.len(), 2, "{names:?}");
         });
-        nix::mount::umount(&fs).unwrap();
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
     }
 
     #[test]

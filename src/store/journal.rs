@@ -1752,26 +1752,10 @@ mod tests {
     /// runs it). Before, the save had to replace the file, and failed.
     #[test]
     fn a_fresh_process_saves_a_record_in_place_on_a_full_disk() {
-        if !nix::unistd::Uid::effective().is_root() {
-            assert!(
-                std::env::var("CI").is_err(),
-                "CI runs as root: this test must not skip"
-            );
-            eprintln!("skipped: needs root to mount a small tmpfs");
+        if !crate::testing::as_root("mount a small tmpfs") {
             return;
         }
-        let tmp = tempfile::tempdir().unwrap();
-        let fs = tmp.path().join("fs");
-        std::fs::create_dir(&fs).unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            &fs,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some("size=256k,nr_inodes=64"),
-        )
-        .unwrap();
-        let outcome = std::panic::catch_unwind(|| {
+        crate::testing::on_small_tmpfs("size=256k,nr_inodes=64", |fs| {
             let dir = fs.join("node");
             let first = FileJournal::open(&dir).unwrap();
             let mut record = NodeRecord::new("v", "h", PathBuf::from("/base/fk+v"));
@@ -1800,36 +1784,16 @@ mod tests {
                 BTreeSet::from(["s2".to_string()])
             );
         });
-        nix::mount::umount2(&fs, nix::mount::MntFlags::MNT_DETACH).unwrap();
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
     }
 
     /// An append that fails on a full file system leaves no part of its line behind
     /// (needs root for a small tmpfs; CI runs it).
     #[test]
     fn an_append_on_a_full_disk_leaves_no_torn_line() {
-        if !nix::unistd::Uid::effective().is_root() {
-            assert!(
-                std::env::var("CI").is_err(),
-                "CI runs as root: this test must not skip"
-            );
-            eprintln!("skipped: needs root to mount a small tmpfs");
+        if !crate::testing::as_root("mount a small tmpfs") {
             return;
         }
-        let tmp = tempfile::tempdir().unwrap();
-        let fs = tmp.path().join("fs");
-        std::fs::create_dir(&fs).unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            &fs,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some("size=64k"),
-        )
-        .unwrap();
-        let outcome = std::panic::catch_unwind(|| {
+        crate::testing::on_small_tmpfs("size=64k", |fs| {
             let journal = FileJournal::open(&fs.join("node")).unwrap();
             let log = journal.holder_log("v");
             // The log's one page holds complete lines up to 10 bytes short of its end.
@@ -1865,10 +1829,6 @@ mod tests {
                 &after[after.len().saturating_sub(24)..]
             );
         });
-        nix::mount::umount(&fs).unwrap();
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
     }
 
     #[test]
