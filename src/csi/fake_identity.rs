@@ -1,4 +1,4 @@
-//! A driver that answers only Probe, served on a socket (unit tests).
+//! Unit-test peers: a driver that answers only Probe, and a socket another user serves.
 
 use std::path::Path;
 

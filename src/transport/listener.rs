@@ -2,9 +2,10 @@
 //! systemd socket activation), the optional loopback TCP port, and who may connect.
 //!
 //! The socket is refused where another user could replace it once bound; it is created
-//! under a umask so it is never wider than 0660, even for an instant; its group can be set so a non-root Cubelet in that group can dial it; an
-//! existing path is replaced only if it is a stale socket (never followed if it is a
-//! symlink); and it is removed on shutdown only if it is still the one this process made.
+//! under a umask so it is never wider than 0660, even for an instant; its group can be set
+//! so a non-root Cubelet in that group can dial it; an existing path is replaced only if
+//! it is a stale socket (never followed if it is a symlink); and it is removed on shutdown
+//! only if it is still the one this process made.
 //! With `serve.allowed_uids`, every connection's peer uid is checked (SO_PEERCRED on the
 //! socket; for loopback TCP, the kernel asked by the connection's exact 4-tuple over
 //! netlink sock_diag) and strangers are dropped, logged at most once per 10 s per listener.
@@ -224,7 +225,7 @@ impl UnixSocket {
         if meta.mode() & 0o777 != 0o660 {
             return Err(io(format!("socket {}", path.display()))(
                 std::io::Error::other(format!(
-                    "bound with mode {:o}, not 660 (the umask changed meanwhile?)",
+                    "bound with mode {:o}, not 660 (a default ACL on its directory?)",
                     meta.mode() & 0o777
                 )),
             ));
