@@ -304,8 +304,7 @@ mod tests {
     #[test]
     fn only_root_or_the_bridge_itself_may_change_or_replace_the_config() {
         use std::os::unix::fs::{PermissionsExt, chown};
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIPPED: needs root to give files to other users");
+        if !crate::testing::as_root("give files to other users") {
             return;
         }
         let root = tempfile::tempdir().unwrap();

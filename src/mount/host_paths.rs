@@ -796,8 +796,7 @@ mod tests {
     /// rename answers EBUSY, as an rmdir would), so the mount is never moved aside.
     #[test]
     fn a_mounted_staging_dir_is_not_parked() {
-        if !nix::unistd::Uid::effective().is_root() {
-            eprintln!("skipped: needs root to mount");
+        if !crate::testing::as_root("mount") {
             return;
         }
         let (_dir, base) = base();

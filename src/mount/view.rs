@@ -491,8 +491,7 @@ mod tests {
     /// (to chroot and to drop to another uid).
     #[test]
     fn the_namespace_is_read_only_through_a_root_process_at_its_root() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIPPED: needs root to chroot and change uid");
+        if !crate::testing::as_root("chroot and change uid") {
             return;
         }
         let tmp = tempfile::tempdir().unwrap();
@@ -671,9 +670,7 @@ mod tests {
     /// Needs root (bind-mounts a namespace file); skipped otherwise, run as root in CI.
     #[tokio::test]
     async fn auto_starts_following_cubelets_namespace_when_its_file_appears() {
-        if !nix::unistd::Uid::effective().is_root() {
-            assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
-            eprintln!("skipped: needs root");
+        if !crate::testing::as_root("bind-mount a namespace file") {
             return;
         }
         let tmp = tempfile::tempdir().unwrap();

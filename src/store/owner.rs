@@ -197,8 +197,7 @@ mod tests {
     /// exist yet) and its creation gets nothing written into it. Needs root.
     #[test]
     fn a_state_dir_another_user_made_first_is_refused() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIPPED: needs root to give a directory to another user");
+        if !crate::testing::as_root("give a directory to another user") {
             return;
         }
         let tmp = tempfile::tempdir().unwrap();
