@@ -63,7 +63,12 @@ impl CsiChannel {
     /// allowed to be one of `uids` (`csi.driver_uids`): for a caller that makes its own
     /// typed client (the readiness probe), held to the same check of who serves it.
     pub fn to(endpoint: &Endpoint, uids: &[u32]) -> Self {
-        match Self::new(endpoint) {
+        Self::new(endpoint).trusting(uids)
+    }
+
+    /// The same channel, its Unix socket's server also allowed to be one of `uids`.
+    fn trusting(self, uids: &[u32]) -> Self {
+        match self {
             CsiChannel::Unix(connection) => CsiChannel::Unix(connection.trusting(uids)),
             tcp => tcp,
         }
@@ -125,9 +130,7 @@ impl CsiClient {
     /// Also lets processes of `uids` serve the driver's Unix socket (`csi.driver_uids`);
     /// root's and the bridge's own user's always may.
     pub fn trusting(mut self, uids: &[u32]) -> Self {
-        if let CsiChannel::Unix(connection) = self.channel {
-            self.channel = CsiChannel::Unix(connection.trusting(uids));
-        }
+        self.channel = self.channel.trusting(uids);
         self
     }
 

@@ -408,19 +408,18 @@ impl IntentLog {
         if let Some((boot, _)) = Self::read_header(file).map_err(|e| (path, e))? {
             return Ok(boot != self.boot_id);
         }
+        let text = self.read_snapshot()?.unwrap_or_default();
+        Ok(snapshot_named(&text).is_some_and(|(boot, _)| boot != self.boot_id))
+    }
+
+    /// The snapshot file's bytes; None when there is none.
+    fn read_snapshot(&self) -> Result<Option<Vec<u8>>, IntentError> {
         let path = self.snapshot_path();
-        let text = match std::fs::read(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err((path, e)),
-        };
-        let first = text.split(|b| *b == b'\n').next().unwrap_or_default();
-        let boot = std::str::from_utf8(first)
-            .ok()
-            .and_then(|line| line.strip_prefix(SNAPSHOT_HEADER))
-            .and_then(|rest| rest.split_once('\t'))
-            .map(|(boot, _)| boot);
-        Ok(boot.is_some_and(|boot| boot != self.boot_id))
+        match std::fs::read(&path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err((path, e)),
+        }
     }
 
     /// Checkpoints a log past its size (or past its snapshot's, for a node with so many
@@ -482,18 +481,10 @@ impl IntentLog {
     /// the count after it); none otherwise (no snapshot, or one of another boot or log).
     /// `log` None (a log with no header): whatever snapshot there is.
     fn snapshot_entries(&self, log: Option<(&str, u64)>) -> Result<LastEntries, IntentError> {
-        let path = self.snapshot_path();
-        let text = match std::fs::read(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LastEntries::new()),
-            Err(e) => return Err((path, e)),
+        let Some(text) = self.read_snapshot()? else {
+            return Ok(LastEntries::new());
         };
-        let first = text.split(|b| *b == b'\n').next().unwrap_or_default();
-        let named = std::str::from_utf8(first)
-            .ok()
-            .and_then(|line| line.strip_prefix(SNAPSHOT_HEADER))
-            .and_then(|rest| rest.split_once('\t'))
-            .and_then(|(at, n)| Some((at, n.parse::<u64>().ok()?)));
+        let named = snapshot_named(&text).and_then(|(at, n)| Some((at, n.parse::<u64>().ok()?)));
         Ok(match (named, log) {
             (Some(_), None) => last_entries(&text),
             (Some((at, n)), Some((boot, count)))
@@ -558,6 +549,16 @@ impl IntentLog {
             .and_then(|()| file.sync_data())
             .map_err(|e| (path, e))
     }
+}
+
+/// (boot id, checkpoint count as written) that a snapshot's first line names; None when
+/// it is no snapshot header.
+fn snapshot_named(text: &[u8]) -> Option<(&str, &str)> {
+    let first = text.split(|b| *b == b'\n').next().unwrap_or_default();
+    std::str::from_utf8(first)
+        .ok()?
+        .strip_prefix(SNAPSHOT_HEADER)?
+        .split_once('\t')
 }
 
 fn sync_dir(dir: &Path) -> Result<(), IntentError> {
