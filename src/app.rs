@@ -184,8 +184,7 @@ fn shared_over(
     crate::store::fsutil::check_private_dir(
         state_dir,
         "state.dir",
-        "rewrite the records the bridge acts on as root (what it unmounts, removes and \
-         deletes) or plant a file there for it to open",
+        crate::store::owner::STATE_DIR_RISK,
     )
     .map_err(|e| BridgeError::io(format!("state dir {}", state_dir.display()), e))?;
     if keeps_records {

@@ -47,7 +47,9 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
         None => {}
     }
     crate::mount::ops::ensure_dir(dir, 0o700)?;
-    check_made_by_us(dir)?;
+    // Checked again now that it exists: the caller judged a missing dir by the ones above
+    // it, and in a sticky directory such as /tmp another user could make it first.
+    super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
     let tmp = dir.join(format!(".{OWNER_FILE}.{}.tmp", std::process::id()));
     let linked = (|| {
         let mut file = std::fs::OpenOptions::new()
@@ -77,35 +79,10 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     }
 }
 
-/// Refuses `dir` unless root or the bridge's uid owns it and no group or other user may
-/// write it. The caller checked the dir before it existed (`check_private_dir`, judging it
-/// by the directories above); in a sticky directory such as `/tmp`, another user could
-/// still make it first, between that check and `ensure_dir`.
-fn check_made_by_us(dir: &Path) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let euid = nix::unistd::geteuid().as_raw();
-    let ours = |uid: u32| uid == 0 || uid == euid;
-    // A link (root's own, as `check_private_dir` allows) is judged with where it leads.
-    let link = std::fs::symlink_metadata(dir)?;
-    let meta = std::fs::metadata(dir)?;
-    if !ours(link.uid()) || !meta.is_dir() || !ours(meta.uid()) || meta.mode() & 0o022 != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "state.dir {} was made by someone else before the bridge could (owner uid \
-                 {}, mode {:o}); point state.dir at a directory only root can write",
-                dir.display(),
-                if ours(link.uid()) {
-                    meta.uid()
-                } else {
-                    link.uid()
-                },
-                meta.mode() & 0o7777
-            ),
-        ));
-    }
-    Ok(())
-}
+/// What another user who could write `state.dir` could do: the risk `check_private_dir`
+/// names when it refuses one.
+pub const STATE_DIR_RISK: &str = "rewrite the records the bridge acts on as root (what it \
+     unmounts, removes and deletes) or plant a file there for it to open";
 
 /// The owner file's bytes (at most 4 KiB), `None` when there is none yet. Never through a
 /// symlink.
