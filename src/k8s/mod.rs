@@ -5,16 +5,14 @@
 //! whose config names no Kubernetes feature never loads a kubeconfig.
 
 mod cache;
+mod kubeconfig;
 pub mod names;
 pub mod record_key;
 pub mod snapshots;
 pub mod storage_class;
 pub mod volumes;
 
-use std::path::PathBuf;
 use std::time::Duration;
-
-use kube::config::{KubeConfigOptions, Kubeconfig};
 
 use crate::config::KubernetesSettings;
 
@@ -124,9 +122,9 @@ impl Kube {
 
     async fn connect(&self) -> Result<(kube::Client, String), KubeError> {
         let (mut config, source_desc) = match &self.settings.kubeconfig {
-            Some(path) => (load_kubeconfig(path).await?, path.display().to_string()),
+            Some(path) => (kubeconfig::load(path).await?, path.display().to_string()),
             None => {
-                check_inferred_kubeconfigs()?;
+                kubeconfig::check_inferred()?;
                 let config = kube::Config::infer()
                     .await
                     .map_err(|e| KubeError::Configure {
@@ -151,84 +149,5 @@ impl Kube {
         })?;
         tracing::debug!(%namespace, "Kubernetes API client configured");
         Ok((client, namespace))
-    }
-}
-
-/// The kubeconfig files `kube::Config::infer` would read (`$KUBECONFIG`'s, else
-/// `~/.kube/config`), held to the config file's rule as an explicit one is: a forked hook
-/// inherits Cubelet's environment and home. The files they name (a token file, a CA) and
-/// the program an `exec` entry names are not checked here.
-fn check_inferred_kubeconfigs() -> Result<(), KubeError> {
-    let candidates: Vec<PathBuf> = match std::env::var_os("KUBECONFIG") {
-        Some(list) => std::env::split_paths(&list)
-            .filter(|p| !p.as_os_str().is_empty())
-            .collect(),
-        None => std::env::var_os("HOME")
-            .map(|home| PathBuf::from(home).join(".kube/config"))
-            .into_iter()
-            .collect(),
-    };
-    for path in candidates.iter().filter(|p| p.exists()) {
-        crate::config::check_trusted_file(path).map_err(|message| KubeError::Configure {
-            source_desc: path.display().to_string(),
-            message,
-        })?;
-    }
-    Ok(())
-}
-
-async fn load_kubeconfig(path: &PathBuf) -> Result<kube::Config, KubeError> {
-    let configure = |e: &dyn std::fmt::Display| KubeError::Configure {
-        source_desc: path.display().to_string(),
-        message: e.to_string(),
-    };
-    // A kubeconfig says which API server to believe and may name a command to run for
-    // credentials (`exec`): one that another user could change or replace is theirs to
-    // run as root, as the config file would be.
-    crate::config::check_trusted_file(path).map_err(|e| configure(&e))?;
-    let kubeconfig = Kubeconfig::read_from(path).map_err(|e| configure(&e))?;
-    kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| configure(&e))
-}
-
-#[cfg(test)]
-mod kubeconfig_tests {
-    use super::*;
-    use std::os::unix::fs::PermissionsExt;
-
-    /// A kubeconfig another user could change (here: writable by others) is refused
-    /// before it is read: its `exec` command would run as root. The bridge's own loads.
-    #[tokio::test]
-    async fn a_kubeconfig_another_user_could_change_is_refused() {
-        let tmp = tempfile::tempdir().unwrap();
-        let path = tmp.path().join("kubeconfig");
-        std::fs::write(
-            &path,
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let error = load_kubeconfig(&path).await.unwrap_err().to_string();
-        assert!(
-            error.contains("writable by its group or by others"),
-            "{error}"
-        );
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        load_kubeconfig(&path).await.unwrap();
-        // Inferred from $KUBECONFIG (as a forked hook inherits it): the same rule.
-        // SAFETY (set_var): no other test of this binary reads KUBECONFIG or HOME.
-        let other = tmp.path().join("other");
-        std::fs::copy(&path, &other).unwrap();
-        std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let list = std::env::join_paths([&path, &other]).unwrap();
-        unsafe { std::env::set_var("KUBECONFIG", &list) };
-        let inferred = check_inferred_kubeconfigs();
-        unsafe { std::env::remove_var("KUBECONFIG") };
-        let error = inferred.unwrap_err().to_string();
-        assert!(
-            error.contains("other") && error.contains("writable"),
-            "{error}"
-        );
     }
 }

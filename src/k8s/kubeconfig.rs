@@ -1,0 +1,328 @@
+//! Which kubeconfig the API client loads, and the trust rule it and every file or program
+//! it names are held to before the root daemon believes or runs them.
+//!
+//! A kubeconfig says which API server to believe (its CA), with which credentials (a
+//! token file, a client key), and may name a program to run for them (`exec`, an auth
+//! provider's `cmd-path`): each is as much the bridge's config as the config file is, so
+//! each must pass `config::check_trusted_file` (owned by root or the bridge's user, not
+//! writable by others, reached through no directory or symlink another user controls).
+
+use std::path::{Path, PathBuf};
+
+use kube::config::{AuthInfo, Cluster, KubeConfigOptions, Kubeconfig};
+
+use super::KubeError;
+
+/// Reads the kubeconfig at `path` (the `kubernetes.kubeconfig` setting) once it and what
+/// it names have passed the trust rule.
+pub(super) async fn load(path: &Path) -> Result<kube::Config, KubeError> {
+    let configure = |e: &dyn std::fmt::Display| KubeError::Configure {
+        source_desc: path.display().to_string(),
+        message: e.to_string(),
+    };
+    crate::config::check_trusted_file(path).map_err(|e| configure(&e))?;
+    let kubeconfig = Kubeconfig::read_from(path).map_err(|e| configure(&e))?;
+    check_named_files(&kubeconfig).map_err(|e| configure(&e))?;
+    kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| configure(&e))
+}
+
+/// Holds the kubeconfig files `kube::Config::infer` would read (`$KUBECONFIG`'s, else
+/// `~/.kube/config`) to the same rule as an explicit one, and what they name: a forked
+/// hook inherits Cubelet's environment and home. With none of them present, infer falls
+/// back to the pod's service account, whose files the kubelet mounts.
+pub(super) fn check_inferred() -> Result<(), KubeError> {
+    let candidates: Vec<PathBuf> = match std::env::var_os("KUBECONFIG") {
+        Some(list) => std::env::split_paths(&list)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect(),
+        None => std::env::var_os("HOME")
+            .map(|home| PathBuf::from(home).join(".kube/config"))
+            .into_iter()
+            .collect(),
+    };
+    let present: Vec<&PathBuf> = candidates.iter().filter(|p| p.exists()).collect();
+    for path in &present {
+        crate::config::check_trusted_file(path).map_err(|message| KubeError::Configure {
+            source_desc: path.display().to_string(),
+            message,
+        })?;
+    }
+    if present.is_empty() {
+        return Ok(());
+    }
+    let source_desc = present
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let configure = |message: String| KubeError::Configure {
+        source_desc: source_desc.clone(),
+        message,
+    };
+    // Merged as infer merges them; a file that cannot be read is infer's error to report.
+    let merged = present
+        .iter()
+        .try_fold(Kubeconfig::default(), |merged, path| {
+            Kubeconfig::read_from(path).and_then(|one| merged.merge(one))
+        });
+    match merged {
+        Ok(kubeconfig) => check_named_files(&kubeconfig).map_err(configure),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Checks every file and program the context in use names (all contexts' when none is
+/// current or it cannot be found: the client fails on it anyway, and nothing is read
+/// before this check). `Kubeconfig::read_from` has made relative paths absolute.
+fn check_named_files(kubeconfig: &Kubeconfig) -> Result<(), String> {
+    let context = kubeconfig
+        .current_context
+        .as_deref()
+        .and_then(|name| kubeconfig.contexts.iter().find(|c| c.name == name))
+        .and_then(|named| named.context.as_ref());
+    let clusters: Vec<&Cluster> = kubeconfig
+        .clusters
+        .iter()
+        .filter(|named| context.is_none_or(|c| c.cluster == named.name))
+        .filter_map(|named| named.cluster.as_ref())
+        .collect();
+    let users: Vec<&AuthInfo> = kubeconfig
+        .auth_infos
+        .iter()
+        .filter(|named| context.is_none_or(|c| c.user.as_deref() == Some(&named.name)))
+        .filter_map(|named| named.auth_info.as_ref())
+        .collect();
+    let mut named: Vec<(&str, PathBuf)> = Vec::new();
+    for cluster in clusters {
+        if let Some(ca) = &cluster.certificate_authority {
+            named.push(("certificate-authority", PathBuf::from(ca)));
+        }
+    }
+    for user in users {
+        let files = [
+            ("client-certificate", &user.client_certificate),
+            ("client-key", &user.client_key),
+            ("tokenFile", &user.token_file),
+        ];
+        for (field, file) in files {
+            if let Some(file) = file {
+                named.push((field, PathBuf::from(file)));
+            }
+        }
+        if let Some(exec) = &user.exec
+            && let Some(command) = &exec.command
+        {
+            let path_env = exec
+                .env
+                .iter()
+                .flatten()
+                .find(|pair| pair.get("name").is_some_and(|n| n == "PATH"))
+                .and_then(|pair| pair.get("value").cloned());
+            named.push(("exec command", program_path(command, path_env)?));
+        }
+        if let Some(command) = user
+            .auth_provider
+            .as_ref()
+            .and_then(|provider| provider.config.get("cmd-path"))
+        {
+            named.push(("auth-provider cmd-path", program_path(command, None)?));
+        }
+    }
+    for (field, path) in named {
+        crate::config::check_trusted_file(&path)
+            .map_err(|problem| format!("its {field} {}: {problem}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The file a program name runs: itself when it holds a '/', else the first executable
+/// of that name along `PATH` (the command's own PATH when its `env` sets one), as the
+/// client's spawn finds it. A program found nowhere is refused here rather than left to
+/// a search this check did not make.
+fn program_path(command: &str, path_env: Option<String>) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt;
+    if command.contains('/') {
+        return Ok(PathBuf::from(command));
+    }
+    let search = path_env
+        .map(std::ffi::OsString::from)
+        .or_else(|| std::env::var_os("PATH"))
+        .unwrap_or_default();
+    std::env::split_paths(&search)
+        .map(|dir| dir.join(command))
+        .find(|candidate| {
+            std::fs::metadata(candidate)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+        .ok_or_else(|| {
+            format!(
+                "the program {command:?} it names is not found on PATH; name it by its \
+                 absolute path"
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    const KUBECONFIG: &str = "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n";
+
+    fn set_mode(path: &Path, mode: u32) {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// A kubeconfig another user could change (here: writable by others) is refused
+    /// before it is read: its `exec` command would run as root. The bridge's own loads.
+    #[tokio::test]
+    async fn a_kubeconfig_another_user_could_change_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("kubeconfig");
+        std::fs::write(&path, KUBECONFIG).unwrap();
+        set_mode(&path, 0o666);
+        let error = load(&path).await.unwrap_err().to_string();
+        assert!(
+            error.contains("writable by its group or by others"),
+            "{error}"
+        );
+        set_mode(&path, 0o600);
+        load(&path).await.unwrap();
+        // Inferred from $KUBECONFIG (as a forked hook inherits it): the same rule.
+        // SAFETY (set_var): no other test of this binary reads KUBECONFIG or HOME.
+        let other = tmp.path().join("other");
+        std::fs::copy(&path, &other).unwrap();
+        set_mode(&other, 0o666);
+        let list = std::env::join_paths([&path, &other]).unwrap();
+        unsafe { std::env::set_var("KUBECONFIG", &list) };
+        let inferred = check_inferred();
+        unsafe { std::env::remove_var("KUBECONFIG") };
+        let error = inferred.unwrap_err().to_string();
+        assert!(
+            error.contains("other") && error.contains("writable"),
+            "{error}"
+        );
+        // An inferred kubeconfig of the bridge's own naming a token file others may write.
+        let token = tmp.path().join("token");
+        std::fs::write(&token, "t\n").unwrap();
+        set_mode(&token, 0o666);
+        let naming = KUBECONFIG.replace("token: t", &format!("tokenFile: {}", token.display()));
+        std::fs::write(&other, naming).unwrap();
+        set_mode(&other, 0o600);
+        unsafe { std::env::set_var("KUBECONFIG", &other) };
+        let inferred = check_inferred();
+        unsafe { std::env::remove_var("KUBECONFIG") };
+        let error = inferred.unwrap_err().to_string();
+        assert!(error.contains("tokenFile"), "{error}");
+    }
+
+    /// The files and programs a trusted kubeconfig names are its config too: a CA another
+    /// user could swap lets them answer as the API server, a token file or client key is
+    /// whose credentials the bridge uses, an exec program (by path or found on PATH) runs
+    /// as root. Each is refused when another user could change it, and the kubeconfig
+    /// loads once it could not. Entries of a context not in use are not the client's.
+    #[tokio::test]
+    async fn files_and_programs_a_kubeconfig_names_are_held_to_its_rule() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let path = dir.join("kubeconfig");
+        let open_dir = dir.join("open");
+        std::fs::create_dir(&open_dir).unwrap();
+        set_mode(&open_dir, 0o777);
+        let ca = dir.join("ca.crt");
+        let token = open_dir.join("token");
+        std::fs::write(&ca, "not read before the check\n").unwrap();
+        std::fs::write(&token, "t\n").unwrap();
+        let program = dir.join("get-token");
+        std::fs::write(&program, "#!/bin/sh\nexit 1\n").unwrap();
+        set_mode(&program, 0o777);
+        std::fs::copy(&program, open_dir.join("get-token-on-path")).unwrap();
+
+        let cases: [(&str, String, &str); 5] = [
+            (
+                "a CA writable by others",
+                KUBECONFIG.replace(
+                    "server: https://127.0.0.1:1",
+                    "server: https://127.0.0.1:1\n    certificate-authority: ca.crt",
+                ),
+                "certificate-authority",
+            ),
+            (
+                "a token file in a directory others may write",
+                KUBECONFIG.replace("token: t", &format!("tokenFile: {}", token.display())),
+                "tokenFile",
+            ),
+            (
+                "an exec program by path, writable by others",
+                KUBECONFIG.replace(
+                    "token: t",
+                    &format!(
+                        "exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: {}",
+                        program.display()
+                    ),
+                ),
+                "exec command",
+            ),
+            (
+                "an exec program found on a PATH that leads through a directory others may write",
+                KUBECONFIG.replace(
+                    "token: t",
+                    &format!(
+                        "exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: get-token-on-path\n      env:\n      - name: PATH\n        value: {}",
+                        open_dir.display()
+                    ),
+                ),
+                "exec command",
+            ),
+            (
+                "an exec program found nowhere",
+                KUBECONFIG.replace(
+                    "token: t",
+                    "exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: no-such-program-anywhere",
+                ),
+                "not found on PATH",
+            ),
+        ];
+        set_mode(&ca, 0o666);
+        for (what, text, names) in &cases {
+            std::fs::write(&path, text).unwrap();
+            set_mode(&path, 0o600);
+            let error = match load(&path).await {
+                Ok(_) => panic!("{what}: loaded"),
+                Err(e) => e.to_string(),
+            };
+            assert!(error.contains(names), "{what}: {error}");
+        }
+
+        // Made the bridge's own: the CA and the program load (the CA file is read only
+        // when the client is built, which this does not do).
+        set_mode(&ca, 0o644);
+        set_mode(&program, 0o755);
+        for (what, text) in [("the CA", &cases[0].1), ("the exec program", &cases[2].1)] {
+            std::fs::write(&path, text).unwrap();
+            if let Err(e) = load(&path).await {
+                panic!("{what}, trusted: {e}");
+            }
+        }
+
+        // An untrusted token file of a context not in use is not the client's.
+        let unused = KUBECONFIG
+            .replace(
+                "contexts:",
+                &format!(
+                    "- name: v\n  user:\n    tokenFile: {}\ncontexts:",
+                    token.display()
+                ),
+            )
+            .replace(
+                "current-context: x\n",
+                "- name: y\n  context:\n    cluster: c\n    user: v\ncurrent-context: x\n",
+            );
+        std::fs::write(&path, unused).unwrap();
+        if let Err(e) = load(&path).await {
+            panic!("a context not in use: {e}");
+        }
+    }
+}
