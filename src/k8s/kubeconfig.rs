@@ -9,7 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
-use kube::config::{AuthInfo, Cluster, KubeConfigOptions, Kubeconfig};
+use kube::client::AuthError;
+use kube::config::{AuthInfo, Cluster, ExecInteractiveMode, KubeConfigOptions, Kubeconfig};
 
 use super::KubeError;
 
@@ -33,15 +34,7 @@ pub(super) async fn load(path: &Path) -> Result<kube::Config, KubeError> {
 /// hook inherits Cubelet's environment and home. With none of them present, infer falls
 /// back to the pod's service account, whose files the kubelet mounts.
 pub(super) fn check_inferred() -> Result<(), KubeError> {
-    let candidates: Vec<PathBuf> = match std::env::var_os("KUBECONFIG") {
-        Some(list) => std::env::split_paths(&list)
-            .filter(|p| !p.as_os_str().is_empty())
-            .collect(),
-        None => std::env::var_os("HOME")
-            .map(|home| PathBuf::from(home).join(".kube/config"))
-            .into_iter()
-            .collect(),
-    };
+    let candidates = inferred_candidates();
     let present: Vec<&PathBuf> = candidates.iter().filter(|p| p.exists()).collect();
     for path in &present {
         crate::config::check_trusted_file(path).map_err(|message| KubeError::Configure {
@@ -71,6 +64,76 @@ pub(super) fn check_inferred() -> Result<(), KubeError> {
         Ok(kubeconfig) => check_named_files(&kubeconfig).map_err(configure),
         Err(_) => Ok(()),
     }
+}
+
+/// Runs the kubeconfig's `exec` command, if any, with no terminal of the bridge's: in the
+/// client's default (interactive) mode it would inherit the process's stdin and stderr, and
+/// a forked hook's stderr is what Cube shows as a failed hook's message, so whatever the
+/// command printed there (a token, a URL with one) would reach Cube's callers.
+pub(super) fn never_interactive(config: &mut kube::Config) {
+    if let Some(exec) = config.auth_info.exec.as_mut() {
+        exec.interactive_mode = Some(ExecInteractiveMode::Never);
+    }
+}
+
+/// A client error as words safe to log and to return to Cube: an authentication failure
+/// is named by what failed, never with the text the client gives it, which carries the
+/// `exec` command's arguments and environment (`Command`'s debug form) and its output, or a
+/// plugin's own message, any of which may hold credentials.
+pub(super) fn describe_client_error(error: &kube::Error) -> String {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if let Some(auth) = e.downcast_ref::<AuthError>() {
+            return describe_auth_error(auth);
+        }
+        cause = e.source();
+    }
+    error.to_string()
+}
+
+fn describe_auth_error(error: &AuthError) -> String {
+    const WITHHELD: &str = "its details are not shown: they may hold credentials";
+    match error {
+        AuthError::AuthExecStart(io) => {
+            format!("the kubeconfig's exec command could not be started ({io}); check its command")
+        }
+        AuthError::AuthExecRun { out, .. } => format!(
+            "the kubeconfig's exec command failed ({}); {WITHHELD} (run it by hand as root to \
+             see them)",
+            out.status
+        ),
+        AuthError::ReadTokenFile(io, path) => format!(
+            "the kubeconfig's token file {} cannot be read: {io}",
+            path.display()
+        ),
+        AuthError::MissingCommand => "the kubeconfig's exec entry names no command".to_string(),
+        _ => format!(
+            "authenticating to the API server with the kubeconfig's user failed; {WITHHELD}"
+        ),
+    }
+}
+
+/// The files `kube::Config::infer` reads: each of `$KUBECONFIG`'s, else `.kube/config` in
+/// the home dir found as the client finds it (`std::env::home_dir`: `$HOME`, else the
+/// user's entry in the password database, which is where it looks under a systemd unit
+/// with no `User=`, whose environment has no `HOME`).
+fn inferred_candidates() -> Vec<PathBuf> {
+    let listed: Vec<PathBuf> = std::env::var_os("KUBECONFIG")
+        .map(|list| {
+            std::env::split_paths(&list)
+                .filter(|p| !p.as_os_str().is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    // A `$KUBECONFIG` that names no file (empty, or only separators) is no `$KUBECONFIG`
+    // to the client: it reads the home dir's file then.
+    if !listed.is_empty() {
+        return listed;
+    }
+    std::env::home_dir()
+        .map(|home| home.join(".kube/config"))
+        .into_iter()
+        .collect()
 }
 
 /// Checks every file and program the context in use names (all contexts' when none is
@@ -216,6 +279,36 @@ mod tests {
         unsafe { std::env::remove_var("KUBECONFIG") };
         let error = inferred.unwrap_err().to_string();
         assert!(error.contains("tokenFile"), "{error}");
+        // A $KUBECONFIG naming no file is none: the home dir's file is read, and checked.
+        let home = tmp.path().join("home");
+        std::fs::create_dir_all(home.join(".kube")).unwrap();
+        std::fs::copy(&path, home.join(".kube/config")).unwrap();
+        set_mode(&home.join(".kube/config"), 0o666);
+        let saved_home = std::env::var_os("HOME");
+        unsafe { std::env::set_var("HOME", &home) };
+        unsafe { std::env::set_var("KUBECONFIG", ":") };
+        let inferred = check_inferred();
+        unsafe { std::env::remove_var("KUBECONFIG") };
+        match saved_home {
+            Some(saved) => unsafe { std::env::set_var("HOME", saved) },
+            None => unsafe { std::env::remove_var("HOME") },
+        }
+        let error = inferred.unwrap_err().to_string();
+        assert!(
+            error.contains(".kube/config") && error.contains("writable"),
+            "{error}"
+        );
+        // No $HOME (a systemd unit with no User=): the client still reads the user's
+        // `~/.kube/config` (found through the password database), so it is checked too.
+        let home = std::env::var_os("HOME");
+        unsafe { std::env::remove_var("HOME") };
+        let candidates = inferred_candidates();
+        let expected = std::env::home_dir().map(|h| h.join(".kube/config"));
+        if let Some(home) = home {
+            unsafe { std::env::set_var("HOME", home) };
+        }
+        assert!(expected.is_some(), "this user has an entry with a home dir");
+        assert_eq!(candidates, expected.into_iter().collect::<Vec<_>>());
     }
 
     /// The files and programs a trusted kubeconfig names are its config too: a CA another
@@ -324,5 +417,50 @@ mod tests {
         if let Err(e) = load(&path).await {
             panic!("a context not in use: {e}");
         }
+    }
+
+    /// A failing `exec` command's arguments, environment and output never reach the
+    /// error the bridge logs and returns to Cube, nor its stderr: before, the client's
+    /// message carried all three (`Command`'s debug form and the captured output), and
+    /// the command wrote to the hook's stderr, which Cube shows.
+    #[tokio::test]
+    async fn a_failing_exec_commands_secrets_stay_out_of_the_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("kubeconfig");
+        let text = KUBECONFIG.replace(
+            "token: t",
+            "exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: /bin/sh\n      args: [\"-c\", \"echo out-secret; echo err-secret >&2; exit 3\", \"arg-secret\"]\n      env:\n      - name: X\n        value: env-secret",
+        );
+        std::fs::write(&path, text).unwrap();
+        set_mode(&path, 0o600);
+        let mut config = load(&path).await.unwrap();
+        never_interactive(&mut config);
+        assert_eq!(
+            config.auth_info.exec.as_ref().unwrap().interactive_mode,
+            Some(ExecInteractiveMode::Never)
+        );
+        // The client's own text carries them all.
+        let raw = match kube::Client::try_from(config) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("the client runs the exec command when it is built"),
+        };
+        assert!(
+            raw.contains("env-secret") && raw.contains("out-secret"),
+            "{raw}"
+        );
+        // What the bridge makes of it, as every store and settings call gets it.
+        let kube = super::super::Kube::new(&crate::config::KubernetesSettings {
+            kubeconfig: Some(path.clone()),
+            ..Default::default()
+        });
+        let described = match kube.client().await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a client whose exec command fails"),
+        };
+        assert!(!described.contains("secret"), "{described}");
+        assert!(
+            described.contains("exec command failed") && described.contains("3"),
+            "{described}"
+        );
     }
 }

@@ -64,7 +64,7 @@ impl KubeError {
             other => KubeError::Api {
                 action,
                 code: None,
-                message: other.to_string(),
+                message: kubeconfig::describe_client_error(&other),
             },
         }
     }
@@ -135,6 +135,7 @@ impl Kube {
                 (config, "the inferred configuration".to_string())
             }
         };
+        kubeconfig::never_interactive(&mut config);
         config.connect_timeout = Some(CONNECT_TIMEOUT);
         config.read_timeout = Some(READ_TIMEOUT);
         config.write_timeout = Some(READ_TIMEOUT);
@@ -143,9 +144,10 @@ impl Kube {
             .namespace
             .clone()
             .unwrap_or_else(|| config.default_namespace.clone());
+        // Building the client runs the kubeconfig's `exec` command, if any.
         let client = kube::Client::try_from(config).map_err(|e| KubeError::Configure {
             source_desc,
-            message: e.to_string(),
+            message: kubeconfig::describe_client_error(&e),
         })?;
         tracing::debug!(%namespace, "Kubernetes API client configured");
         Ok((client, namespace))
