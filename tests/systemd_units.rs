@@ -287,6 +287,41 @@ fn the_bridge_unit_gives_the_daemon_no_mount_namespace() {
     );
 }
 
+/// Every socket family the daemon opens is one the unit lets it open: a family left out
+/// fails at run time with EAFNOSUPPORT and an error that points elsewhere (before, the
+/// sock_diag lookup behind `serve.tcp` + `serve.allowed_uids` was refused and the daemon
+/// asked the operator to load tcp_diag).
+#[test]
+fn the_bridge_unit_allows_every_socket_family_the_daemon_opens() {
+    let service = settings(&shipped("cube-csi-bridge@.service"));
+    let allowed: Vec<String> = service
+        .iter()
+        .filter(|(k, _)| k == "RestrictAddressFamilies")
+        .flat_map(|(_, v)| v.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+        .collect();
+    let source = |path: &str| {
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap()
+    };
+    let opened = [
+        (
+            "AF_NETLINK",
+            "src/transport/listener/sock_diag.rs",
+            "AddressFamily::Netlink",
+        ),
+        ("AF_UNIX", "src/transport/listener.rs", "UnixListener"),
+    ];
+    for (family, file, sign) in opened {
+        assert!(
+            source(file).contains(sign),
+            "{file} no longer opens {family}"
+        );
+        assert!(
+            allowed.iter().any(|a| a == family),
+            "{file} opens {family}, which cube-csi-bridge@.service does not allow: {allowed:?}"
+        );
+    }
+}
+
 #[test]
 fn the_units_agree_with_the_bridge_defaults() {
     let service = settings(&shipped("cube-csi-bridge@.service"));

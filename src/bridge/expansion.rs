@@ -224,15 +224,34 @@ impl NodeSide {
             let Ok(Some(here)) = self.journal.load(&volume_id) else {
                 continue;
             };
-            let Some(record) = store.get(&volume_id).await? else {
-                continue;
+            // One record that cannot be read (one edited to another volume's spec, an
+            // apiserver hiccup) is that volume's problem, not every later one's.
+            let record = match store.get(&volume_id).await {
+                Ok(Some(record)) => record,
+                Ok(None) => continue,
+                Err(error) => {
+                    tracing::warn!(volume_id = %volume_id, %error, "reading the volume's controller record failed; its growth, if any, waits for the next pass");
+                    continue;
+                }
             };
-            let wanted = record.state == super::records::VolumeState::Created
+            let followed = record.state == super::records::VolumeState::Created
                 && record.node_expansion_required
-                && record.capacity_bytes > here.expanded_bytes
                 && record.csi_volume_id.as_deref() == Some(here.csi_volume_id.as_str())
                 && is_attached(&here);
-            if !wanted {
+            if followed && record.capacity_bytes < here.expanded_bytes {
+                // The record's capacity is not covered by its MAC, and the node has no
+                // key to check one: a size it grew to earlier may have come from an
+                // edited record (i64::MAX). Kept above the record's, that memory would
+                // answer every real growth below it "already grown".
+                if let Err(error) = self
+                    .forget_growth_above(&volume_id, record.capacity_bytes)
+                    .await
+                {
+                    tracing::warn!(volume_id = %volume_id, %error, "lowering the size this node grew the volume to failed; retrying later");
+                }
+                continue;
+            }
+            if !followed || record.capacity_bytes == here.expanded_bytes {
                 continue;
             }
             match self
@@ -254,6 +273,35 @@ impl NodeSide {
             }
         }
         Ok(grown)
+    }
+}
+
+impl NodeSide {
+    /// Lowers the size the journal says this node grew `volume_id` to, to `size` (the
+    /// controller record's), under the volume's node lock: the next growth the record
+    /// asks for above it is followed again. Nothing is asked of the driver.
+    async fn forget_growth_above(&self, volume_id: &str, size: i64) -> Result<(), BridgeError> {
+        let deadline = Deadline::after(self.config.timeouts.attach);
+        let _guard = self
+            .locks
+            .acquire(LockScope::Node, volume_id, &deadline)
+            .await?;
+        let Some(mut record) = self.journal.load(volume_id)? else {
+            return Ok(());
+        };
+        if record.expanded_bytes <= size {
+            return Ok(());
+        }
+        tracing::warn!(
+            volume_id,
+            grown_to = record.expanded_bytes,
+            recorded = size,
+            "this node grew the volume above its controller record's capacity (an edited \
+             record?); following the record's size from now on"
+        );
+        record.expanded_bytes = size;
+        let journal = self.journal.clone();
+        blocking(move || journal.save(&record, true).map_err(BridgeError::from)).await
     }
 }
 

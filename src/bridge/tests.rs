@@ -11,7 +11,9 @@ use async_trait::async_trait;
 
 use super::handoff::{AttachMetadata, VolumeHandle};
 use super::ports::*;
-use super::records::{ContentSource, NodeRecord, SnapshotRecord, Step, VolumeRecord, VolumeState};
+use super::records::{
+    ContentSource, DeletionPolicy, NodeRecord, SnapshotRecord, Step, VolumeRecord, VolumeState,
+};
 use super::*;
 use crate::config::volume_settings::ConfigSettings;
 use crate::config::{Config, Roles};
@@ -4614,6 +4616,32 @@ async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source(
     assert_eq!(w.backend_volumes().len(), 1);
     // Nothing of it holds the snapshot any more.
     w.controller().delete_snapshot("s1").await.unwrap();
+}
+
+/// A restore repeated after a lost answer goes on with the `Creating` intent of the same
+/// copy, and signs it anew: only if the bridge wrote it. One planted (unsigned, here with
+/// a Retain policy the sweep would honour) or edited is refused and stays unsigned.
+#[tokio::test]
+async fn a_repeated_restore_does_not_sign_a_planted_intent() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.controller().create_snapshot("v", "s1").await.unwrap();
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.controller().restore("s1", "r").await.unwrap_err();
+    w.edit_record("r", |r| {
+        r.integrity = None;
+        r.deletion = Some(DeletionPolicy {
+            retain: true,
+            secret: None,
+        });
+    });
+    let before = w.controller_state();
+    w.fake.clear_calls();
+    let error = w.controller().restore("s1", "r").await.unwrap_err();
+    assert!(error.to_string().contains("integrity"), "{error}");
+    assert_eq!(w.controller_state(), before);
+    assert!(w.stored("r").unwrap().integrity.is_none(), "not signed");
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
 }
 
 #[tokio::test]

@@ -81,19 +81,29 @@ pub fn locate(
 /// what it says), or that holds `[secrets]` any user could read; warns when only its group
 /// could, or when it holds mount flags others can read. "Any user" means the file's
 /// permission bits for others and every directory above it searchable by others: a
-/// world-readable file in a 0700 directory is private.
+/// world-readable file in a 0700 directory is private. `opened` is the file that was read
+/// (its descriptor's metadata): the path must still lead to it, or nothing is known of
+/// what was read, and it is refused.
 pub(super) fn check_access(
     path: &Path,
+    opened: &std::fs::Metadata,
     holds_secrets: bool,
     mount_flags: &[String],
 ) -> Result<(), String> {
-    use std::os::unix::fs::PermissionsExt;
-    let Ok(real) = std::fs::canonicalize(path) else {
-        return Ok(());
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let changed = |why: String| {
+        format!(
+            "{why} after it was read, so what was read cannot be checked (was it replaced \
+             while the bridge read it?); keep the config where only root can change it"
+        )
     };
-    let Ok(meta) = std::fs::metadata(&real) else {
-        return Ok(());
-    };
+    let real = std::fs::canonicalize(path)
+        .map_err(|e| changed(format!("{} no longer resolves ({e})", path.display())))?;
+    let meta = std::fs::metadata(&real)
+        .map_err(|e| changed(format!("{} cannot be read ({e})", real.display())))?;
+    if (meta.dev(), meta.ino()) != (opened.dev(), opened.ino()) {
+        return Err(changed(format!("{} leads to another file", path.display())));
+    }
     let mode = meta.permissions().mode() & 0o777;
     let others_reach = real
         .ancestors()
@@ -299,6 +309,28 @@ mod tests {
         );
     }
 
+    /// What was read must be what is checked: a config unlinked after the read (its
+    /// path no longer resolves) or replaced by another file is refused, however good the
+    /// file now at the path looks. Before, a path that no longer resolved passed every
+    /// check, so a planted config removed right after a hook read it was obeyed.
+    #[test]
+    fn a_config_gone_or_replaced_after_it_was_read_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bridge.toml");
+        std::fs::write(&path, "driver = \"x\"\n").unwrap();
+        let read = std::fs::metadata(&path).unwrap();
+        check_access(&path, &read, false, &[]).unwrap();
+        // Made while the read one still exists, so it cannot have its inode.
+        let other = dir.path().join("other.toml");
+        std::fs::write(&other, "driver = \"x\"\n").unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        let e = check_access(&path, &read, false, &[]).unwrap_err();
+        assert!(e.contains("leads to another file"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        let e = check_access(&path, &read, false, &[]).unwrap_err();
+        assert!(e.contains("no longer resolves"), "{e}");
+    }
+
     /// The three configs of issue 18 finding 6, and what stays allowed. Needs root (it
     /// gives files to other users); skipped without it.
     #[test]
@@ -309,7 +341,7 @@ mod tests {
         }
         let root = tempfile::tempdir().unwrap();
         // What `Config::load` checks (before this check existed, it took all three).
-        let check = |file: &Path| check_access(file, false, &[]);
+        let check = |file: &Path| check_access(file, &std::fs::metadata(file).unwrap(), false, &[]);
         let config = |dir: &Path, mode: u32| {
             std::fs::create_dir_all(dir).unwrap();
             let file = dir.join("bridge.toml");

@@ -420,17 +420,23 @@ impl Config {
 
     /// Reads, parses and validates a config file: every driver it configures, in order.
     pub fn load_all(path: &Path) -> Result<Vec<Self>, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        // Read through one descriptor whose file is the one checked: by path twice, a file
+        // swapped or unlinked between the read and the check was read unchecked.
+        let read = |source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        let mut file = std::fs::File::open(path).map_err(read)?;
+        let opened = file.metadata().map_err(read)?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut file, &mut text).map_err(read)?;
         let configs = Self::parse_all(&text, path)?;
         let holds_secrets = configs.iter().any(|c| !c.secrets.is_empty());
         let mount_flags: Vec<String> = configs
             .iter()
             .flat_map(|c| c.volume.mount_flags.iter().cloned())
             .collect();
-        locate::check_access(path, holds_secrets, &mount_flags).map_err(|message| {
+        locate::check_access(path, &opened, holds_secrets, &mount_flags).map_err(|message| {
             ConfigError::Insecure {
                 path: path.to_path_buf(),
                 message,

@@ -115,15 +115,23 @@ fn full_binary_beside(own: &Path) -> Result<PathBuf, String> {
         ));
     }
     // This process runs as root what it finds there: nobody else may have put it there
-    // (the same rule as for a config file).
-    if full.exists() {
-        crate::config::check_trusted_file(&full).map_err(|why| {
-            format!(
-                "the hook front refuses to run the full binary {}: {why}",
-                full.display()
-            )
-        })?;
+    // (the same rule as for a config file). Checked whether or not it is there now: one
+    // put there after an existence check would run unchecked.
+    if let Err(e) = std::fs::symlink_metadata(&full)
+        && e.kind() == std::io::ErrorKind::NotFound
+    {
+        return Err(format!(
+            "the hook front finds no full binary {}: install cube-csi-bridge beside \
+             cube-csi-hook",
+            full.display()
+        ));
     }
+    crate::config::check_trusted_file(&full).map_err(|why| {
+        format!(
+            "the hook front refuses to run the full binary {}: {why}",
+            full.display()
+        )
+    })?;
     Ok(full)
 }
 
@@ -148,10 +156,20 @@ mod tests {
 
     #[test]
     fn the_full_binary_is_the_fronts_sibling_and_never_the_front_itself() {
-        assert_eq!(
-            full_binary_beside(Path::new("/usr/local/bin/cube-csi-hook")).unwrap(),
-            Path::new("/usr/local/bin/cube-csi-bridge")
-        );
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let front = dir.path().join("cube-csi-hook");
+        let full = dir.path().join(FULL_BINARY);
+        // Missing: refused now, not left to a check skipped and an exec of whatever is
+        // put there in between (before, a missing binary skipped the check).
+        let err = full_binary_beside(&front).unwrap_err();
+        assert!(err.contains("finds no full binary"), "{err}");
+        std::fs::write(&full, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(full_binary_beside(&front).unwrap(), full);
+        std::fs::set_permissions(&full, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = full_binary_beside(&front).unwrap_err();
+        assert!(err.contains("refuses to run the full binary"), "{err}");
         let err = full_binary_beside(Path::new("/opt/x/cube-csi-bridge")).unwrap_err();
         assert!(
             err.contains("installed under the full binary's name"),

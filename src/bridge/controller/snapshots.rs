@@ -633,6 +633,11 @@ impl ControllerSide {
                         && existing.csi_name == csi_name
                         && existing.csi_driver.as_deref() == Some(identity.name.as_str()) =>
                 {
+                    // Signed anew below, so only if the bridge wrote it: a record planted
+                    // by whoever can write the store (a Retain policy, a deletion secret,
+                    // a CSI handle of theirs) would otherwise come out signed.
+                    self.check_integrity_before(&existing, "go on with this copy")
+                        .await?;
                     let mut touched = existing;
                     touched.updated_at = self.now_secs();
                     (touched, false)

@@ -331,3 +331,96 @@ async fn a_node_follows_the_capacity_its_volumes_records_ask_for() {
     );
     assert!(w.fake.mutating_calls().is_empty());
 }
+
+/// A store whose `get` of one volume fails as a CubeVolume edited to another volume's
+/// spec does (`Corrupt`).
+#[derive(Debug)]
+struct OneUnreadable {
+    inner: Arc<MemoryStore>,
+    volume: &'static str,
+}
+
+#[async_trait]
+impl ControllerStore for OneUnreadable {
+    async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        if volume_id == self.volume {
+            return Err(StoreError::Corrupt {
+                store: "one-unreadable".into(),
+                what: format!("the record of {volume_id}"),
+                message: "its spec names another volume".into(),
+            });
+        }
+        self.inner.get(volume_id).await
+    }
+    async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        self.inner.put(record).await
+    }
+    async fn delete(&self, record: &VolumeRecord) -> Result<(), StoreError> {
+        self.inner.delete(record).await
+    }
+    async fn list(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        self.inner.list().await
+    }
+    fn describe(&self) -> String {
+        "one-unreadable".into()
+    }
+}
+
+/// One volume whose record cannot be read (visited first: volumes go in id order) does
+/// not keep the node from growing the others.
+#[tokio::test]
+async fn one_unreadable_record_does_not_stop_the_others_growing() {
+    let w = world(online(), 10);
+    for volume in ["a", "b"] {
+        let created = w.create(volume).await.unwrap();
+        w.attach_created(volume, &created).await;
+    }
+    let controller = w.bridge.controller().unwrap().clone();
+    controller.expand("b", 2 * GI, &[]).await.unwrap();
+    let node = w.bridge.node().unwrap().clone();
+    let store = OneUnreadable {
+        inner: w.store.clone(),
+        volume: "a",
+    };
+    w.fake.clear_calls();
+    assert_eq!(node.follow_recorded_expansions(&store).await.unwrap(), 1);
+    assert_eq!(w.record("b").unwrap().expanded_bytes, (2 * GI) as i64);
+}
+
+/// A CubeVolume edited to an absurd capacity (its size is not covered by the MAC, and
+/// the node has no key) makes the node grow the volume to it: the worst an edited record
+/// may do. It must not leave the node answering every real growth below that size
+/// "already grown": once the record says less, the node follows it again.
+#[tokio::test]
+async fn an_edited_capacity_does_not_stop_later_growth_on_the_node() {
+    let w = world(online(), 10);
+    let created = w.create("v").await.unwrap();
+    w.attach_created("v", &created).await;
+    let node = w.bridge.node().unwrap().clone();
+    let store = w.store.clone() as Arc<dyn ControllerStore>;
+    w.edit_record("v", |r| {
+        r.capacity_bytes = i64::MAX;
+        r.node_expansion_required = true;
+    });
+    assert_eq!(
+        node.follow_recorded_expansions(store.as_ref())
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(w.record("v").unwrap().expanded_bytes, i64::MAX);
+    // The operator puts the record back and grows the volume for real.
+    w.edit_record("v", |r| r.capacity_bytes = GI as i64);
+    node.follow_recorded_expansions(store.as_ref())
+        .await
+        .unwrap();
+    let controller = w.bridge.controller().unwrap().clone();
+    controller.expand("v", 2 * GI, &[]).await.unwrap();
+    w.fake.clear_calls();
+    node.follow_recorded_expansions(store.as_ref())
+        .await
+        .unwrap();
+    let calls = w.node_expand_calls();
+    assert_eq!(calls.last().map(|c| c.3), Some(2 * GI), "{calls:?}");
+    assert_eq!(w.record("v").unwrap().expanded_bytes, (2 * GI) as i64);
+}
