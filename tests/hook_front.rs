@@ -117,7 +117,7 @@ async fn the_front_answers_the_hot_paths_by_itself_and_hands_on_the_rest() {
         .unwrap_err();
     let missing = bin.path().join("cube-csi-bridge");
     assert!(
-        err.message.contains("could not run the full binary")
+        err.message.contains("finds no full binary")
             && err.message.contains(&missing.display().to_string()),
         "{err:?}"
     );
@@ -150,7 +150,7 @@ fn a_front_without_its_full_binary_names_the_missing_file() {
         "{error}"
     );
     // Cube shows a failed hook's stderr: the same message ends it.
-    assert!(String::from_utf8_lossy(&out.stderr).contains("could not run the full binary"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("finds no full binary"));
 }
 
 #[test]
@@ -294,7 +294,7 @@ fn a_front_looks_a_named_socket_group_up_in_etc_group_only() {
     let (json, code) = answer(&detach_by_front("root"));
     assert_eq!(code, Some(0), "answered by the front: {json}");
     let error = install_error(&detach_by_front("no-such-group-ccb"));
-    assert!(error.contains("could not run the full binary"), "{error}");
+    assert!(error.contains("finds no full binary"), "{error}");
 }
 
 /// The front runs the full binary as root: one that someone else could have changed or
