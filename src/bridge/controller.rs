@@ -42,6 +42,10 @@ use super::{
 
 /// How often a write that lost a race to another replica is retried on a fresh read.
 const STORE_RACE_RETRIES: usize = 3;
+/// The first pause before a store call that failed for a moment is tried again, doubled
+/// each time up to the last (all within the caller's budget).
+const STORE_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(50);
+const STORE_RETRY_MAX_PAUSE: Duration = Duration::from_secs(2);
 
 /// Refuses a driver that cannot create volumes.
 pub(crate) fn require_create_delete(
@@ -929,7 +933,33 @@ impl ControllerSide {
         // swept like any unfinished one; a record left saying created would name a
         // deleted volume that no sweep reclaims and Cube never Destroys.
         let mut rounds = 0;
-        while let Some(mut record) = self.controller_store().get(volume_id).await? {
+        // A store that fails for a moment is waited out within the rollback budget: a
+        // claim given up leaves the record created, which no sweep reclaims, of a volume
+        // Cube was told failed and never Destroys.
+        let mut pause = STORE_RETRY_FIRST_PAUSE;
+        let mut wait_out = |error: BridgeError| {
+            let retry = store_transient(&error) && deadline.remaining() > pause;
+            let waited = pause;
+            pause = (pause * 2).min(STORE_RETRY_MAX_PAUSE);
+            match retry {
+                true => {
+                    tracing::warn!(%error, "claiming the record of the unanswered Create failed; retrying");
+                    Ok(waited)
+                }
+                false => Err(error),
+            }
+        };
+        loop {
+            let found = match self.controller_store().get(volume_id).await {
+                Ok(found) => found,
+                Err(e) => {
+                    tokio::time::sleep(wait_out(e.into())?).await;
+                    continue;
+                }
+            };
+            let Some(mut record) = found else {
+                break;
+            };
             let others = record
                 .answering_creates
                 .iter()
@@ -950,6 +980,11 @@ impl ControllerSide {
             } else if record.state != VolumeState::Deleting {
                 record.state = VolumeState::Deleting;
                 record.updated_at = self.now_secs();
+                // A Create whose last write failed left it creating: the claim names the
+                // volume it made, so that whoever finishes the claim deletes that one.
+                record
+                    .csi_volume_id
+                    .get_or_insert_with(|| csi_volume_id.to_string());
             } else {
                 break;
             }
@@ -961,7 +996,7 @@ impl ControllerSide {
                 {
                     rounds += 1;
                 }
-                Err(e) => return Err(e),
+                Err(e) => tokio::time::sleep(wait_out(e)?).await,
             }
         }
         let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
@@ -1033,8 +1068,9 @@ impl ControllerSide {
         Ok((guard, record))
     }
 
-    /// Cube Destroy.
-    pub async fn destroy(&self, req: DestroyVolume) -> Result<(), HookError> {
+    /// Cube Destroy. A caller that left before DeleteVolume deletes nothing: CubeMaster,
+    /// told the Destroy failed, keeps the volume listed and may hand it to a sandbox.
+    pub async fn destroy(&self, req: DestroyVolume, caller: &Caller) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(
             self.recorder.as_ref(),
@@ -1047,7 +1083,7 @@ impl ControllerSide {
                     tracing::info!("no record of this volume; nothing to delete");
                     return Ok(());
                 };
-                self.delete_recorded(HookKind::Destroy, record, &deadline)
+                self.delete_recorded(HookKind::Destroy, record, caller, &deadline)
                     .await
             },
         )
@@ -1060,6 +1096,7 @@ impl ControllerSide {
         &self,
         hook: HookKind,
         record: VolumeRecord,
+        caller: &Caller,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
         self.check_integrity(&record).await?;
@@ -1079,6 +1116,17 @@ impl ControllerSide {
                 id.clone(),
                 self.settings.spec(&identity.name).await?.deletion,
             ),
+            // Claimed by the undo of a Create whose answer never reached Cube, which knew
+            // the volume: deleted by that handle, whatever the reclaim policy (Cube never
+            // had the volume, as the undo decided), not resolved again by a CreateVolume
+            // that may be refused for good (a raised capacity, a StorageClass or content
+            // source gone) or would make a volume only to delete it.
+            (VolumeState::Deleting, Some(id), recorded) => (
+                id.clone(),
+                recorded
+                    .clone()
+                    .map(|d| DeletionPolicy { retain: false, ..d }),
+            ),
             _ => {
                 // The answer to an earlier CreateVolume was lost. CreateVolume is
                 // idempotent by name: asking again returns the volume if it exists.
@@ -1097,6 +1145,11 @@ impl ControllerSide {
                 (id, spec.deletion.or(record.deletion.clone()))
             }
         };
+        // The last moment to stop: a Destroy's caller gone by now (it waited for the
+        // lock, the driver, the apiserver) was told it failed, and the volume stays Cube's.
+        if caller.is_gone() {
+            return Err(BridgeError::CallerGone);
+        }
         if deletion.as_ref().is_some_and(|d| d.retain) {
             tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
         } else {
@@ -1199,7 +1252,8 @@ impl ControllerSide {
             Err(e) => return Err(e),
         }
         let deadline = Deadline::after(self.config.timeouts.destroy);
-        self.delete_recorded(HookKind::Destroy, record, &deadline)
+        // No caller: the sweep's deletions are its own.
+        self.delete_recorded(HookKind::Destroy, record, &Caller::waiting(), &deadline)
             .await?;
         Ok(true)
     }

@@ -151,9 +151,9 @@ impl Bridge {
         side.create(req, caller).await
     }
 
-    pub async fn destroy(&self, req: DestroyVolume) -> Result<(), HookError> {
+    pub async fn destroy(&self, req: DestroyVolume, caller: &Caller) -> Result<(), HookError> {
         let side = self.side(HookKind::Destroy, &req.volume_id, self.controller())?;
-        side.destroy(req).await
+        side.destroy(req, caller).await
     }
 
     pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {

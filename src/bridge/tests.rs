@@ -891,6 +891,9 @@ struct MemoryStore {
     lose_created_answer: std::sync::atomic::AtomicBool,
     /// Reads of volume records so far.
     gets: std::sync::atomic::AtomicUsize,
+    /// Puts of records claimed for deletion that fail, unapplied, with a transient error
+    /// (an apiserver 500, a store lock waited on too long), before one goes through.
+    failing_claims: std::sync::atomic::AtomicUsize,
     next: Mutex<u64>,
     snapshots: Mutex<BTreeMap<String, SnapshotRecord>>,
 }
@@ -902,6 +905,23 @@ impl ControllerStore for MemoryStore {
         Ok(self.records.lock().unwrap().get(volume_id).cloned())
     }
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
+        if record.state == VolumeState::Deleting
+            && self
+                .failing_claims
+                .fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok()
+        {
+            return Err(StoreError::Backend {
+                store: "memory".into(),
+                action: "put".into(),
+                transient: true,
+                source: "the store did not answer in time".into(),
+            });
+        }
         let mut records = self.records.lock().unwrap();
         let stored = records
             .get(&record.volume_id)
@@ -1933,9 +1953,12 @@ impl World {
 
     async fn destroy(&self, volume: &str) -> Result<(), HookError> {
         self.bridge
-            .destroy(DestroyVolume {
-                volume_id: volume.into(),
-            })
+            .destroy(
+                DestroyVolume {
+                    volume_id: volume.into(),
+                },
+                &Caller::waiting(),
+            )
             .await
     }
 
@@ -2066,6 +2089,94 @@ async fn a_create_whose_answer_is_not_delivered_deletes_its_volume() {
     assert_eq!(delivery.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(w.stored("v").is_none(), "record left");
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+}
+
+/// The undo of a Create whose answer never reached Cube claims the record before it
+/// deletes the volume; a claim that fails for a moment (an apiserver 500, the store file's
+/// lock waited on too long) is retried within the rollback budget. Before, the undo gave
+/// up at once: the record stayed created, which no sweep reclaims, Cube (told the Create
+/// failed) never Destroys it, and the volume leaked for good.
+#[tokio::test]
+async fn an_undo_whose_claim_fails_for_a_moment_still_deletes_the_volume() {
+    let w = World::new(Fake::new(false, false));
+    w.store
+        .failing_claims
+        .store(2, std::sync::atomic::Ordering::SeqCst);
+    let (_, caller) = undelivered();
+    let error = w.create_for("v", &caller).await.unwrap_err();
+    assert!(!error.to_string().contains("rollback"), "{error}");
+    assert!(w.stored("v").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+    // As a lost answer of the Created write would leave it, too.
+    w.store
+        .failing_claims
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    w.store
+        .lose_created_answer
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.create("v").await.unwrap_err();
+    assert!(w.stored("v").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+}
+
+/// A claim the undo of an unanswered Create left (its DeleteVolume failed) names the
+/// volume it knew: the sweep deletes that one, with no CreateVolume. Before, the sweep
+/// resolved every claim by CreateVolume again: refused (here: the driver refuses it for
+/// good, as after a raised capacity or a StorageClass gone), the volume leaked and every
+/// Create of the id was refused as "being reclaimed", sweep after sweep.
+#[tokio::test]
+async fn a_claim_left_by_an_undo_is_finished_by_the_handle_it_names() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    let handle = w.stored("v").unwrap().csi_volume_id.unwrap();
+    let finished_at = w.stored("v").unwrap().updated_at;
+    w.fake.script("DeleteVolume", Fault::Final);
+    w.controller()
+        .withdraw_unanswered_create("v", finished_at)
+        .await
+        .unwrap_err();
+    let claimed = w.stored("v").unwrap();
+    assert_eq!(claimed.state, VolumeState::Deleting);
+    assert_eq!(claimed.csi_volume_id.as_deref(), Some(handle.as_str()));
+    w.fake.script("CreateVolume", Fault::Final);
+    w.fake.clear_calls();
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(
+        !w.fake.calls().iter().any(|c| c.contains("CreateVolume")),
+        "{:?}",
+        w.fake.calls()
+    );
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+    assert!(w.stored("v").is_none());
+    // The id is Cube's to create again (the scripted refusal, never asked for, goes).
+    w.fake.state.lock().unwrap().script.clear();
+    w.create("v").await.unwrap();
+}
+
+/// A Destroy whose caller left before DeleteVolume (it waited for the volume's lock, a
+/// restarting controller plugin, a slow apiserver, past CubeMaster's deadline) deletes
+/// nothing: CubeMaster, told it failed, keeps the volume listed and may hand it to a new
+/// sandbox. Before, the Destroy went on in its task and deleted the volume under it.
+#[tokio::test]
+async fn a_destroy_whose_caller_left_deletes_nothing() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    let left = Caller::waiting();
+    left.leave();
+    w.fake.clear_calls();
+    let error = w.bridge.destroy(destroy_req("v"), &left).await.unwrap_err();
+    assert!(error.to_string().contains("caller"), "{error}");
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(w.backend_volumes().len(), 1);
+    assert_eq!(w.stored("v").unwrap().state, VolumeState::Created);
+    // CubeMaster's Destroy again, waited for: done.
+    w.destroy("v").await.unwrap();
+    assert!(w.backend_volumes().is_empty());
 }
 
 /// A controller side of another replica (its own lock dir, as on another host) over the
@@ -2883,9 +2994,12 @@ async fn records_from_before_macs_are_signed_once_when_the_key_is_made() {
         ConfigSettings::new(&Default::default(), &Default::default()),
     );
     restarted
-        .destroy(DestroyVolume {
-            volume_id: "late".into(),
-        })
+        .destroy(
+            DestroyVolume {
+                volume_id: "late".into(),
+            },
+            &Caller::waiting(),
+        )
         .await
         .unwrap();
     assert!(!w.backend_volumes().contains_key("cube-late"));
@@ -2976,10 +3090,14 @@ async fn a_signing_pass_cut_short_by_an_unreachable_store_is_retried() {
             answering_creates: Vec::new(),
         },
     );
+    let caller = Caller::waiting();
     let destroy = || {
-        bridge.destroy(DestroyVolume {
-            volume_id: "old".into(),
-        })
+        bridge.destroy(
+            DestroyVolume {
+                volume_id: "old".into(),
+            },
+            &caller,
+        )
     };
     let err = destroy().await.unwrap_err();
     assert!(
@@ -3788,7 +3906,7 @@ async fn a_lost_key_is_not_replaced_while_signed_records_exist() {
     let restarted = restarted_controller(&w);
     for volume in ["planted", "mine"] {
         let err = restarted
-            .destroy(destroy_req(volume))
+            .destroy(destroy_req(volume), &Caller::waiting())
             .await
             .unwrap_err()
             .to_string();
@@ -3828,7 +3946,7 @@ async fn where_making_a_key_proves_nothing_only_named_unsigned_records_are_signe
     }
     let controller = controller_with_removable_key(&w, "");
     let err = controller
-        .destroy(destroy_req("forged"))
+        .destroy(destroy_req("forged"), &Caller::waiting())
         .await
         .unwrap_err()
         .to_string();
@@ -3848,9 +3966,15 @@ async fn where_making_a_key_proves_nothing_only_named_unsigned_records_are_signe
     }
     // The operator checks "old" against the backend and names it: only it is signed.
     let named = controller_with_removable_key(&w, "sign_unsigned_records = [\"old\", \"gone\"]");
-    named.destroy(destroy_req("old")).await.unwrap();
+    named
+        .destroy(destroy_req("old"), &Caller::waiting())
+        .await
+        .unwrap();
     assert!(!w.backend_volumes().contains_key("cube-old"));
-    named.destroy(destroy_req("forged")).await.unwrap_err();
+    named
+        .destroy(destroy_req("forged"), &Caller::waiting())
+        .await
+        .unwrap_err();
     assert!(w.backend_volumes().contains_key("cube-victim"));
     assert!(w.stored("forged").unwrap().integrity.is_none());
 }
@@ -3886,7 +4010,7 @@ async fn a_record_signed_under_another_key_is_never_re_signed() {
         embedded.controller.unwrap(),
     ] {
         let err = controller
-            .destroy(destroy_req("forged"))
+            .destroy(destroy_req("forged"), &Caller::waiting())
             .await
             .unwrap_err()
             .to_string();

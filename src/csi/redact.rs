@@ -26,9 +26,9 @@ impl Redactions {
         for flag in capability.iter().flat_map(|c| c.mount_flags.iter()) {
             hidden.push(flag.clone());
             for option in flag.split(',') {
-                if let Some((_, value)) = option.split_once('=') {
+                if let Some((key, value)) = option.split_once('=') {
                     hidden.push(option.to_string());
-                    if !is_plain_number(value) {
+                    if !is_plain_number(value) || names_a_credential(key) {
                         hidden.push(value.to_string());
                     }
                 }
@@ -122,6 +122,15 @@ fn is_plain_number(value: &str) -> bool {
     !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit() || b == b'.')
 }
 
+/// A mount option whose value is a credential however it looks (`password=83920183`): its
+/// value is hidden even when it is a plain number, which other options' are not.
+fn names_a_credential(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    ["pass", "secret", "token", "key", "cred", "auth", "pin"]
+        .iter()
+        .any(|word| key.contains(word))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +155,16 @@ mod tests {
             assert!(!scrubbed.contains(leak), "{scrubbed}");
         }
         assert!(scrubbed.contains("refused"), "{scrubbed}");
+        // A credential that is a plain number is hidden on its own too (before, only the
+        // whole option was); other plain numbers stay readable.
+        let cap = Capability {
+            mount_flags: vec!["password=83920183,rsize=1048576".into()],
+            ..cap
+        };
+        let r = Redactions::of(&Secrets::default(), Some(&cap));
+        let scrubbed = r.apply("login with 83920183 refused (rsize 1048576)");
+        assert!(!scrubbed.contains("83920183"), "{scrubbed}");
+        assert!(scrubbed.contains("1048576"), "{scrubbed}");
         assert_eq!(Redactions::NONE.apply("as is"), "as is");
     }
 

@@ -157,9 +157,9 @@ impl Hook for Destroy {
     async fn run(
         bridge: &Bridge,
         checked: Self::Checked,
-        _caller: &Caller,
+        caller: &Caller,
     ) -> Result<Self::Reply, HookError> {
-        bridge.destroy(checked).await?;
+        bridge.destroy(checked, caller).await?;
         Ok(pb::DestroyResponse {})
     }
 
