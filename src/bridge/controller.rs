@@ -1083,8 +1083,20 @@ impl ControllerSide {
                     tracing::info!("no record of this volume; nothing to delete");
                     return Ok(());
                 };
-                self.delete_recorded(HookKind::Destroy, record, caller, &deadline)
-                    .await
+                let deleted = self
+                    .delete_recorded(HookKind::Destroy, record, caller, &deadline)
+                    .await;
+                if matches!(deleted, Err(BridgeError::CallerGone)) {
+                    tracing::warn!(
+                        "the caller of this Destroy left before the volume was deleted, so \
+                         nothing was: CubeMaster, told it failed, keeps the volume. Its next \
+                         Destroy deletes it; if CubeMaster no longer lists it (the clean-up \
+                         Destroy after a Create it could not save), run \
+                         `cube-csi-bridge --op destroy --volume-id {}`",
+                        req.volume_id
+                    );
+                }
+                deleted
             },
         )
         .await
@@ -1128,6 +1140,10 @@ impl ControllerSide {
                     .map(|d| DeletionPolicy { retain: false, ..d }),
             ),
             _ => {
+                // Not even a volume made to be deleted for a caller that left.
+                if caller.is_gone() {
+                    return Err(BridgeError::CallerGone);
+                }
                 // The answer to an earlier CreateVolume was lost. CreateVolume is
                 // idempotent by name: asking again returns the volume if it exists.
                 tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");

@@ -195,13 +195,15 @@ impl NodeSide {
         tracing::info!(volume_id, path = %volume_path.display(), size, "expanding the volume on this node");
         let reply = self.driver.node().expand_volume(&call, &deadline).await;
         let reported = self.driver.driver(reply).await?;
-        record.expanded_bytes = size.max(reported);
+        // The size asked for, not a larger one the driver reports (rounded up): a record
+        // asking for exactly what was asked here is then done, never "above" the record.
+        record.expanded_bytes = size;
         let journal = self.journal.clone();
         let saved = record.clone();
         blocking(move || journal.save(&saved, true).map_err(BridgeError::from)).await?;
         Ok(NodeExpansion::Expanded {
             volume_path,
-            capacity_bytes: record.expanded_bytes,
+            capacity_bytes: size.max(reported),
         })
     }
 }
@@ -244,7 +246,7 @@ impl NodeSide {
                 // edited record (i64::MAX). Kept above the record's, that memory would
                 // answer every real growth below it "already grown".
                 if let Err(error) = self
-                    .forget_growth_above(&volume_id, record.capacity_bytes)
+                    .forget_growth_above(&volume_id, here.expanded_bytes, record.capacity_bytes)
                     .await
                 {
                     tracing::warn!(volume_id = %volume_id, %error, "lowering the size this node grew the volume to failed; retrying later");
@@ -277,10 +279,17 @@ impl NodeSide {
 }
 
 impl NodeSide {
-    /// Lowers the size the journal says this node grew `volume_id` to, to `size` (the
-    /// controller record's), under the volume's node lock: the next growth the record
-    /// asks for above it is followed again. Nothing is asked of the driver.
-    async fn forget_growth_above(&self, volume_id: &str, size: i64) -> Result<(), BridgeError> {
+    /// Lowers the size the journal says this node grew `volume_id` to, from `seen` (read
+    /// before the lock) to `size` (the controller record's), under the volume's node
+    /// lock: the next growth the record asks for above it is followed again. A size that
+    /// changed since it was seen (an `expand` meanwhile) is left. Nothing is asked of the
+    /// driver.
+    async fn forget_growth_above(
+        &self,
+        volume_id: &str,
+        seen: i64,
+        size: i64,
+    ) -> Result<(), BridgeError> {
         let deadline = Deadline::after(self.config.timeouts.attach);
         let _guard = self
             .locks
@@ -289,7 +298,7 @@ impl NodeSide {
         let Some(mut record) = self.journal.load(volume_id)? else {
             return Ok(());
         };
-        if record.expanded_bytes <= size {
+        if record.expanded_bytes != seen || record.expanded_bytes <= size {
             return Ok(());
         }
         tracing::warn!(

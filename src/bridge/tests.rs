@@ -894,6 +894,8 @@ struct MemoryStore {
     /// Puts of records claimed for deletion that fail, unapplied, with a transient error
     /// (an apiserver 500, a store lock waited on too long), before one goes through.
     failing_claims: std::sync::atomic::AtomicUsize,
+    /// Reads of volume records that fail with a transient error, before one goes through.
+    failing_gets: std::sync::atomic::AtomicUsize,
     next: Mutex<u64>,
     snapshots: Mutex<BTreeMap<String, SnapshotRecord>>,
 }
@@ -902,6 +904,22 @@ struct MemoryStore {
 impl ControllerStore for MemoryStore {
     async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
         self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self
+            .failing_gets
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok()
+        {
+            return Err(StoreError::Backend {
+                store: "memory".into(),
+                action: "get".into(),
+                transient: true,
+                source: "the store did not answer in time".into(),
+            });
+        }
         Ok(self.records.lock().unwrap().get(volume_id).cloned())
     }
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
@@ -2117,6 +2135,22 @@ async fn an_undo_whose_claim_fails_for_a_moment_still_deletes_the_volume() {
     w.create("v").await.unwrap_err();
     assert!(w.stored("v").is_none(), "record left");
     assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
+    // And reads of the record that fail for a moment, before the claim (a new volume's
+    // Create reads nothing before them: its writes go first).
+    let (_, caller) = undelivered();
+    w.store
+        .failing_gets
+        .store(2, std::sync::atomic::Ordering::SeqCst);
+    w.create_for("w", &caller).await.unwrap_err();
+    assert_eq!(
+        w.store
+            .failing_gets
+            .load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "both failing reads were the undo's"
+    );
+    assert!(w.stored("w").is_none(), "record left");
+    assert!(w.backend_volumes().is_empty(), "CSI volume leaked");
 }
 
 /// A claim the undo of an unanswered Create left (its DeleteVolume failed) names the
@@ -2177,6 +2211,14 @@ async fn a_destroy_whose_caller_left_deletes_nothing() {
     // CubeMaster's Destroy again, waited for: done.
     w.destroy("v").await.unwrap();
     assert!(w.backend_volumes().is_empty());
+    // Nor is a volume made only to be deleted: an unfinished Create's record is resolved
+    // by a CreateVolume, which a caller gone never gets.
+    w.fake.script("CreateVolume", Fault::Uncertain);
+    w.create("u").await.unwrap_err();
+    assert_eq!(w.stored("u").unwrap().state, VolumeState::Creating);
+    w.fake.clear_calls();
+    w.bridge.destroy(destroy_req("u"), &left).await.unwrap_err();
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
 }
 
 /// A controller side of another replica (its own lock dir, as on another host) over the

@@ -66,14 +66,51 @@ pub(super) fn check_inferred() -> Result<(), KubeError> {
     }
 }
 
-/// Runs the kubeconfig's `exec` command, if any, with no terminal of the bridge's: in the
-/// client's default (interactive) mode it would inherit the process's stdin and stderr, and
-/// a forked hook's stderr is what Cube shows as a failed hook's message, so whatever the
-/// command printed there (a token, a URL with one) would reach Cube's callers.
-pub(super) fn never_interactive(config: &mut kube::Config) {
+/// Makes the client run the kubeconfig's programs exactly as they were checked: a bare
+/// `exec` command (or an auth provider's `cmd-path`) becomes the absolute path of the file
+/// found and checked, so that a file put earlier on `PATH` later, or a `dropEnv: [PATH]`,
+/// cannot change what the client's spawn runs at a token refresh. The `exec` command also
+/// runs with no terminal of the bridge's: in the client's default (interactive) mode it
+/// would inherit the process's stdin and stderr, and a forked hook's stderr is what Cube
+/// shows as a failed hook's message.
+pub(super) fn pin_programs(config: &mut kube::Config) -> Result<(), String> {
     if let Some(exec) = config.auth_info.exec.as_mut() {
         exec.interactive_mode = Some(ExecInteractiveMode::Never);
+        if let Some(command) = &exec.command {
+            let program = checked_program("exec command", command, exec_path(exec))?;
+            exec.command = Some(program);
+        }
     }
+    if let Some(provider) = config.auth_info.auth_provider.as_mut()
+        && let Some(command) = provider.config.get("cmd-path")
+    {
+        let program = checked_program("auth-provider cmd-path", command, None)?;
+        provider.config.insert("cmd-path".into(), program);
+    }
+    Ok(())
+}
+
+/// The `PATH` an `exec` command's own `env` gives it: the last one, as the spawn sets
+/// them in order.
+fn exec_path(exec: &kube::config::ExecConfig) -> Option<String> {
+    exec.env
+        .iter()
+        .flatten()
+        .rev()
+        .find(|pair| pair.get("name").is_some_and(|n| n == "PATH") && pair.contains_key("value"))
+        .and_then(|pair| pair.get("value").cloned())
+}
+
+/// The absolute path of the program `command` names, once it passed the trust rule.
+fn checked_program(field: &str, command: &str, path_env: Option<String>) -> Result<String, String> {
+    let path = program_path(command, path_env)?;
+    crate::config::check_trusted_file(&path)
+        .map_err(|problem| format!("its {field} {}: {problem}", path.display()))?;
+    let absolute = std::path::absolute(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    absolute
+        .to_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("its {field} {} is not UTF-8", absolute.display()))
 }
 
 /// A client error as words safe to log and to return to Cube: an authentication failure
@@ -177,13 +214,7 @@ fn check_named_files(kubeconfig: &Kubeconfig) -> Result<(), String> {
         if let Some(exec) = &user.exec
             && let Some(command) = &exec.command
         {
-            let path_env = exec
-                .env
-                .iter()
-                .flatten()
-                .find(|pair| pair.get("name").is_some_and(|n| n == "PATH"))
-                .and_then(|pair| pair.get("value").cloned());
-            named.push(("exec command", program_path(command, path_env)?));
+            named.push(("exec command", program_path(command, exec_path(exec))?));
         }
         if let Some(command) = user
             .auth_provider
@@ -307,7 +338,7 @@ mod tests {
         if let Some(home) = home {
             unsafe { std::env::set_var("HOME", home) };
         }
-        assert!(expected.is_some(), "this user has an entry with a home dir");
+        // A uid with no entry in the password database has no home dir to find.
         assert_eq!(candidates, expected.into_iter().collect::<Vec<_>>());
     }
 
@@ -434,7 +465,7 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         set_mode(&path, 0o600);
         let mut config = load(&path).await.unwrap();
-        never_interactive(&mut config);
+        pin_programs(&mut config).unwrap();
         assert_eq!(
             config.auth_info.exec.as_ref().unwrap().interactive_mode,
             Some(ExecInteractiveMode::Never)
@@ -462,5 +493,40 @@ mod tests {
             described.contains("exec command failed") && described.contains("3"),
             "{described}"
         );
+    }
+
+    /// A bare exec command is run as the file that was checked, by its absolute path: one
+    /// put earlier on the command's PATH afterwards (a directory that passed no check,
+    /// here empty when the kubeconfig was loaded) is never what a token refresh runs.
+    /// Before, the client kept the bare name and looked it up again at every spawn.
+    #[tokio::test]
+    async fn a_bare_exec_command_runs_as_the_file_checked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (early, late) = (tmp.path().join("early"), tmp.path().join("late"));
+        for dir in [&early, &late] {
+            std::fs::create_dir(dir).unwrap();
+        }
+        let checked = late.join("get-token");
+        std::fs::write(&checked, "#!/bin/sh\nexit 1\n").unwrap();
+        set_mode(&checked, 0o755);
+        let path = tmp.path().join("kubeconfig");
+        let search = std::env::join_paths([&early, &late]).unwrap();
+        std::fs::write(
+            &path,
+            KUBECONFIG.replace(
+                "token: t",
+                &format!(
+                    "exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: get-token\n      env:\n      - name: PATH\n        value: /nowhere\n      - name: PATH\n        value: {}",
+                    search.to_str().unwrap()
+                ),
+            ),
+        )
+        .unwrap();
+        set_mode(&path, 0o600);
+        let mut config = load(&path).await.unwrap();
+        pin_programs(&mut config).unwrap();
+        std::fs::copy(&checked, early.join("get-token")).unwrap();
+        let command = config.auth_info.exec.as_ref().unwrap().command.clone();
+        assert_eq!(command.as_deref(), checked.to_str());
     }
 }

@@ -135,7 +135,10 @@ impl Kube {
                 (config, "the inferred configuration".to_string())
             }
         };
-        kubeconfig::never_interactive(&mut config);
+        kubeconfig::pin_programs(&mut config).map_err(|message| KubeError::Configure {
+            source_desc: source_desc.clone(),
+            message,
+        })?;
         config.connect_timeout = Some(CONNECT_TIMEOUT);
         config.read_timeout = Some(READ_TIMEOUT);
         config.write_timeout = Some(READ_TIMEOUT);
