@@ -403,35 +403,74 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, config: &Config) -> tokio::task::Join
                     Err(error) => tracing::error!(%error, "node journal reconciliation failed"),
                 }
             }
-            let mut scan = tokio::time::interval(ABANDONED_SCAN_INTERVAL);
-            let mut sweep_timer =
-                tokio::time::interval(sweep.unwrap_or(Duration::from_secs(86_400)));
-            // The first pass of each runs now, in this order, and its end is logged: after
-            // that line these passes write nothing until their next interval.
-            scan.tick().await;
-            sweep_timer.tick().await;
-            if let Some(node) = &node {
-                abandoned_node_pass(node).await;
-            }
-            if let (Some(controller), Some(_)) = (&controller, sweep) {
-                abandoned_create_pass(controller, grace).await;
-            }
-            tracing::info!("{HOUSEKEEPING_STARTED}");
-            loop {
-                tokio::select! {
-                    _ = scan.tick(), if node.is_some() => {
-                        let Some(node) = &node else { continue };
-                        abandoned_node_pass(node).await;
-                    }
-                    _ = sweep_timer.tick(), if sweep.is_some() => {
-                        let Some(controller) = &controller else { continue };
-                        abandoned_create_pass(controller, grace).await;
-                    }
+            let node_pass = node.map(|node| {
+                move || {
+                    let node = node.clone();
+                    async move { abandoned_node_pass(&node).await }
                 }
-            }
+            });
+            let sweep_pass = controller.zip(sweep).map(|(controller, every)| {
+                let pass = move || {
+                    let controller = controller.clone();
+                    async move { abandoned_create_pass(&controller, grace).await }
+                };
+                (every, pass)
+            });
+            periodic_passes(ABANDONED_SCAN_INTERVAL, node_pass, sweep_pass).await
         }
         .in_current_span(),
     )
+}
+
+/// Runs the node scan every `scan` and the create sweep at its interval, each on a clock
+/// of its own: a sweep whose reclaims each wait out a Destroy's budget (a controller
+/// plugin down, when abandoned Creates pile up) never holds back the node scan, the
+/// backstop for failed Attaches Cube never Detaches. The first pass of each runs at once,
+/// in this order, and its end is logged: after that line these passes write nothing until
+/// their next interval.
+async fn periodic_passes<N, NF, S, SF>(
+    scan: Duration,
+    node_pass: Option<N>,
+    sweep_pass: Option<(Duration, S)>,
+) where
+    N: Fn() -> NF,
+    NF: std::future::Future<Output = ()>,
+    S: Fn() -> SF,
+    SF: std::future::Future<Output = ()>,
+{
+    if let Some(pass) = &node_pass {
+        pass().await;
+    }
+    if let Some((_, pass)) = &sweep_pass {
+        pass().await;
+    }
+    tracing::info!("{HOUSEKEEPING_STARTED}");
+    let every = |period: Duration| {
+        let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        timer
+    };
+    let node_loop = async {
+        let Some(pass) = &node_pass else {
+            return std::future::pending().await;
+        };
+        let mut timer = every(scan);
+        loop {
+            timer.tick().await;
+            pass().await;
+        }
+    };
+    let sweep_loop = async {
+        let Some((period, pass)) = &sweep_pass else {
+            return std::future::pending().await;
+        };
+        let mut timer = every(*period);
+        loop {
+            timer.tick().await;
+            pass().await;
+        }
+    };
+    tokio::join!(node_loop, sweep_loop);
 }
 
 /// Logged once the start-up reconciliation and the first abandoned-work passes are done.
@@ -517,5 +556,65 @@ pub fn shutdown_signal() -> impl Future<Output = ()> {
             _ = int.recv() => "SIGINT",
         };
         tracing::info!(signal = name, "received shutdown signal");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A sweep pass that lasts (three reclaims, each waiting out a Destroy's budget on a
+    /// controller plugin that is down) does not hold back the node scan: here the long
+    /// sweep ends only once the scan has run three more times meanwhile (or gives up after
+    /// 60 s). Before, both ran in one loop, one pass at a time: the scan waited for the
+    /// sweep, which waited for the scan, until it gave up.
+    #[tokio::test]
+    async fn a_long_sweep_never_holds_back_the_node_scan() {
+        let scans = Arc::new(AtomicUsize::new(0));
+        let sweeps = Arc::new(AtomicUsize::new(0));
+        let scanned = Arc::new(tokio::sync::Notify::new());
+        let node_pass = {
+            let (scans, scanned) = (scans.clone(), scanned.clone());
+            move || {
+                scans.fetch_add(1, Ordering::SeqCst);
+                scanned.notify_waiters();
+                async {}
+            }
+        };
+        let (gave_up_tx, mut gave_up) = tokio::sync::mpsc::unbounded_channel();
+        let sweep_pass = {
+            let (sweeps, scans, scanned) = (sweeps.clone(), scans.clone(), scanned.clone());
+            move || {
+                let first = sweeps.fetch_add(1, Ordering::SeqCst) == 0;
+                let (scans, scanned, gave_up) =
+                    (scans.clone(), scanned.clone(), gave_up_tx.clone());
+                async move {
+                    if first {
+                        return;
+                    }
+                    let start = scans.load(Ordering::SeqCst);
+                    let three_more = async {
+                        while scans.load(Ordering::SeqCst) < start + 3 {
+                            let next = scanned.notified();
+                            if scans.load(Ordering::SeqCst) >= start + 3 {
+                                break;
+                            }
+                            next.await;
+                        }
+                    };
+                    let waited = tokio::time::timeout(Duration::from_secs(60), three_more).await;
+                    let _ = gave_up.send(waited.is_err());
+                }
+            }
+        };
+        let passes = tokio::spawn(periodic_passes(
+            Duration::from_millis(10),
+            Some(node_pass),
+            Some((Duration::from_millis(20), sweep_pass)),
+        ));
+        let gave_up = gave_up.recv().await.unwrap();
+        passes.abort();
+        assert!(!gave_up, "the node scan did not run during a long sweep");
     }
 }
