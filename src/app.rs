@@ -311,9 +311,11 @@ pub fn controller_store(
 /// there (`store::owner`): a bridge of another config file that named the same dir is
 /// refused, with the fix.
 fn claim_state_dir(config: &Config) -> Result<(), BridgeError> {
+    let csi_endpoint = config.csi.endpoint.to_string();
     let owner = crate::store::owner::Owner {
         driver: &config.driver,
         lock_dir: &config.state.lock_dir,
+        csi_endpoint: &csi_endpoint,
     };
     crate::store::owner::claim(&config.state.dir, &owner)
         .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))

@@ -14,18 +14,32 @@ use std::path::Path;
 /// The file in the state dir naming its owner.
 pub const OWNER_FILE: &str = "owner";
 
-/// What a state dir's owner file says: the driver served and the lock dir that serializes
-/// its hooks. The same driver with another lock dir is another owner: its hooks would not
-/// exclude this one's.
+/// What a state dir's owner file says: the driver served, the lock dir that serializes
+/// its hooks, and the CSI driver it calls. The same driver with another lock dir is another
+/// owner: its hooks would not exclude this one's. So is one calling another CSI driver
+/// (a copied config whose endpoint was changed but not its driver name): its scans would
+/// tear this one's volumes down through the wrong driver, whose NOT_FOUND counts as done.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner<'a> {
     pub driver: &'a str,
     pub lock_dir: &'a Path,
+    /// `csi.endpoint`, as parsed (so both spellings of one socket agree).
+    pub csi_endpoint: &'a str,
 }
 
 impl Owner<'_> {
     /// The owner file's exact bytes. Quoted, so that no name or path can forge a line.
     fn render(&self) -> String {
+        format!(
+            "{}csi_endpoint {:?}\n",
+            self.render_before_endpoints(),
+            self.csi_endpoint
+        )
+    }
+
+    /// What an owner file said before it named the CSI endpoint: a claim of this form
+    /// with this driver and lock dir is this bridge's, and is rewritten in the current one.
+    fn render_before_endpoints(&self) -> String {
         format!(
             "driver {:?}\nlock_dir {:?}\n",
             self.driver,
@@ -43,6 +57,9 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     let path = dir.join(OWNER_FILE);
     match read_claim(&path)? {
         Some(found) if found == wanted.as_bytes() => return Ok(()),
+        Some(found) if found == owner.render_before_endpoints().as_bytes() => {
+            return upgrade_claim(dir, &found, &wanted);
+        }
         Some(found) => return Err(foreign(dir, &found, &wanted)),
         None => {}
     }
@@ -50,12 +67,12 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     // Checked again now that it exists: the caller judged a missing dir by the ones above
     // it, and in a sticky directory such as /tmp another user could make it first.
     super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
-    let tmp = dir.join(format!(".{OWNER_FILE}.{}.tmp", std::process::id()));
+    // Made afresh (O_EXCL) under a name no other claimer uses.
+    let tmp = unique_tmp(dir);
     let linked = (|| {
         let mut file = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&tmp)?;
@@ -65,7 +82,18 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     })();
     let _ = std::fs::remove_file(&tmp);
     match linked {
-        Ok(()) => Ok(()),
+        // What was linked is what is there now (read back, not assumed).
+        Ok(()) => match read_claim(&path)? {
+            Some(found) if found == wanted.as_bytes() => Ok(()),
+            Some(found) => Err(foreign(dir, &found, &wanted)),
+            None => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "claiming state.dir {}: the owner file vanished",
+                    dir.display()
+                ),
+            )),
+        },
         // Another bridge claimed it between the read and the link: whose is it?
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match read_claim(&path)? {
             Some(found) if found == wanted.as_bytes() => Ok(()),
@@ -77,6 +105,65 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
             format!("claiming state.dir {}: {e}", dir.display()),
         )),
     }
+}
+
+/// Rewrites a claim of the form before endpoints (`found`) as `wanted`, in place (a synced
+/// file renamed over it), and reads it back: a bridge of the older form and this one
+/// starting at once both rewrite, and the one whose text is not there is refused.
+fn upgrade_claim(dir: &Path, found: &[u8], wanted: &str) -> io::Result<()> {
+    let path = dir.join(OWNER_FILE);
+    let tmp = unique_tmp(dir);
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        file.write_all(wanted.as_bytes())?;
+        file.sync_data()?;
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "claiming state.dir {} (rewriting its claim {:?} to name the CSI endpoint): {e}",
+                dir.display(),
+                String::from_utf8_lossy(found)
+            ),
+        )
+    })?;
+    match read_claim(&path)? {
+        Some(now) if now == wanted.as_bytes() => Ok(()),
+        Some(now) => Err(foreign(dir, &now, wanted)),
+        None => Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "claiming state.dir {}: the owner file vanished",
+                dir.display()
+            ),
+        )),
+    }
+}
+
+/// A temporary name in `dir` no other claimer uses (pid, time and a count): with the pid
+/// alone, two claimers of one pid number (each the PID 1 of its container) opened one
+/// file, and the one that wrote last had its text linked as the other's claim.
+fn unique_tmp(dir: &Path) -> std::path::PathBuf {
+    static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    dir.join(format!(
+        ".{OWNER_FILE}.{}.{nanos}.{}.tmp",
+        std::process::id(),
+        CLAIMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ))
 }
 
 /// What another user who could write `state.dir` could do: the risk `check_private_dir`
@@ -114,9 +201,10 @@ fn foreign(dir: &Path, found: &[u8], wanted: &str) -> io::Error {
             "state.dir {} belongs to another bridge ({} says {}; this one is {}): two \
              bridges sharing a state dir would act on each other's volumes through the \
              wrong driver and locks. Give each driver its own state.dir (the default is \
-             /var/lib/cube-csi-bridge/<driver>); if this is the same bridge with its driver \
-             or state.lock_dir renamed on purpose, stop every bridge using the dir and \
-             remove {}",
+             /var/lib/cube-csi-bridge/<driver>), and a config copied for another CSI driver \
+             its own driver name; if this is the same bridge with its driver, state.lock_dir \
+             or csi.endpoint changed on purpose, stop every bridge using the dir and remove \
+             {}",
             dir.display(),
             dir.join(OWNER_FILE).display(),
             says(&String::from_utf8_lossy(found)),
@@ -131,7 +219,11 @@ mod tests {
     use super::*;
 
     fn owner<'a>(driver: &'a str, lock_dir: &'a Path) -> Owner<'a> {
-        Owner { driver, lock_dir }
+        Owner {
+            driver,
+            lock_dir,
+            csi_endpoint: "unix:///csi/csi.sock",
+        }
     }
 
     #[test]
@@ -158,6 +250,71 @@ mod tests {
         }
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(left.len(), 1, "a temporary file was left: {left:?}");
+    }
+
+    /// A config copied for another CSI driver whose driver name was left as it was
+    /// (same driver, same lock dir, another `csi.endpoint`) is another owner, refused with
+    /// the fix; before, the claim matched and both shared one journal. A claim written
+    /// before claims named the endpoint is this bridge's, and is rewritten to name it.
+    #[test]
+    fn another_csi_endpoint_is_another_owner_and_an_older_claim_is_upgraded() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let locks = tmp.path().join("locks");
+        let ours = owner("local", &locks);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(OWNER_FILE), ours.render_before_endpoints()).unwrap();
+        claim(&dir, &ours).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join(OWNER_FILE)).unwrap(),
+            ours.render()
+        );
+        let copied = Owner {
+            csi_endpoint: "unix:///nfs/csi.sock",
+            ..ours.clone()
+        };
+        let err = claim(&dir, &copied).unwrap_err().to_string();
+        assert!(
+            err.contains("belongs to another bridge") && err.contains("/nfs/csi.sock"),
+            "{err}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join(OWNER_FILE)).unwrap(),
+            ours.render()
+        );
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "a temporary file was left: {left:?}");
+    }
+
+    /// Two bridges claiming a fresh dir at once (threads of one process: one pid, as two
+    /// containers' PID 1s have): never both win, and the one that wins is what the file
+    /// says.
+    #[test]
+    fn two_claims_at_once_never_both_win() {
+        let tmp = tempfile::tempdir().unwrap();
+        for round in 0..300 {
+            let dir = tmp.path().join(format!("state-{round}"));
+            let (short, long) = (tmp.path().join("l"), tmp.path().join("much-longer-locks"));
+            let start = std::sync::Barrier::new(2);
+            let (a, b) = std::thread::scope(|s| {
+                let a = s.spawn(|| {
+                    start.wait();
+                    claim(&dir, &owner("nfs", &short)).is_ok()
+                });
+                let b = s.spawn(|| {
+                    start.wait();
+                    claim(&dir, &owner("nfs", &long)).is_ok()
+                });
+                (a.join().unwrap(), b.join().unwrap())
+            });
+            assert!(!(a && b), "round {round}: both claims won");
+            let file = std::fs::read_to_string(dir.join(OWNER_FILE)).unwrap();
+            let winner = if a { &short } else { &long };
+            assert!(
+                !(a || b) || file.contains(&format!("{:?}", winner.display().to_string())),
+                "round {round}: the winner is not what the file says: {file}"
+            );
+        }
     }
 
     #[test]
