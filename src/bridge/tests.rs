@@ -900,45 +900,37 @@ struct MemoryStore {
     snapshots: Mutex<BTreeMap<String, SnapshotRecord>>,
 }
 
+/// Takes one of `count`'s failures to come, if any are left.
+fn take_one(count: &std::sync::atomic::AtomicUsize) -> bool {
+    use std::sync::atomic::Ordering::SeqCst;
+    count
+        .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+/// A store call that failed for a moment, unapplied (an apiserver 500, a lock waited on
+/// too long).
+fn did_not_answer(action: &str) -> StoreError {
+    StoreError::Backend {
+        store: "memory".into(),
+        action: action.into(),
+        transient: true,
+        source: "the store did not answer in time".into(),
+    }
+}
+
 #[async_trait]
 impl ControllerStore for MemoryStore {
     async fn get(&self, volume_id: &str) -> Result<Option<VolumeRecord>, StoreError> {
         self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if self
-            .failing_gets
-            .fetch_update(
-                std::sync::atomic::Ordering::SeqCst,
-                std::sync::atomic::Ordering::SeqCst,
-                |n| n.checked_sub(1),
-            )
-            .is_ok()
-        {
-            return Err(StoreError::Backend {
-                store: "memory".into(),
-                action: "get".into(),
-                transient: true,
-                source: "the store did not answer in time".into(),
-            });
+        if take_one(&self.failing_gets) {
+            return Err(did_not_answer("get"));
         }
         Ok(self.records.lock().unwrap().get(volume_id).cloned())
     }
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
-        if record.state == VolumeState::Deleting
-            && self
-                .failing_claims
-                .fetch_update(
-                    std::sync::atomic::Ordering::SeqCst,
-                    std::sync::atomic::Ordering::SeqCst,
-                    |n| n.checked_sub(1),
-                )
-                .is_ok()
-        {
-            return Err(StoreError::Backend {
-                store: "memory".into(),
-                action: "put".into(),
-                transient: true,
-                source: "the store did not answer in time".into(),
-            });
+        if record.state == VolumeState::Deleting && take_one(&self.failing_claims) {
+            return Err(did_not_answer("put"));
         }
         let mut records = self.records.lock().unwrap();
         let stored = records

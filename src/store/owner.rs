@@ -67,33 +67,9 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     // Checked again now that it exists: the caller judged a missing dir by the ones above
     // it, and in a sticky directory such as /tmp another user could make it first.
     super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
-    // Made afresh (O_EXCL) under a name no other claimer uses.
-    let tmp = unique_tmp(dir);
-    let linked = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        file.write_all(wanted.as_bytes())?;
-        file.sync_data()?;
-        std::fs::hard_link(&tmp, &path)
-    })();
-    let _ = std::fs::remove_file(&tmp);
+    let linked = place_claim(dir, &wanted, |tmp, path| std::fs::hard_link(tmp, path));
     match linked {
-        // What was linked is what is there now (read back, not assumed).
-        Ok(()) => match read_claim(&path)? {
-            Some(found) if found == wanted.as_bytes() => Ok(()),
-            Some(found) => Err(foreign(dir, &found, &wanted)),
-            None => Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                format!(
-                    "claiming state.dir {}: the owner file vanished",
-                    dir.display()
-                ),
-            )),
-        },
+        Ok(()) => confirm_claim(dir, &wanted),
         // Another bridge claimed it between the read and the link: whose is it?
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match read_claim(&path)? {
             Some(found) if found == wanted.as_bytes() => Ok(()),
@@ -111,24 +87,11 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
 /// file renamed over it), and reads it back: a bridge of the older form and this one
 /// starting at once both rewrite, and the one whose text is not there is refused.
 fn upgrade_claim(dir: &Path, found: &[u8], wanted: &str) -> io::Result<()> {
-    let path = dir.join(OWNER_FILE);
-    let tmp = unique_tmp(dir);
-    let written = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        file.write_all(wanted.as_bytes())?;
-        file.sync_data()?;
-        std::fs::rename(&tmp, &path)?;
+    place_claim(dir, wanted, |tmp, path| {
+        std::fs::rename(tmp, path)?;
         std::fs::File::open(dir)?.sync_all()
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.map_err(|e| {
+    })
+    .map_err(|e| {
         io::Error::new(
             e.kind(),
             format!(
@@ -138,7 +101,36 @@ fn upgrade_claim(dir: &Path, found: &[u8], wanted: &str) -> io::Result<()> {
             ),
         )
     })?;
-    match read_claim(&path)? {
+    confirm_claim(dir, wanted)
+}
+
+/// Writes `wanted` to a synced file made afresh (`O_EXCL`) under a name no other claimer
+/// uses, and has `place` put it at the owner file (a link, a rename); the temporary name
+/// is gone afterwards either way.
+fn place_claim(
+    dir: &Path,
+    wanted: &str,
+    place: impl FnOnce(&Path, &Path) -> io::Result<()>,
+) -> io::Result<()> {
+    let tmp = unique_tmp(dir);
+    let placed = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        file.write_all(wanted.as_bytes())?;
+        file.sync_data()?;
+        place(&tmp, &dir.join(OWNER_FILE))
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    placed
+}
+
+/// What was placed is what is there now: read back, not assumed.
+fn confirm_claim(dir: &Path, wanted: &str) -> io::Result<()> {
+    match read_claim(&dir.join(OWNER_FILE))? {
         Some(now) if now == wanted.as_bytes() => Ok(()),
         Some(now) => Err(foreign(dir, &now, wanted)),
         None => Err(io::Error::new(
