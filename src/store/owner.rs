@@ -14,7 +14,13 @@ use std::path::Path;
 /// The file in the state dir naming its owner.
 pub const OWNER_FILE: &str = "owner";
 
-/// What a state dir's owner file says: the driver served, the lock dir that serializes
+/// The file beside it naming the CSI driver its owner calls. A file of its own, so that
+/// `owner` keeps the form every earlier version wrote and checks byte for byte: a binary
+/// of an earlier version (a rollback, a forked hook still running through an upgrade)
+/// still finds the dir its own, and ignores this file.
+pub const ENDPOINT_FILE: &str = "owner.csi_endpoint";
+
+/// What a state dir's owner files say: the driver served, the lock dir that serializes
 /// its hooks, and the CSI driver it calls. The same driver with another lock dir is another
 /// owner: its hooks would not exclude this one's. So is one calling another CSI driver
 /// (a copied config whose endpoint was changed but not its driver name): its scans would
@@ -31,49 +37,56 @@ impl Owner<'_> {
     /// The owner file's exact bytes. Quoted, so that no name or path can forge a line.
     fn render(&self) -> String {
         format!(
-            "{}csi_endpoint {:?}\n",
-            self.render_before_endpoints(),
-            self.csi_endpoint
-        )
-    }
-
-    /// What an owner file said before it named the CSI endpoint: a claim of this form
-    /// with this driver and lock dir is this bridge's, and is rewritten in the current one.
-    fn render_before_endpoints(&self) -> String {
-        format!(
             "driver {:?}\nlock_dir {:?}\n",
             self.driver,
             self.lock_dir.display().to_string()
         )
     }
+
+    /// The endpoint file's exact bytes.
+    fn render_endpoint(&self) -> String {
+        format!("csi_endpoint {:?}\n", self.csi_endpoint)
+    }
 }
 
 /// Makes `dir` (0700) if it is missing and claims it for `owner`, or checks that `owner`
 /// already has it. Refuses a dir another owner claimed, naming both, with the fix; writes
-/// nothing then. The claim is made whole or not at all (a synced file hard-linked into
-/// place), so two bridges starting at once cannot both win.
+/// nothing then. Each file of the claim is made whole or not at all (a synced file
+/// hard-linked into place, then read back), so two bridges starting at once cannot both
+/// win. A dir claimed before claims named the endpoint gets its endpoint file from the
+/// first bridge of this version to start.
 pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
-    let wanted = owner.render();
-    let path = dir.join(OWNER_FILE);
+    let made = claim_file(dir, OWNER_FILE, &owner.render(), || {
+        crate::mount::ops::ensure_dir(dir, 0o700)?;
+        // Checked again now that it exists: the caller judged a missing dir by the ones
+        // above it, and in a sticky directory such as /tmp another user could make it first.
+        super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)
+    });
+    made?;
+    claim_file(dir, ENDPOINT_FILE, &owner.render_endpoint(), || Ok(()))
+}
+
+/// Checks that `dir/name` says `wanted`, or, when there is no such file, runs `prepare`
+/// and places one that does (refusing one another bridge placed meanwhile).
+fn claim_file(
+    dir: &Path,
+    name: &str,
+    wanted: &str,
+    prepare: impl FnOnce() -> io::Result<()>,
+) -> io::Result<()> {
+    let path = dir.join(name);
     match read_claim(&path)? {
         Some(found) if found == wanted.as_bytes() => return Ok(()),
-        Some(found) if found == owner.render_before_endpoints().as_bytes() => {
-            return upgrade_claim(dir, &found, &wanted);
-        }
-        Some(found) => return Err(foreign(dir, &found, &wanted)),
+        Some(found) => return Err(foreign(dir, name, &found, wanted)),
         None => {}
     }
-    crate::mount::ops::ensure_dir(dir, 0o700)?;
-    // Checked again now that it exists: the caller judged a missing dir by the ones above
-    // it, and in a sticky directory such as /tmp another user could make it first.
-    super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
-    let linked = place_claim(dir, &wanted, |tmp, path| std::fs::hard_link(tmp, path));
-    match linked {
-        Ok(()) => confirm_claim(dir, &wanted),
+    prepare()?;
+    match place_claim(dir, name, wanted) {
+        Ok(()) => confirm_claim(dir, name, wanted),
         // Another bridge claimed it between the read and the link: whose is it?
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match read_claim(&path)? {
             Some(found) if found == wanted.as_bytes() => Ok(()),
-            Some(found) => Err(foreign(dir, &found, &wanted)),
+            Some(found) => Err(foreign(dir, name, &found, wanted)),
             None => Err(e),
         },
         Err(e) => Err(io::Error::new(
@@ -83,79 +96,66 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     }
 }
 
-/// Rewrites a claim of the form before endpoints (`found`) as `wanted`, in place (a synced
-/// file renamed over it), and reads it back: a bridge of the older form and this one
-/// starting at once both rewrite, and the one whose text is not there is refused.
-fn upgrade_claim(dir: &Path, found: &[u8], wanted: &str) -> io::Result<()> {
-    place_claim(dir, wanted, |tmp, path| {
-        std::fs::rename(tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })
-    .map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!(
-                "claiming state.dir {} (rewriting its claim {:?} to name the CSI endpoint): {e}",
-                dir.display(),
-                String::from_utf8_lossy(found)
-            ),
-        )
-    })?;
-    confirm_claim(dir, wanted)
-}
-
 /// Writes `wanted` to a synced file made afresh (`O_EXCL`) under a name no other claimer
-/// uses, and has `place` put it at the owner file (a link, a rename); the temporary name
-/// is gone afterwards either way.
-fn place_claim(
-    dir: &Path,
-    wanted: &str,
-    place: impl FnOnce(&Path, &Path) -> io::Result<()>,
-) -> io::Result<()> {
-    let tmp = unique_tmp(dir);
+/// uses and hard-links it at `dir/name` (`AlreadyExists` when one is there); the temporary
+/// name is gone afterwards.
+fn place_claim(dir: &Path, name: &str, wanted: &str) -> io::Result<()> {
+    let (tmp, mut file) = fresh_tmp(dir)?;
     let placed = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&tmp)?;
         file.write_all(wanted.as_bytes())?;
         file.sync_data()?;
-        place(&tmp, &dir.join(OWNER_FILE))
+        std::fs::hard_link(&tmp, dir.join(name))
     })();
     let _ = std::fs::remove_file(&tmp);
     placed
 }
 
-/// What was placed is what is there now: read back, not assumed.
-fn confirm_claim(dir: &Path, wanted: &str) -> io::Result<()> {
-    match read_claim(&dir.join(OWNER_FILE))? {
-        Some(now) if now == wanted.as_bytes() => Ok(()),
-        Some(now) => Err(foreign(dir, &now, wanted)),
-        None => Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!(
-                "claiming state.dir {}: the owner file vanished",
-                dir.display()
-            ),
-        )),
+/// A temporary file made afresh in `dir` under a name no other claimer uses (pid, time,
+/// a count; another name if one is taken): with the pid alone, two claimers of one pid
+/// number (each the PID 1 of its container) opened one file, and the one that wrote last
+/// had its text linked as the other's claim.
+fn fresh_tmp(dir: &Path) -> io::Result<(std::path::PathBuf, std::fs::File)> {
+    static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut tries = 0;
+    loop {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let tmp = dir.join(format!(
+            ".{OWNER_FILE}.{}.{nanos}.{}.tmp",
+            std::process::id(),
+            CLAIMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp);
+        match opened {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 8 => tries += 1,
+            // Not the claim's AlreadyExists: no one else's temporary is removed.
+            Err(e) => {
+                return Err(io::Error::other(format!(
+                    "making a temporary file in state.dir {}: {e}",
+                    dir.display()
+                )));
+            }
+        }
     }
 }
 
-/// A temporary name in `dir` no other claimer uses (pid, time and a count): with the pid
-/// alone, two claimers of one pid number (each the PID 1 of its container) opened one
-/// file, and the one that wrote last had its text linked as the other's claim.
-fn unique_tmp(dir: &Path) -> std::path::PathBuf {
-    static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    dir.join(format!(
-        ".{OWNER_FILE}.{}.{nanos}.{}.tmp",
-        std::process::id(),
-        CLAIMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ))
+/// What was placed is what is there now: read back, not assumed.
+fn confirm_claim(dir: &Path, name: &str, wanted: &str) -> io::Result<()> {
+    match read_claim(&dir.join(name))? {
+        Some(now) if now == wanted.as_bytes() => Ok(()),
+        Some(now) => Err(foreign(dir, name, &now, wanted)),
+        None => Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("claiming state.dir {}: {name} vanished", dir.display()),
+        )),
+    }
 }
 
 /// What another user who could write `state.dir` could do: the risk `check_private_dir`
@@ -185,7 +185,7 @@ fn read_claim(path: &Path) -> io::Result<Option<Vec<u8>>> {
     Ok(Some(found))
 }
 
-fn foreign(dir: &Path, found: &[u8], wanted: &str) -> io::Error {
+fn foreign(dir: &Path, name: &str, found: &[u8], wanted: &str) -> io::Error {
     let says = |text: &str| text.trim_end().replace('\n', ", ");
     io::Error::new(
         io::ErrorKind::AlreadyExists,
@@ -196,12 +196,13 @@ fn foreign(dir: &Path, found: &[u8], wanted: &str) -> io::Error {
              /var/lib/cube-csi-bridge/<driver>), and a config copied for another CSI driver \
              its own driver name; if this is the same bridge with its driver, state.lock_dir \
              or csi.endpoint changed on purpose, stop every bridge using the dir and remove \
-             {}",
+             {} and {}",
             dir.display(),
-            dir.join(OWNER_FILE).display(),
+            dir.join(name).display(),
             says(&String::from_utf8_lossy(found)),
             says(wanted),
             dir.join(OWNER_FILE).display(),
+            dir.join(ENDPOINT_FILE).display(),
         ),
     )
 }
@@ -241,25 +242,37 @@ mod tests {
             assert_eq!(std::fs::read(dir.join(OWNER_FILE)).unwrap(), claimed);
         }
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
-        assert_eq!(left.len(), 1, "a temporary file was left: {left:?}");
+        assert_eq!(left.len(), 2, "a temporary file was left: {left:?}");
     }
 
     /// A config copied for another CSI driver whose driver name was left as it was
     /// (same driver, same lock dir, another `csi.endpoint`) is another owner, refused with
-    /// the fix; before, the claim matched and both shared one journal. A claim written
-    /// before claims named the endpoint is this bridge's, and is rewritten to name it.
+    /// the fix; before, the claim matched and both shared one journal. A dir claimed
+    /// before claims named the endpoint (an `owner` file alone) is this bridge's, and gets
+    /// its endpoint file; `owner` keeps the form an earlier version reads back byte for
+    /// byte, so a rollback still starts.
     #[test]
-    fn another_csi_endpoint_is_another_owner_and_an_older_claim_is_upgraded() {
+    fn another_csi_endpoint_is_another_owner_and_an_older_claim_is_completed() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("state");
         let locks = tmp.path().join("locks");
         let ours = owner("local", &locks);
+        // What every earlier version wrote, and reads back.
+        let earlier = format!(
+            "driver {:?}\nlock_dir {:?}\n",
+            "local",
+            locks.display().to_string()
+        );
         std::fs::create_dir(&dir).unwrap();
-        std::fs::write(dir.join(OWNER_FILE), ours.render_before_endpoints()).unwrap();
+        std::fs::write(dir.join(OWNER_FILE), &earlier).unwrap();
         claim(&dir, &ours).unwrap();
         assert_eq!(
             std::fs::read_to_string(dir.join(OWNER_FILE)).unwrap(),
-            ours.render()
+            earlier
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join(ENDPOINT_FILE)).unwrap(),
+            "csi_endpoint \"unix:///csi/csi.sock\"\n"
         );
         let copied = Owner {
             csi_endpoint: "unix:///nfs/csi.sock",
@@ -267,15 +280,18 @@ mod tests {
         };
         let err = claim(&dir, &copied).unwrap_err().to_string();
         assert!(
-            err.contains("belongs to another bridge") && err.contains("/nfs/csi.sock"),
+            err.contains("belongs to another bridge")
+                && err.contains("/nfs/csi.sock")
+                && err.contains(ENDPOINT_FILE),
             "{err}"
         );
         assert_eq!(
-            std::fs::read_to_string(dir.join(OWNER_FILE)).unwrap(),
-            ours.render()
+            std::fs::read_to_string(dir.join(ENDPOINT_FILE)).unwrap(),
+            ours.render_endpoint()
         );
+        claim(&dir, &ours).unwrap();
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
-        assert_eq!(left.len(), 1, "a temporary file was left: {left:?}");
+        assert_eq!(left.len(), 2, "a temporary file was left: {left:?}");
     }
 
     /// Two bridges claiming a fresh dir at once (threads of one process: one pid, as two
