@@ -22,6 +22,7 @@ use crate::k8s::record_key::SecretKeySource;
 use crate::k8s::{CubeSnapshotStore, CubeVolumeStore, Kube, StorageClassSource};
 use crate::metrics::{DriverLabel, PrometheusRecorder};
 use crate::mount::{BaseDirPolicy, HostDirs};
+use crate::store::owner::Keeper;
 use crate::store::{EmbeddedStore, FileJournal, FileKeySource, FileLocks};
 use crate::system::SystemClock;
 
@@ -188,7 +189,7 @@ fn shared_over(
     )
     .map_err(|e| BridgeError::io(format!("state dir {}", state_dir.display()), e))?;
     if keeps_records {
-        claim_state_dir(config)?;
+        claim_state_dir(config, Keeper::Node)?;
     }
     let lock_dir = &config.state.lock_dir;
     let locks = Arc::new(
@@ -301,20 +302,24 @@ pub fn controller_store(
             unreachable!("a Kubernetes store makes the config use Kubernetes")
         }
         (ControllerStoreKind::Embedded, _) => {
-            claim_state_dir(config)?;
+            claim_state_dir(config, Keeper::Controller)?;
             Arc::new(Arc::new(EmbeddedStore::open(&config.state.store_path())?))
         }
     })
 }
 
-/// Claims `state.dir` for this driver and lock dir before any record is read or written
-/// there (`store::owner`): a bridge of another config file that named the same dir is
-/// refused, with the fix.
-fn claim_state_dir(config: &Config) -> Result<(), BridgeError> {
-    let csi_endpoint = config.csi.endpoint.to_string();
+/// Claims `state.dir` for this driver, lock dir and the CSI endpoint whose volumes the
+/// `keeper` records before any record is read or written there (`store::owner`): a bridge
+/// of another config file that named the same dir is refused, with the fix.
+fn claim_state_dir(config: &Config, keeper: Keeper) -> Result<(), BridgeError> {
+    let csi_endpoint = match keeper {
+        Keeper::Node => config.csi.endpoint.to_string(),
+        Keeper::Controller => config.csi.controller().to_string(),
+    };
     let owner = crate::store::owner::Owner {
         driver: &config.driver,
         lock_dir: &config.state.lock_dir,
+        keeper,
         csi_endpoint: &csi_endpoint,
     };
     crate::store::owner::claim(&config.state.dir, &owner)

@@ -14,11 +14,28 @@ use std::path::Path;
 /// The file in the state dir naming its owner.
 pub const OWNER_FILE: &str = "owner";
 
-/// The file beside it naming the CSI driver its owner calls. A file of its own, so that
-/// `owner` keeps the form every earlier version wrote and checks byte for byte: a binary
-/// of an earlier version (a rollback, a forked hook still running through an upgrade)
-/// still finds the dir its own, and ignores this file.
-pub const ENDPOINT_FILE: &str = "owner.csi_endpoint";
+/// Which records a claimer keeps in the dir, and so which CSI endpoint its claim names:
+/// a node side's journal is of the volumes of `csi.endpoint`, an embedded controller
+/// store's of `csi.controller_endpoint`'s. Each has a file of its own beside `owner`, so
+/// that a node-only and a controller-only bridge of one driver may share the dir, and so
+/// that `owner` keeps the form every earlier version wrote and checks byte for byte: a
+/// binary of an earlier version (a rollback, a forked hook still running through an
+/// upgrade) still finds the dir its own, and ignores these files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keeper {
+    Node,
+    Controller,
+}
+
+impl Keeper {
+    /// The file naming the CSI endpoint of this keeper's records.
+    pub fn endpoint_file(self) -> &'static str {
+        match self {
+            Keeper::Node => "owner.node_csi_endpoint",
+            Keeper::Controller => "owner.controller_csi_endpoint",
+        }
+    }
+}
 
 /// What a state dir's owner files say: the driver served, the lock dir that serializes
 /// its hooks, and the CSI driver it calls. The same driver with another lock dir is another
@@ -29,7 +46,10 @@ pub const ENDPOINT_FILE: &str = "owner.csi_endpoint";
 pub struct Owner<'a> {
     pub driver: &'a str,
     pub lock_dir: &'a Path,
-    /// `csi.endpoint`, as parsed (so both spellings of one socket agree).
+    /// Whose records, and so which endpoint.
+    pub keeper: Keeper,
+    /// The endpoint of the CSI driver whose volumes the keeper records, as parsed (so
+    /// both spellings of one socket agree).
     pub csi_endpoint: &'a str,
 }
 
@@ -63,7 +83,12 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
         super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)
     });
     made?;
-    claim_file(dir, ENDPOINT_FILE, &owner.render_endpoint(), || Ok(()))
+    claim_file(
+        dir,
+        owner.keeper.endpoint_file(),
+        &owner.render_endpoint(),
+        || Ok(()),
+    )
 }
 
 /// Checks that `dir/name` says `wanted`, or, when there is no such file, runs `prepare`
@@ -195,14 +220,13 @@ fn foreign(dir: &Path, name: &str, found: &[u8], wanted: &str) -> io::Error {
              wrong driver and locks. Give each driver its own state.dir (the default is \
              /var/lib/cube-csi-bridge/<driver>), and a config copied for another CSI driver \
              its own driver name; if this is the same bridge with its driver, state.lock_dir \
-             or csi.endpoint changed on purpose, stop every bridge using the dir and remove \
-             {} and {}",
+             or CSI endpoint changed on purpose, stop every bridge using the dir and remove \
+             {}",
             dir.display(),
             dir.join(name).display(),
             says(&String::from_utf8_lossy(found)),
             says(wanted),
-            dir.join(OWNER_FILE).display(),
-            dir.join(ENDPOINT_FILE).display(),
+            dir.join(name).display(),
         ),
     )
 }
@@ -215,6 +239,7 @@ mod tests {
         Owner {
             driver,
             lock_dir,
+            keeper: Keeper::Node,
             csi_endpoint: "unix:///csi/csi.sock",
         }
     }
@@ -271,7 +296,7 @@ mod tests {
             earlier
         );
         assert_eq!(
-            std::fs::read_to_string(dir.join(ENDPOINT_FILE)).unwrap(),
+            std::fs::read_to_string(dir.join(Keeper::Node.endpoint_file())).unwrap(),
             "csi_endpoint \"unix:///csi/csi.sock\"\n"
         );
         let copied = Owner {
@@ -282,16 +307,25 @@ mod tests {
         assert!(
             err.contains("belongs to another bridge")
                 && err.contains("/nfs/csi.sock")
-                && err.contains(ENDPOINT_FILE),
+                && err.contains(Keeper::Node.endpoint_file()),
             "{err}"
         );
         assert_eq!(
-            std::fs::read_to_string(dir.join(ENDPOINT_FILE)).unwrap(),
+            std::fs::read_to_string(dir.join(Keeper::Node.endpoint_file())).unwrap(),
             ours.render_endpoint()
         );
         claim(&dir, &ours).unwrap();
+        // A controller-only bridge of the same driver, whose records are of another
+        // endpoint's volumes (its controller's), shares the dir: its claim is its own.
+        let controller = Owner {
+            keeper: Keeper::Controller,
+            csi_endpoint: "unix:///csi/controller.sock",
+            ..ours.clone()
+        };
+        claim(&dir, &controller).unwrap();
+        claim(&dir, &ours).unwrap();
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
-        assert_eq!(left.len(), 2, "a temporary file was left: {left:?}");
+        assert_eq!(left.len(), 3, "a temporary file was left: {left:?}");
     }
 
     /// Two bridges claiming a fresh dir at once (threads of one process: one pid, as two
