@@ -4748,13 +4748,20 @@ async fn a_clone_copies_a_volume_under_a_new_id() {
     assert!(w.stored("v").is_some());
 }
 
-#[tokio::test]
-async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source() {
+/// A world where volume "v" has snapshot "s1", and a restore of it as "r" lost the
+/// answer to its CreateVolume: "r" is left a `Creating` intent with that content source.
+async fn unanswered_restore() -> World {
     let w = World::new(Fake::new(false, false));
     w.create("v").await.unwrap();
     w.controller().create_snapshot("v", "s1").await.unwrap();
     w.fake.script("CreateVolume", Fault::Uncertain);
     w.controller().restore("s1", "r").await.unwrap_err();
+    w
+}
+
+#[tokio::test]
+async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source() {
+    let w = unanswered_restore().await;
     assert_eq!(w.stored("r").unwrap().state, VolumeState::Creating);
     let report = w
         .controller()
@@ -4781,11 +4788,7 @@ async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source(
 /// a Retain policy the sweep would honour) or edited is refused and stays unsigned.
 #[tokio::test]
 async fn a_repeated_restore_does_not_sign_a_planted_intent() {
-    let w = World::new(Fake::new(false, false));
-    w.create("v").await.unwrap();
-    w.controller().create_snapshot("v", "s1").await.unwrap();
-    w.fake.script("CreateVolume", Fault::Uncertain);
-    w.controller().restore("s1", "r").await.unwrap_err();
+    let w = unanswered_restore().await;
     w.edit_record("r", |r| {
         r.integrity = None;
         r.deletion = Some(DeletionPolicy {
