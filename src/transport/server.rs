@@ -425,9 +425,9 @@ fn spawn_housekeeping(bridge: Arc<Bridge>, config: &Config) -> tokio::task::Join
 /// Runs the node scan every `scan` and the create sweep at its interval, each on a clock
 /// of its own: a sweep whose reclaims each wait out a Destroy's budget (a controller
 /// plugin down, when abandoned Creates pile up) never holds back the node scan, the
-/// backstop for failed Attaches Cube never Detaches. The first pass of each runs at once,
-/// in this order, and its end is logged: after that line these passes write nothing until
-/// their next interval.
+/// backstop for failed Attaches Cube never Detaches. That holds for the first passes too,
+/// which run at once, each in its own loop; the line logged once both have ended says
+/// that these passes write nothing more until their next interval.
 async fn periodic_passes<N, NF, S, SF>(
     scan: Duration,
     node_pass: Option<N>,
@@ -438,39 +438,37 @@ async fn periodic_passes<N, NF, S, SF>(
     S: Fn() -> SF,
     SF: std::future::Future<Output = ()>,
 {
-    if let Some(pass) = &node_pass {
-        pass().await;
-    }
-    if let Some((_, pass)) = &sweep_pass {
-        pass().await;
-    }
-    tracing::info!("{HOUSEKEEPING_STARTED}");
-    let every = |period: Duration| {
-        let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        timer
-    };
-    let node_loop = async {
-        let Some(pass) = &node_pass else {
-            return std::future::pending().await;
-        };
-        let mut timer = every(scan);
-        loop {
-            timer.tick().await;
-            pass().await;
+    let firsts_left = std::sync::atomic::AtomicUsize::new(2);
+    let first_done = || {
+        if firsts_left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            tracing::info!("{HOUSEKEEPING_STARTED}");
         }
     };
-    let sweep_loop = async {
-        let Some((period, pass)) = &sweep_pass else {
-            return std::future::pending().await;
-        };
-        let mut timer = every(*period);
-        loop {
-            timer.tick().await;
-            pass().await;
-        }
+    tokio::join!(
+        repeat_pass(node_pass.map(|pass| (scan, pass)), &first_done),
+        repeat_pass(sweep_pass, &first_done),
+    );
+}
+
+/// Runs `pass` at once, says so through `first_done`, then once every period; with no
+/// pass, says so at once and never ends.
+async fn repeat_pass<P, F>(pass: Option<(Duration, P)>, first_done: &impl Fn())
+where
+    P: Fn() -> F,
+    F: std::future::Future<Output = ()>,
+{
+    let Some((period, pass)) = pass else {
+        first_done();
+        return std::future::pending().await;
     };
-    tokio::join!(node_loop, sweep_loop);
+    pass().await;
+    first_done();
+    let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        timer.tick().await;
+        pass().await;
+    }
 }
 
 /// Logged once the start-up reconciliation and the first abandoned-work passes are done.
@@ -616,5 +614,45 @@ mod tests {
         let gave_up = gave_up.recv().await.unwrap();
         passes.abort();
         assert!(!gave_up, "the node scan did not run during a long sweep");
+    }
+
+    /// Nor does the first sweep, which runs at start-up: with abandoned Creates piled up
+    /// while the controller plugin is down, it lasts one Destroy budget per record. Here
+    /// it never ends, and the node scan still runs again and again. Before, the first
+    /// passes ran one after the other ahead of both loops: the scan ran once, then waited.
+    #[tokio::test]
+    async fn a_first_sweep_that_lasts_never_holds_back_the_node_scan() {
+        let scans = Arc::new(AtomicUsize::new(0));
+        let scanned = Arc::new(tokio::sync::Notify::new());
+        let node_pass = {
+            let (scans, scanned) = (scans.clone(), scanned.clone());
+            move || {
+                scans.fetch_add(1, Ordering::SeqCst);
+                scanned.notify_waiters();
+                async {}
+            }
+        };
+        let sweep_pass = || std::future::pending::<()>();
+        let passes = tokio::spawn(periodic_passes(
+            Duration::from_millis(10),
+            Some(node_pass),
+            Some((Duration::from_millis(20), sweep_pass)),
+        ));
+        let three_scans = async {
+            loop {
+                let next = scanned.notified();
+                if scans.load(Ordering::SeqCst) >= 3 {
+                    break;
+                }
+                next.await;
+            }
+        };
+        let waited = tokio::time::timeout(Duration::from_secs(60), three_scans).await;
+        passes.abort();
+        assert!(
+            waited.is_ok(),
+            "the node scan ran {} time(s) while the first sweep lasted",
+            scans.load(Ordering::SeqCst)
+        );
     }
 }
