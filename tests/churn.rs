@@ -254,7 +254,7 @@ async fn a_thousand_attach_detach_cycles_leak_nothing_and_keep_every_file() {
     }
     for (i, handle) in shared.handles.iter().enumerate() {
         let id = volume_id(i);
-        let data = w.driver.volume_dir(&format!("fake-cube-{id}"));
+        let data = w.driver.volume_dir(&w.driver.csi_volume_of(&id).unwrap());
         let files = by_volume.get(&i).cloned().unwrap_or_default();
         for file in &files {
             let read = std::fs::read_to_string(data.join(&file.name)).unwrap_or_default();

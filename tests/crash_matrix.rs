@@ -516,8 +516,17 @@ impl Lab {
         self.w.base_dir.join(format!("fake+{VOLUME}"))
     }
 
+    /// `VOLUME`'s CSI volume at the driver (named by its Create, `fake-cube-<id>-<12 hex>`),
+    /// or a name no volume has when there is none.
     fn csi_volume(&self) -> String {
-        format!("fake-cube-{VOLUME}")
+        self.csi_volume_of(VOLUME)
+    }
+
+    fn csi_volume_of(&self, volume_id: &str) -> String {
+        self.w
+            .driver
+            .csi_volume_of(volume_id)
+            .unwrap_or_else(|| format!("fake-cube-{volume_id} (none)"))
     }
 
     /// What is left on the node of an attachment of `VOLUME` nobody holds (or, with
@@ -609,9 +618,9 @@ impl Lab {
         let mut want_records = vec![(
             BYSTANDER.to_string(),
             VolumeState::Created,
-            Some(format!("fake-cube-{BYSTANDER}")),
+            Some(self.csi_volume_of(BYSTANDER)),
         )];
-        let mut want_volumes = vec![format!("fake-cube-{BYSTANDER}")];
+        let mut want_volumes = vec![self.csi_volume_of(BYSTANDER)];
         if exists {
             want_records.push((
                 VOLUME.to_string(),

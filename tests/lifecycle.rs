@@ -68,9 +68,10 @@ async fn assert_call_sequence(
     );
     assert_eq!(w.journal_records(), 0);
 
+    let csi_volume = w.driver.csi_volume_of("vol-1").unwrap();
     w.destroy("vol-1").await.unwrap();
     step(&["DeleteVolume"]);
-    assert!(!w.driver.volume_dir("fake-cube-vol-1").exists());
+    assert!(!w.driver.volume_dir(&csi_volume).exists());
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -193,7 +194,8 @@ async fn destroy_and_detach_of_what_is_gone_succeed() {
         w.destroy("gone").await.unwrap();
         // The backend volume vanished behind the bridge's back.
         let created2 = w.create("vanished").await.unwrap();
-        std::fs::remove_dir_all(w.driver.volume_dir("fake-cube-vanished")).unwrap();
+        let vanished = w.driver.csi_volume_of("vanished").unwrap();
+        std::fs::remove_dir_all(w.driver.volume_dir(&vanished)).unwrap();
         w.destroy("vanished").await.unwrap();
         assert_eq!(
             w.driver

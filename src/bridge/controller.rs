@@ -26,7 +26,7 @@ use super::discovery::DriverView;
 use super::faults::{self, When};
 use super::handoff::VolumeHandle;
 use super::integrity::{KeyFit, RecordKey, RecordKeySource, Verdict};
-use super::naming::csi_volume_name;
+use super::naming::fresh_csi_volume_name;
 use super::ports::{
     Clock, ControllerCaps, ControllerExpand, ControllerExpanded, ControllerStore, CreatedVolume,
     DriverIdentity, LockGuard, LockScope, NewVolume, Recorder, SecretUse, Secrets, SnapshotStore,
@@ -604,15 +604,9 @@ impl ControllerSide {
             let ours = existing.is_none();
             let mut record = match existing {
                 Some(existing) => {
+                    // Its CreateVolume name is the one it records (signed below), not
+                    // the fresh one this call drew.
                     check_same_driver(&existing, csi_driver)?;
-                    if existing.csi_name != csi_name {
-                        return Err(BridgeError::Precondition(format!(
-                            "the controller store already records this volume as CSI volume \
-                             name {:?}, but volume.name_prefix now gives {csi_name:?}; restore \
-                             the old name_prefix or Destroy the volume first",
-                            existing.csi_name
-                        )));
-                    }
                     if existing.state == VolumeState::Deleting {
                         return Err(being_reclaimed(volume_id));
                     }
@@ -748,20 +742,20 @@ impl ControllerSide {
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
                 .await?;
-            let csi_name = csi_volume_name(&self.config.name_prefix, &req.volume_id);
-            tracing::info!(name = %req.name, csi_name, "creating CSI volume");
-
             // Intent first: if the answer to CreateVolume is lost, Destroy (or the sweep)
-            // can still find the volume by its name.
+            // can still find the volume by the name it records. A new volume gets a name
+            // of its own; a Create that finds an intent asks again by the name it holds.
             let attempt = new_create_attempt();
             let (record, intent_is_ours) = self
                 .begin_create(
                     &req.volume_id,
-                    &csi_name,
+                    &fresh_csi_volume_name(&self.config.name_prefix, &req.volume_id),
                     &identity.name,
                     spec.deletion.as_ref(),
                 )
                 .await?;
+            let csi_name = record.csi_name.clone();
+            tracing::info!(name = %req.name, csi_name, "creating CSI volume");
 
             let recorded_capacity = match record.state {
                 VolumeState::Created => record.capacity_bytes,

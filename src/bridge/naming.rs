@@ -66,9 +66,38 @@ pub fn validate_volume_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The CreateVolume name for a Cube volume: `prefix + volume_id`, or, when that would
-/// exceed CSI's 128 bytes, a truncated form ending in a hash of the whole volume_id. The
-/// same volume_id always gives the same name, so a retried Create finds its volume.
+/// The CreateVolume name of one Create of `volume_id`: `prefix + volume_id + "-" +` 12 hex
+/// digits of its own (cut as `csi_volume_name` cuts past 128 bytes). Each Create gets a
+/// new name because CreateVolume is idempotent by name and Cube lets a volume_id be used
+/// again once its volume is destroyed: with the same name every time, a Create of a reused
+/// id would be handed the CSI volume an earlier Destroy kept (a StorageClass's
+/// `reclaimPolicy: Retain`, csi-driver-nfs's `onDelete: retain`), and the new volume's
+/// owner would read the old one's data. A retried Create finds its volume by the name its
+/// intent record holds, never by deriving it again.
+pub fn fresh_csi_volume_name(prefix: &str, volume_id: &str) -> String {
+    csi_volume_name(prefix, &format!("{volume_id}-{}", name_nonce()))
+}
+
+/// 12 hex digits no other call of this process returns and another process returns only
+/// by chance (one in 2^48): a counter hashed with keys the standard library draws from the
+/// kernel's random source once per process.
+fn name_nonce() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static KEYS: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = KEYS
+        .get_or_init(std::collections::hash_map::RandomState::new)
+        .build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u64(COUNT.fetch_add(1, Ordering::Relaxed));
+    format!("{:012x}", hasher.finish() >> 16)
+}
+
+/// A stable CreateVolume (or CreateSnapshot) name: `prefix + id`, or, when that would
+/// exceed CSI's 128 bytes, a truncated form ending in a hash of the whole id. The same id
+/// always gives the same name.
 ///
 /// A plain name that reads like a truncated one (128 bytes ending in `-` and 16 hex
 /// digits) is hashed too: else a volume_id crafted as another, longer one's truncated form
@@ -282,6 +311,25 @@ mod tests {
         // Exactly 128 bytes, plain: kept as it is.
         let fits = "x".repeat(123);
         assert_eq!(csi_volume_name("cube-", &fits), format!("cube-{fits}"));
+    }
+
+    /// Two Creates of one volume_id never share a CreateVolume name, short or cut.
+    #[test]
+    fn each_create_of_a_volume_id_gets_a_name_of_its_own() {
+        for id in ["v1".to_string(), "y".repeat(128)] {
+            let (a, b) = (
+                fresh_csi_volume_name("cube-", &id),
+                fresh_csi_volume_name("cube-", &id),
+            );
+            assert_ne!(a, b);
+            for name in [&a, &b] {
+                assert!(name.len() <= MAX_CSI_NAME_LEN, "{name}");
+                assert!(name.starts_with(&format!("cube-{}", &id[..2])), "{name}");
+            }
+        }
+        let short = fresh_csi_volume_name("cube-", "v1");
+        let nonce = short.strip_prefix("cube-v1-").unwrap();
+        assert!(nonce.len() == 12 && nonce.bytes().all(|b| b.is_ascii_hexdigit()));
     }
 
     /// A volume_id crafted as a longer one's truncated name gets a name of its own.

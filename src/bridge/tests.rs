@@ -35,7 +35,7 @@ fn sides_with(
     fake: &Fake,
     store: Arc<dyn ControllerStore>,
     roles: Roles,
-    settings: ConfigSettings,
+    settings: impl VolumeSettings + 'static,
 ) -> Bridge {
     let journal = Arc::new(crate::store::FileJournal::open(&config.state.journal_dir()).unwrap());
     sides_over(config, fake, store, roles, settings, journal)
@@ -46,7 +46,7 @@ fn sides_over(
     fake: &Fake,
     store: Arc<dyn ControllerStore>,
     roles: Roles,
-    settings: ConfigSettings,
+    settings: impl VolumeSettings + 'static,
     journal: Arc<dyn NodeJournal>,
 ) -> Bridge {
     let core = crate::app::core_settings(config);
@@ -141,6 +141,8 @@ struct DriverState {
     restored_from: BTreeMap<String, String>,
     /// The content source of each CreateVolume, by name.
     content_sources: BTreeMap<String, Option<ContentSource>>,
+    /// The id the next new volume gets, instead of `handle-<n>`.
+    next_handle: Option<String>,
 }
 
 /// What another user put under the base dir, as the fake's `HostPaths` sees it.
@@ -443,12 +445,11 @@ impl ControllerDriver for Fake {
         }
         s.content_sources
             .insert(volume.name.clone(), volume.content_source.clone());
-        let next = s.volumes.len();
-        let id = s
-            .volumes
-            .entry(volume.name.clone())
-            .or_insert_with(|| format!("handle-{next}"))
-            .clone();
+        let next = s
+            .next_handle
+            .take()
+            .unwrap_or_else(|| format!("handle-{}", s.volumes.len()));
+        let id = s.volumes.entry(volume.name.clone()).or_insert(next).clone();
         if let Some(ContentSource::Snapshot {
             csi_snapshot_id, ..
         }) = &volume.content_source
@@ -1979,6 +1980,11 @@ impl World {
     fn backend_volumes(&self) -> BTreeMap<String, String> {
         self.fake.state.lock().unwrap().volumes.clone()
     }
+
+    /// The CreateVolume name the record of `volume` holds.
+    fn csi_name(&self, volume: &str) -> String {
+        self.stored(volume).unwrap().csi_name
+    }
 }
 
 #[tokio::test]
@@ -1988,7 +1994,15 @@ async fn create_records_the_handle_and_destroy_deletes_it_once() {
     let handle = VolumeHandle::decode(&created.private_data).unwrap();
     let record = w.stored("v").unwrap();
     assert_eq!(record.state, VolumeState::Created);
-    assert_eq!(record.csi_name, "cube-v");
+    assert!(
+        record.csi_name.starts_with("cube-v-"),
+        "{}",
+        record.csi_name
+    );
+    assert_eq!(
+        w.backend_volumes().get(&record.csi_name),
+        Some(&handle.csi_volume_id)
+    );
     assert_eq!(
         record.csi_volume_id.as_deref(),
         Some(handle.csi_volume_id.as_str())
@@ -2335,7 +2349,8 @@ async fn a_volume_id_forged_from_anothers_truncated_name_gets_its_own_volume() {
     let w = World::new(Fake::new(false, false));
     let long = "a".repeat(124);
     let held = w.create(&long).await.unwrap();
-    let truncated = super::naming::csi_volume_name("cube-", &long);
+    let truncated = w.csi_name(&long);
+    assert_eq!(truncated.len(), 128);
     let forged = truncated.strip_prefix("cube-").unwrap();
     let other = w.create(forged).await.unwrap();
     assert_ne!(
@@ -2784,12 +2799,13 @@ async fn the_sweep_reclaims_abandoned_creates_only() {
     w.fake.script("CreateVolume", Fault::Uncertain);
     w.create("abandoned").await.unwrap_err();
     // The driver did create it, although the answer was lost.
+    let abandoned = w.csi_name("abandoned");
     w.fake
         .state
         .lock()
         .unwrap()
         .volumes
-        .insert("cube-abandoned".into(), "lost-handle".into());
+        .insert(abandoned.clone(), "lost-handle".into());
     w.create("fresh-creating").await.unwrap();
     w.create("created").await.unwrap();
     // Age the first record; make the second one Creating but recent.
@@ -2809,7 +2825,7 @@ async fn the_sweep_reclaims_abandoned_creates_only() {
         .unwrap();
     assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
     assert!(w.stored("abandoned").is_none());
-    assert!(!w.backend_volumes().contains_key("cube-abandoned"));
+    assert!(!w.backend_volumes().contains_key(&abandoned));
     assert_eq!(
         w.stored("fresh-creating").unwrap().state,
         VolumeState::Creating
@@ -2836,16 +2852,74 @@ async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one(
     assert!(err.to_string().contains("being cleaned up"), "{err}");
 }
 
+/// A StorageClass with `reclaimPolicy: Retain`, over the config's settings.
+struct RetainingSettings(ConfigSettings);
+
+#[async_trait]
+impl VolumeSettings for RetainingSettings {
+    async fn spec(&self, driver_name: &str) -> Result<VolumeSpec, SettingsError> {
+        let mut spec = self.0.spec(driver_name).await?;
+        spec.deletion = Some(DeletionPolicy {
+            retain: true,
+            secret: None,
+        });
+        Ok(spec)
+    }
+
+    async fn secrets(&self, usage: SecretUse) -> Result<Secrets, SettingsError> {
+        self.0.secrets(usage).await
+    }
+
+    async fn deletion_secrets(
+        &self,
+        deletion: Option<&DeletionPolicy>,
+    ) -> Result<Secrets, SettingsError> {
+        self.0.deletion_secrets(deletion).await
+    }
+
+    async fn check(&self, driver_name: Option<&str>) -> Result<Option<String>, SettingsError> {
+        self.0.check(driver_name).await
+    }
+}
+
+/// Cube lets a volume_id be used again once its volume is destroyed. With a Retain
+/// policy the destroyed volume's CSI volume (and its data) is kept; a new Create of the
+/// same id gets a new one. Before, both Creates sent CreateVolume the same name, and the
+/// driver, idempotent by name, handed the new volume the kept one with the old owner's
+/// data.
+#[tokio::test]
+async fn a_reused_volume_id_never_gets_the_volume_a_retain_policy_kept() {
+    let mut w = World::new(Fake::new(false, false));
+    let config = Config::parse(
+        &format!(
+            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"",
+            d = w.dir.path().display()
+        ),
+        Path::new("test.toml"),
+    )
+    .unwrap();
+    w.bridge = sides_with(
+        &config,
+        &w.fake,
+        w.store.clone(),
+        Roles::BOTH,
+        RetainingSettings(ConfigSettings::new(&config.volume, &config.secrets)),
+    );
+    let first = w.create("data").await.unwrap();
+    w.destroy("data").await.unwrap();
+    let kept = VolumeHandle::decode(&first.private_data).unwrap();
+    assert_eq!(w.backend_volumes().len(), 1, "the Retain policy keeps it");
+    let second = w.create("data").await.unwrap();
+    let new = VolumeHandle::decode(&second.private_data).unwrap();
+    assert_ne!(new.csi_volume_id, kept.csi_volume_id);
+    assert_eq!(w.backend_volumes().len(), 2);
+}
+
 #[tokio::test]
 async fn private_data_too_large_deletes_the_volume_and_the_record() {
     let w = World::new(Fake::new(false, false));
-    // A driver whose volume_context cannot fit in Cube's 1024 bytes.
-    w.fake
-        .state
-        .lock()
-        .unwrap()
-        .volumes
-        .insert("cube-v".into(), "x".repeat(1100));
+    // A driver whose volume handle cannot fit in Cube's 1024 bytes.
+    w.fake.state.lock().unwrap().next_handle = Some("x".repeat(1100));
     let err = w.create("v").await.unwrap_err();
     assert!(err.to_string().contains("1024"), "{err}");
     assert!(w.stored("v").is_none());
@@ -2926,8 +3000,9 @@ async fn a_record_pointed_at_another_volumes_handle_deletes_nothing() {
     );
     // Restoring the original value makes Destroy work again.
     let original = w.stored("theirs").unwrap();
+    let mine = w.csi_name("mine");
     w.edit_record("mine", |r| {
-        r.csi_volume_id = Some(w.fake.state.lock().unwrap().volumes["cube-mine"].clone())
+        r.csi_volume_id = Some(w.fake.state.lock().unwrap().volumes[&mine].clone())
     });
     w.destroy("mine").await.unwrap();
     assert_eq!(w.backend_volumes().len(), 1);
@@ -2941,9 +3016,10 @@ async fn the_sweep_refuses_a_tampered_abandoned_record() {
     w.fake.script("CreateVolume", Fault::Uncertain);
     w.create("abandoned").await.unwrap_err();
     // Aged (not covered by the MAC) and pointed at the victim's CSI name (covered).
+    let victim = w.csi_name("victim");
     w.edit_record("abandoned", |r| {
         r.updated_at -= 3600;
-        r.csi_name = "cube-victim".into();
+        r.csi_name = victim.clone();
     });
     w.fake.clear_calls();
     let report = w
@@ -2955,7 +3031,7 @@ async fn the_sweep_refuses_a_tampered_abandoned_record() {
         .unwrap();
     assert_eq!((report.reclaimed, report.failed), (0, 1), "{report:?}");
     assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
-    assert!(w.backend_volumes().contains_key("cube-victim"));
+    assert!(w.backend_volumes().contains_key(&victim));
     assert_eq!(w.stored("abandoned").unwrap().state, VolumeState::Creating);
 }
 
@@ -4674,7 +4750,11 @@ async fn a_restored_volume_is_what_cubes_create_answers_and_destroy_deletes() {
     w.controller().create_snapshot("v", "s1").await.unwrap();
     let restored = w.controller().restore("s1", "r").await.unwrap();
     assert_eq!(restored.state, VolumeState::Created);
-    assert_eq!(restored.csi_name, "cube-r");
+    assert!(
+        restored.csi_name.starts_with("cube-r-"),
+        "{}",
+        restored.csi_name
+    );
     assert_eq!(
         restored.content_source,
         Some(ContentSource::Snapshot {
@@ -4763,6 +4843,7 @@ async fn unanswered_restore() -> World {
 async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source() {
     let w = unanswered_restore().await;
     assert_eq!(w.stored("r").unwrap().state, VolumeState::Creating);
+    let restored = w.csi_name("r");
     let report = w
         .controller()
         .sweep_abandoned_creates(Duration::ZERO)
@@ -4772,7 +4853,7 @@ async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source(
     assert!(w.stored("r").is_none());
     // The sweep asked for the volume as the restore did (the fake refuses otherwise).
     assert_eq!(
-        w.fake.state.lock().unwrap().content_sources.get("cube-r"),
+        w.fake.state.lock().unwrap().content_sources.get(&restored),
         Some(&Some(ContentSource::Snapshot {
             snapshot_id: "s1".into(),
             csi_snapshot_id: "snap-0".into()

@@ -193,7 +193,10 @@ async fn lifecycle(dir: &Path) -> anyhow::Result<()> {
             a.host_path
         );
         step.done("host_path unmounted");
-        let kept = data_dir.join(format!("cube-{volume_id}")).join("hello.txt");
+        let csi_volume = crate::bridge::handoff::VolumeHandle::decode(&created.private_data)
+            .map_err(|e| anyhow::anyhow!("the private_data Create answered: {e}"))?
+            .csi_volume_id;
+        let kept = data_dir.join(csi_volume).join("hello.txt");
         ensure!(kept.exists(), "the data must outlive the attachment");
 
         let step = Step::begin("Destroy (CubeMaster) → DeleteVolume");

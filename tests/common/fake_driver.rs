@@ -253,6 +253,25 @@ impl FakeDriver {
         self.driver.data_path(volume_id)
     }
 
+    /// The CSI volume that exists for Cube volume `volume_id`, if one does: its id is
+    /// `fake-` and the CreateVolume name, which is `cube-<volume_id>-` and 12 hex digits of
+    /// the Create's own. Panics if there are several.
+    pub fn csi_volume_of(&self, volume_id: &str) -> Option<String> {
+        let data = self.driver.data_path("");
+        let Ok(entries) = std::fs::read_dir(&data) else {
+            return None;
+        };
+        let mut found: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| super::is_name_of_a_create(name, &format!("fake-cube-{volume_id}")))
+            .collect();
+        assert!(
+            found.len() <= 1,
+            "several CSI volumes of {volume_id}: {found:?}"
+        );
+        found.pop()
+    }
+
     /// (CSI volume id, node id) pairs ControllerPublished and not unpublished since.
     pub fn controller_published(&self) -> Vec<(String, String)> {
         self.driver.controller_published()

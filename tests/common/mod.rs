@@ -608,3 +608,11 @@ pub fn seed_from(env: &str) -> u64 {
                 | 1
         })
 }
+
+/// Whether `name` is `base`, `-` and the 12 hex digits the bridge gives each Create's
+/// CreateVolume name (`cube-<volume_id>` is the base with the default prefix).
+pub fn is_name_of_a_create(name: &str, base: &str) -> bool {
+    name.strip_prefix(base)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .is_some_and(|nonce| nonce.len() == 12 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
+}

@@ -13,7 +13,7 @@
 
 use super::*;
 use crate::bridge::integrity::Verdict;
-use crate::bridge::naming::{MAX_VOLUME_ID_LEN, validate_volume_id};
+use crate::bridge::naming::{MAX_VOLUME_ID_LEN, csi_volume_name, validate_volume_id};
 use crate::bridge::ports::{NewSnapshot, SnapshotInfo};
 use crate::bridge::records::SnapshotRecord;
 
@@ -622,7 +622,7 @@ impl ControllerSide {
     ) -> Result<VolumeRecord, BridgeError> {
         // Resolved before anything is written: a bad StorageClass changes nothing.
         let spec = self.settings.spec(&identity.name).await?;
-        let csi_name = csi_volume_name(&self.config.name_prefix, as_volume_id);
+        let fresh_name = fresh_csi_volume_name(&self.config.name_prefix, as_volume_id);
         let attempt = new_create_attempt();
         let mut intent = None;
         for _ in 0..STORE_RACE_RETRIES {
@@ -630,7 +630,6 @@ impl ControllerSide {
                 Some(existing)
                     if existing.state == VolumeState::Creating
                         && existing.content_source.as_ref() == Some(&source)
-                        && existing.csi_name == csi_name
                         && existing.csi_driver.as_deref() == Some(identity.name.as_str()) =>
                 {
                     // Signed anew below, so only if the bridge wrote it: a record planted
@@ -653,7 +652,7 @@ impl ControllerSide {
                 None => (
                     VolumeRecord {
                         volume_id: as_volume_id.to_string(),
-                        csi_name: csi_name.clone(),
+                        csi_name: fresh_name.clone(),
                         csi_driver: Some(identity.name.clone()),
                         state: VolumeState::Creating,
                         csi_volume_id: None,
@@ -686,6 +685,7 @@ impl ControllerSide {
             }
             .into());
         };
+        let csi_name = record.csi_name.clone();
         tracing::info!(volume_id = as_volume_id, source = %source.describe(), csi_name, "creating a CSI volume from a content source");
         let volume = match self
             .create_volume(HookKind::Create, &csi_name, &spec, Some(&source), deadline)
