@@ -283,7 +283,10 @@ fn open_node(
             host_paths: Arc::new(host_dirs(config)),
             locks: shared.locks.clone(),
             recorder: shared.recorder.clone(),
-            boot_id: shared.clock.boot_id(),
+            boot_id: shared
+                .clock
+                .boot_id()
+                .map_err(|e| BridgeError::io("the node side", e))?,
             clock: shared.clock.clone(),
         },
     ))

@@ -188,9 +188,10 @@ impl NodeSide {
 
     /// Whether `record` was written in an earlier boot of this host: its mounts and every
     /// sandbox that held it died with that boot, and Cubelet has forgotten its counts, so
-    /// none of its holders may keep the volume attached.
+    /// none of its holders may keep the volume attached. A side that does not know its
+    /// own boot (app.rs refuses to open one) judges no record so.
     pub(crate) fn is_from_earlier_boot(&self, record: &NodeRecord) -> bool {
-        !record.boot_id.is_empty() && record.boot_id != self.boot_id
+        !record.boot_id.is_empty() && !self.boot_id.is_empty() && record.boot_id != self.boot_id
     }
 
     /// Decides the calls Attach makes. `volume_needs_publish` comes from the volume's

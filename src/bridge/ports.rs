@@ -778,8 +778,8 @@ pub trait NodeJournal: Send + Sync + fmt::Debug {
 pub trait Clock: Send + Sync + fmt::Debug {
     /// Seconds since the Unix epoch.
     fn now_secs(&self) -> u64;
-    /// This boot's id; empty when the host does not say.
-    fn boot_id(&self) -> String;
+    /// This boot's id; an error when the host does not say.
+    fn boot_id(&self) -> std::io::Result<String>;
 }
 
 /// Which side's operations a volume lock serializes (Create/Destroy and Attach/Detach of

@@ -157,7 +157,7 @@ impl NodeSide {
         };
         let mounted = self.visibility(&record.target_path, &deadline).await?;
 
-        if !record.boot_id.is_empty() && record.boot_id != self.boot_id {
+        if self.is_from_earlier_boot(&record) {
             if mounted == Visibility::Mounted {
                 tracing::warn!(
                     target = %record.target_path.display(),

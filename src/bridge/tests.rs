@@ -49,6 +49,20 @@ fn sides_over(
     settings: impl VolumeSettings + 'static,
     journal: Arc<dyn NodeJournal>,
 ) -> Bridge {
+    let boot_id = crate::system::SystemClock.boot_id().unwrap();
+    sides_in_boot(config, fake, store, roles, settings, journal, boot_id)
+}
+
+/// `sides_over`, for a node side that takes `boot_id` for its boot's.
+fn sides_in_boot(
+    config: &Config,
+    fake: &Fake,
+    store: Arc<dyn ControllerStore>,
+    roles: Roles,
+    settings: impl VolumeSettings + 'static,
+    journal: Arc<dyn NodeJournal>,
+    boot_id: String,
+) -> Bridge {
     let core = crate::app::core_settings(config);
     let driver = Arc::new(discovery::DriverView::new(
         Arc::new(fake.clone()),
@@ -91,7 +105,7 @@ fn sides_over(
                 host_paths: Arc::new(fake.clone()),
                 locks,
                 recorder,
-                boot_id: clock.boot_id(),
+                boot_id,
                 clock,
             },
         )))
@@ -1034,6 +1048,15 @@ struct World {
     bridge: Bridge,
 }
 
+/// The config of a world in `dir`; `node` is added to the `[node]` table.
+fn world_config(dir: &Path, node: &str) -> Config {
+    let text = format!(
+        "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[timeouts]\nattach_secs = 10\ndetach_secs = 10\nrollback_secs = 10\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n{node}",
+        d = dir.display()
+    );
+    Config::parse(&text, Path::new("test.toml")).unwrap()
+}
+
 impl World {
     fn new(fake: Fake) -> Self {
         Self::with_config(fake, "")
@@ -1042,11 +1065,7 @@ impl World {
     /// `node` is added to the `[node]` table.
     fn with_config(fake: Fake, node: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let text = format!(
-            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[timeouts]\nattach_secs = 10\ndetach_secs = 10\nrollback_secs = 10\n[node]\ndefault_volume_base_dir = \"{d}/vol\"\n{node}",
-            d = dir.path().display()
-        );
-        let config = Arc::new(Config::parse(&text, Path::new("test.toml")).unwrap());
+        let config = Arc::new(world_config(dir.path(), node));
         let store = Arc::new(MemoryStore::default());
         let bridge = sides(&config, &fake, store.clone(), Roles::BOTH);
         World {
@@ -1210,7 +1229,10 @@ async fn first_attach_stages_publishes_and_records_a_settled_holder() {
     let record = w.record("v").unwrap();
     assert!(record.is_settled(), "{record:?}");
     assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
-    assert_eq!(record.boot_id, crate::system::SystemClock.boot_id());
+    assert_eq!(
+        record.boot_id,
+        crate::system::SystemClock.boot_id().unwrap()
+    );
     assert!(w.pending().is_empty());
 }
 
@@ -1573,7 +1595,10 @@ async fn after_a_reboot_the_earlier_boots_holders_do_not_pin_the_volume() {
         BTreeMap::from([("ns2".to_string(), BTreeSet::from(["c".to_string()]))]),
         "holders of the earlier boot kept"
     );
-    assert_eq!(record.boot_id, crate::system::SystemClock.boot_id());
+    assert_eq!(
+        record.boot_id,
+        crate::system::SystemClock.boot_id().unwrap()
+    );
     // What the earlier boot did is undone before the volume is attached afresh.
     assert_eq!(
         w.fake.mutating_calls(),
@@ -2850,6 +2875,32 @@ async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one(
     w.store.records.lock().unwrap().get_mut("v").unwrap().state = VolumeState::Deleting;
     let err = w.create("v").await.unwrap_err();
     assert!(err.to_string().contains("being cleaned up"), "{err}");
+}
+
+/// A node side that does not know its own boot takes no record for an earlier boot's.
+/// Before, an unreadable boot id read as empty, every record then looked like one of a
+/// dead boot, and an Attach by another namespace tore down (NodeUnpublish, NodeUnstage)
+/// the volume the first namespace's sandbox still used, and forgot that holder.
+#[tokio::test]
+async fn a_node_side_blind_to_its_boot_tears_down_nothing_held() {
+    let mut w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let config = world_config(w.dir.path(), "");
+    w.bridge = sides_in_boot(
+        &config,
+        &w.fake,
+        w.store.clone(),
+        Roles::BOTH,
+        ConfigSettings::new(&config.volume, &config.secrets),
+        Arc::new(crate::store::FileJournal::open(&config.state.journal_dir()).unwrap()),
+        String::new(),
+    );
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    let calls = w.fake.mutating_calls();
+    assert!(!calls.iter().any(|c| c.starts_with("NodeUn")), "{calls:?}");
+    let record = w.record("v").unwrap();
+    assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
 }
 
 /// A StorageClass with `reclaimPolicy: Retain`, over the config's settings.

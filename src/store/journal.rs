@@ -196,7 +196,10 @@ impl FileJournal {
     /// Opens the journal at `dir`, creating it (0700) if needed. After a reboot, the
     /// first open puts back what a power loss took from its records (`intents.rs`).
     pub fn open(dir: &Path) -> io::Result<Self> {
-        Self::open_in_boot(dir, &boot_id())
+        Self::open_in_boot(
+            dir,
+            &crate::system::read_boot_id(Path::new(crate::system::BOOT_ID))?,
+        )
     }
 
     /// `open`, for a process of the boot `boot_id`.
@@ -1071,13 +1074,6 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<NodeRecord, JournalError> {
         }
     }
     serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))
-}
-
-/// This boot's id; empty if the kernel does not say.
-pub fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]
