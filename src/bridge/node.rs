@@ -989,10 +989,13 @@ impl NodeSide {
             }
             return self.teardown(HookKind::Attach, record, deadline).await;
         }
+        // A mount that was there before is the others': it stays, and so does what it
+        // sits on (the staging, the ControllerPublish), whatever the record says of them
+        // (a repair cut short leaves them uncertain).
         let steps = UndoSteps {
             publish: !mounted_before,
-            controller_publish: before.controller_publish != Step::Done,
-            stage: before.stage != Step::Done,
+            controller_publish: !mounted_before && before.controller_publish != Step::Done,
+            stage: !mounted_before && before.stage != Step::Done,
         };
         if mounted_before && record.publish == Step::Absent {
             // The failed call changed nothing, but the mount the others use is there.

@@ -2903,6 +2903,29 @@ async fn a_node_side_blind_to_its_boot_tears_down_nothing_held() {
     assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
 }
 
+/// A failed Attach of a volume another namespace's sandbox uses (its mount was there
+/// before) leaves what that mount sits on, the staging, even when the record says the
+/// staging is uncertain (a repair of a dead mount cut short by a crash marks it so).
+/// Before, the undo kept the publish but unstaged the volume under it.
+#[tokio::test]
+async fn a_failed_attach_never_unstages_what_a_held_mount_sits_on() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let journal = w.bridge.node().unwrap().node_journal();
+    let mut record = journal.load("v").unwrap().unwrap();
+    (record.stage, record.publish) = (Step::Uncertain, Step::Uncertain);
+    journal.save(&record, true).unwrap();
+    journal.mark_pending("v").unwrap();
+    w.fake.script("NodeStageVolume", Fault::Final);
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "s2", 0).await.unwrap_err();
+    let calls = w.fake.mutating_calls();
+    assert!(!calls.iter().any(|c| c.starts_with("NodeUn")), "{calls:?}");
+    assert!(w.fake.is_mounted(&w.staging("v")) && w.fake.is_mounted(&w.target("v")));
+    let record = w.record("v").unwrap();
+    assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
+}
+
 /// A StorageClass with `reclaimPolicy: Retain`, over the config's settings.
 struct RetainingSettings(ConfigSettings);
 
