@@ -93,12 +93,17 @@ struct CommitState {
     running: bool,
     /// Flushes run so far (each one by the leader of a group).
     flushes: u64,
+    /// Every ticket up to this one was issued before a flush failed, and with what: its
+    /// writes may be among those the kernel dropped, which no later flush writes.
+    failed: Option<(u64, io::ErrorKind, String)>,
 }
 
 impl GroupCommit {
     /// Returns once a `flush` that started after this call has succeeded; runs `flush`
-    /// itself when it is the one to lead the next group. A failed flush fails its leader
-    /// and leaves the others to try again.
+    /// itself when it is the one to lead the next group. A failed flush fails every
+    /// caller whose ticket was issued before it failed, not only its leader: the kernel
+    /// reports a failed writeback once and drops the pages it could not write, so a later
+    /// flush would succeed without their writes. Callers that come after go on.
     pub fn sync(&self, flush: impl Fn() -> io::Result<()>) -> io::Result<()> {
         let mut state = self.state.lock().expect("group commit poisoned");
         state.issued += 1;
@@ -106,6 +111,14 @@ impl GroupCommit {
         loop {
             if state.synced >= ticket {
                 return Ok(());
+            }
+            if let Some((through, kind, message)) = &state.failed
+                && ticket <= *through
+            {
+                return Err(io::Error::new(
+                    *kind,
+                    format!("a flush that covered this write failed: {message}"),
+                ));
             }
             if !state.running {
                 // Lead: one flush for every ticket issued so far.
@@ -116,8 +129,9 @@ impl GroupCommit {
                 state = self.state.lock().expect("group commit poisoned");
                 state.running = false;
                 state.flushes += 1;
-                if result.is_ok() {
-                    state.synced = state.synced.max(covers);
+                match &result {
+                    Ok(()) => state.synced = state.synced.max(covers),
+                    Err(e) => state.failed = Some((state.issued, e.kind(), e.to_string())),
                 }
                 self.done.notify_all();
                 result?;
@@ -312,6 +326,57 @@ mod tests {
         assert_eq!(error.to_string(), "disk gone");
         group.sync(|| Ok(())).unwrap();
         assert_eq!(group.counts(), (2, 2));
+    }
+
+    /// A flush that fails fails every caller that was waiting for it, its leader or not:
+    /// two callers arrive while a first flush runs, the flush their group then shares
+    /// fails (EIO), and neither may return as if durable on the flush after it, which
+    /// succeeds without what the kernel dropped. Before, the one that did not lead it
+    /// flushed again and returned Ok. A caller that comes after goes on.
+    #[test]
+    fn a_failed_flush_fails_every_caller_it_was_to_cover() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let group = Arc::new(GroupCommit::default());
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = Arc::new(Mutex::new(held));
+        let started = Arc::new(AtomicU64::new(0));
+        let flush = {
+            let (held, started) = (held.clone(), started.clone());
+            move || match started.fetch_add(1, Ordering::SeqCst) {
+                0 => {
+                    held.lock().unwrap().recv().unwrap();
+                    Ok(())
+                }
+                1 => Err(io::Error::from_raw_os_error(nix::libc::EIO)),
+                _ => Ok(()),
+            }
+        };
+        let first = {
+            let (group, flush) = (group.clone(), flush.clone());
+            std::thread::spawn(move || group.sync(flush))
+        };
+        while started.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        let waiting: Vec<_> = (0..2)
+            .map(|_| {
+                let (group, flush) = (group.clone(), flush.clone());
+                std::thread::spawn(move || group.sync(flush))
+            })
+            .collect();
+        while group.counts().0 < 3 {
+            std::thread::yield_now();
+        }
+        release.send(()).unwrap();
+        first.join().unwrap().unwrap();
+        for caller in waiting {
+            let error = caller.join().unwrap().unwrap_err();
+            let eio = io::Error::from_raw_os_error(nix::libc::EIO);
+            assert_eq!(error.kind(), eio.kind());
+            assert!(error.to_string().contains(&eio.to_string()), "{error}");
+        }
+        group.sync(flush).unwrap();
     }
 
     /// A write that fails on a full file system leaves the old content and no temporary
