@@ -907,21 +907,19 @@ impl NodeJournal for FileJournal {
         if path.exists() {
             return Ok(());
         }
-        match std::fs::rename(self.idle.join(volume_id), &path) {
-            Ok(()) => {
-                // The mark's time is when the operation began, not when the marker was
-                // first made: `pending_since` ages abandoned work by it.
-                return nix::sys::stat::utimensat(
-                    nix::fcntl::AT_FDCWD,
-                    &path,
-                    &nix::sys::time::TimeSpec::UTIME_NOW,
-                    &nix::sys::time::TimeSpec::UTIME_NOW,
-                    nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-                )
-                .map_err(|errno| Self::io(&path)(errno.into()));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Self::io(&path)(e)),
+        // With none parked (or `idle/` unusable), a new one is made below, as the first
+        // mark makes it.
+        if std::fs::rename(self.idle.join(volume_id), &path).is_ok() {
+            // The mark's time is when the operation began, not when the marker was
+            // first made: `pending_since` ages abandoned work by it.
+            return nix::sys::stat::utimensat(
+                nix::fcntl::AT_FDCWD,
+                &path,
+                &nix::sys::time::TimeSpec::UTIME_NOW,
+                &nix::sys::time::TimeSpec::UTIME_NOW,
+                nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+            )
+            .map_err(|errno| Self::io(&path)(errno.into()));
         }
         open_private(&path).map_err(Self::io(&path))?;
         // No fsync: the marker only speeds up finding operations a killed process left
@@ -935,17 +933,27 @@ impl NodeJournal for FileJournal {
     fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError> {
         let path = self.pending.join(volume_id);
         let idle = self.idle.join(volume_id);
-        match std::fs::rename(&path, &idle) {
-            Ok(()) => {}
+        let parked = match std::fs::rename(&path, &idle) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 if !path.exists() {
                     return Ok(());
                 }
                 // The first clear of this journal: `idle/` is made now.
-                crate::mount::ops::ensure_dir(&self.idle, 0o700).map_err(Self::io(&self.idle))?;
-                std::fs::rename(&path, &idle).map_err(Self::io(&path))?;
+                crate::mount::ops::ensure_dir(&self.idle, 0o700)
+                    .and_then(|()| std::fs::rename(&path, &idle))
             }
-            Err(e) => return Err(Self::io(&path)(e)),
+            parked => parked,
+        };
+        if let Err(error) = parked {
+            // Parking is only thrift (the next marker reuses the inode); it may need space
+            // (a block of `idle/`, the dir itself) that a full disk does not have. An
+            // unlink needs none: a teardown done never fails for want of a place to park.
+            tracing::debug!(%error, "could not park a pending marker; removing it");
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Self::io(&path)(e)),
+            }
         }
         self.prune_idle_markers(IDLE_MARKER_KEEP, IDLE_PRUNE_EVERY);
         Ok(())
@@ -1870,6 +1878,22 @@ mod tests {
         journal.clear_pending("v").unwrap();
         journal.clear_pending("v").unwrap();
         assert!(journal.pending().unwrap().is_empty());
+    }
+
+    /// A marker that cannot be parked in `idle/` (here `idle` is a file; on a full disk,
+    /// a directory block it needs) is removed instead: clearing needs no space. Before,
+    /// the clear failed, and with it a last Detach whose teardown was done, answered to
+    /// Cube as failed and retried the same way until the disk had room.
+    #[test]
+    fn a_marker_that_cannot_be_parked_is_cleared_all_the_same() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        std::fs::write(tmp.path().join(IDLE_MARKERS_DIR), b"").unwrap();
+        journal.mark_pending("v").unwrap();
+        journal.clear_pending("v").unwrap();
+        assert!(journal.pending().unwrap().is_empty());
+        journal.mark_pending("v").unwrap();
+        assert_eq!(journal.pending().unwrap(), ["v"]);
     }
 
     /// A cleared marker waits in `idle/` and the volume's next mark moves it back, dated
