@@ -1301,7 +1301,10 @@ impl NodeSide {
             self.teardown(HookKind::Detach, &mut record, &deadline)
                 .await?;
         } else {
-            self.save(HookKind::Detach, &record, true).await?;
+            // Not durable: a power loss makes this record an earlier boot's, torn down
+            // whatever holders it names; and a disk too full for the intent log must not
+            // keep a released holder (a dead worker's, which Cube never Detaches).
+            self.save(HookKind::Detach, &record, false).await?;
         }
         Ok(Released {
             holders: released,

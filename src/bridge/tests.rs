@@ -2738,6 +2738,39 @@ async fn a_release_on_a_full_disk_still_takes_the_sandbox_off() {
     );
 }
 
+/// Releasing a holder (a forked worker's that died unanswered, withdrawn by its front;
+/// or the operator's `holders release`) works on a disk too full for a durable save: it
+/// needs none, since a record of an earlier boot is torn down whatever holders it names.
+/// Before, the durable save failed, the front ignored it, and the holder Cube had
+/// released kept the volume mounted for nobody.
+#[tokio::test]
+async fn a_holder_release_needs_no_durable_save() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut w = World::new(Fake::new(true, false));
+    let journal = w.with_failing_saves();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "ns1", "s2", 1).await.unwrap();
+    journal.fail_durable.store(true, SeqCst);
+    let released = w
+        .bridge
+        .node()
+        .unwrap()
+        .release_holders(
+            "v",
+            &Release::Sandbox {
+                namespace: "ns1".into(),
+                sandbox: "s2".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert!(!released.torn_down);
+    assert_eq!(
+        w.record("v").unwrap().holders["ns1"],
+        BTreeSet::from(["s1".to_string()])
+    );
+}
+
 /// Both paths record when a holder was added (the full path in the record, the hot path
 /// in its log line), a retried Attach keeps the first time, and a teardown keeps its
 /// namespaces' last hooks after its record is gone (issue 19, defect 1: else a namespace
@@ -3303,6 +3336,8 @@ struct FailingSaves {
     fill_after_durable: std::sync::atomic::AtomicBool,
     /// Holder lines cannot be appended (the log needs a block a full disk has not).
     fail_appends: std::sync::atomic::AtomicBool,
+    /// Durable saves fail (the intent log needs a block a full disk has not); others work.
+    fail_durable: std::sync::atomic::AtomicBool,
     /// Every record written, in order.
     saved: Mutex<Vec<NodeRecord>>,
     /// The next save that is no durable one (a fold of the holder log) says so on the
@@ -3328,7 +3363,7 @@ impl NodeJournal for FailingSaves {
                 source: std::io::Error::from_raw_os_error(28),
             });
         }
-        if self.fail.load(SeqCst) {
+        if self.fail.load(SeqCst) || (durable && self.fail_durable.load(SeqCst)) {
             return Err(JournalError::Io {
                 path: "record".into(),
                 source: std::io::Error::from_raw_os_error(28),
@@ -3402,6 +3437,7 @@ impl World {
             fail: Default::default(),
             fill_after_durable: Default::default(),
             fail_appends: Default::default(),
+            fail_durable: Default::default(),
             saved: Default::default(),
             stall_next_fold: Default::default(),
         });
