@@ -16,7 +16,7 @@
 //! offline driver's volume cannot be attached here between the check that nobody holds
 //! it and ControllerExpandVolume.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::ports::{ExpansionMode, LockScope, NodeExpand, SecretUse};
 use super::records::{NodeRecord, Step};
@@ -184,6 +184,17 @@ impl NodeSide {
             (Step::Done, _) | (_, None) => record.target_path.clone(),
             (_, Some(staging)) => staging.clone(),
         };
+        // The driver resizes what it finds at these paths, as root: checked as any path a
+        // driver gets (a link planted under the base dir would lead it elsewhere).
+        let checked: Vec<&Path> = std::iter::once(volume_path.as_path())
+            .chain(staging_path.as_deref())
+            .collect();
+        self.verify(
+            &super::node::base_of(&record.target_path),
+            &checked,
+            &deadline,
+        )
+        .await?;
         let call = NodeExpand {
             csi_volume_id: record.csi_volume_id.clone(),
             volume_path: volume_path.clone(),

@@ -1155,7 +1155,14 @@ impl NodeSide {
             // that publish (csi-driver-host-path lists published targets and refuses
             // NodeUnstage while any is left): publishing again would count the target
             // twice, and teardown's one NodeUnpublish would leave it published for good.
+            // Checked first, as every unmount's path is: a driver would follow a link
+            // planted there to any mount point (reconciliation's repair checked only the
+            // base dir, and an Attach's check came before the calls above).
             check_caller(caller)?;
+            if let Err(error) = self.verify(&base, &[&paths.target], deadline).await {
+                record.publish = previous_publish;
+                return Err(error);
+            }
             faults::point(hook, When::Before, "NodeUnpublishVolume");
             let reply = self
                 .driver

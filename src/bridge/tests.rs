@@ -2959,6 +2959,41 @@ async fn a_failed_attach_never_unstages_what_a_held_mount_sits_on() {
     assert_eq!(record.holders["ns1"], BTreeSet::from(["s1".to_string()]));
 }
 
+/// The extra NodeUnpublish a repair sends to a held volume's host_path that lost its
+/// mount (the driver may still count the publish) goes to a path that passed its check,
+/// as every unmount's does. Before, a link planted there by whoever can write the base
+/// dir took that NodeUnpublish (as root, by a driver that follows it) to any mount point,
+/// and only the NodePublish after it was refused.
+#[tokio::test]
+async fn a_repair_sends_no_unpublish_to_a_host_path_that_fails_its_check() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.unmount_behind_our_back(&w.target("v"));
+    w.fake.plant(w.target("v"));
+    w.fake.clear_calls();
+    let _ = w
+        .bridge
+        .node()
+        .unwrap()
+        .reconcile_node(super::reconcile::Scope::All)
+        .await;
+    let calls = w.fake.mutating_calls();
+    assert!(
+        !calls.iter().any(|c| c == "NodeUnpublishVolume"),
+        "{calls:?}"
+    );
+    // The same when the link is planted while the repair's NodeStage runs.
+    w.fake.unplant(&w.target("v"));
+    w.fake.plant_on("NodeStageVolume", w.target("v"));
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "s2", 0).await.unwrap_err();
+    let calls = w.fake.mutating_calls();
+    assert!(
+        !calls.iter().any(|c| c == "NodeUnpublishVolume"),
+        "{calls:?}"
+    );
+}
+
 /// A StorageClass with `reclaimPolicy: Retain`, over the config's settings.
 struct RetainingSettings(ConfigSettings);
 

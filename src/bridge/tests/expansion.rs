@@ -124,6 +124,19 @@ async fn an_online_expand_grows_the_volume_records_it_and_grows_it_on_this_node(
     assert!(w.stored("v").is_none());
 }
 
+/// NodeExpandVolume gets only paths that pass their check, as every path a driver gets:
+/// the driver resizes what it finds there, as root. Before, a link planted at the
+/// host_path by whoever can write the base dir led the resize to another filesystem.
+#[tokio::test]
+async fn no_node_expansion_at_a_path_that_fails_its_check() {
+    let w = world(online(), 10);
+    let created = w.create("v").await.unwrap();
+    w.attach_created("v", &created).await;
+    w.fake.plant(w.target("v"));
+    let error = w.expand("v", 2 * GI).await;
+    assert!(w.node_expand_calls().is_empty(), "{error:?}");
+}
+
 #[tokio::test]
 async fn a_smaller_size_an_unknown_volume_and_a_bad_id_change_nothing() {
     let w = world(online(), 10);
