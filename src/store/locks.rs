@@ -64,9 +64,9 @@ fn byte_of(volume_id: &str) -> i64 {
 }
 
 impl ByteLock {
-    /// Locks the byte of `volume_id` in `path` (made 0600 when missing); `wait` blocks
-    /// until it is free, otherwise `Ok(None)` when another opening holds it.
-    fn take(path: &Path, volume_id: &str, wait: bool) -> std::io::Result<Option<ByteLock>> {
+    /// Locks the byte of `volume_id` in `path` (made 0600 when missing); `Ok(None)` when
+    /// another opening holds it.
+    fn take(path: &Path, volume_id: &str) -> std::io::Result<Option<ByteLock>> {
         let file = open_private(path)?;
         let range = libc::flock {
             l_type: libc::F_WRLCK as libc::c_short,
@@ -76,23 +76,17 @@ impl ByteLock {
             // Zero, as open file description locks require.
             l_pid: 0,
         };
-        loop {
-            let arg = if wait {
-                FcntlArg::F_OFD_SETLKW(&range)
-            } else {
-                FcntlArg::F_OFD_SETLK(&range)
-            };
-            match nix::fcntl::fcntl(&file, arg) {
-                Ok(_) => return Ok(Some(ByteLock { _file: file })),
-                Err(nix::errno::Errno::EINTR) if wait => continue,
-                Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) if !wait => {
-                    return Ok(None);
-                }
-                Err(errno) => return Err(std::io::Error::from(errno)),
-            }
+        match nix::fcntl::fcntl(&file, FcntlArg::F_OFD_SETLK(&range)) {
+            Ok(_) => Ok(Some(ByteLock { _file: file })),
+            Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) => Ok(None),
+            Err(errno) => Err(std::io::Error::from(errno)),
         }
     }
 }
+
+/// The first pause between two tries of a byte another process holds, and the longest.
+const LOCK_POLL_FIRST: std::time::Duration = std::time::Duration::from_millis(1);
+const LOCK_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl FileLocks {
     pub fn new(dir: &Path) -> std::io::Result<Self> {
@@ -124,7 +118,7 @@ impl FileLocks {
             return Ok(None);
         };
         let path = self.path(scope);
-        let byte = ByteLock::take(&path, volume_id, false).map_err(|e| lock_error(&path, e))?;
+        let byte = ByteLock::take(&path, volume_id).map_err(|e| lock_error(&path, e))?;
         Ok(byte.map(|byte| VolumeGuard {
             _byte: byte,
             _local: local,
@@ -163,34 +157,33 @@ impl FileLocks {
             .map_err(|_| busy())?;
 
         let path = self.path(scope);
-        if let Some(byte) =
-            ByteLock::take(&path, volume_id, false).map_err(|e| lock_error(&path, e))?
-        {
-            return Ok(VolumeGuard {
-                _byte: byte,
-                _local: local,
-            });
-        }
-        tracing::debug!(
-            volume_id,
-            "waiting for another process working on this volume"
-        );
-        let (blocking_path, id) = (path.clone(), volume_id.to_string());
-        let wait = tokio::task::spawn_blocking(move || ByteLock::take(&blocking_path, &id, true));
-        // If the deadline passes first, the blocking thread still gets the lock later and
-        // drops it at once, since nobody takes its result.
-        match tokio::time::timeout_at(deadline.instant().into(), wait).await {
-            Ok(Ok(Ok(Some(byte)))) => Ok(VolumeGuard {
-                _byte: byte,
-                _local: local,
-            }),
-            Ok(Ok(Ok(None))) => Err(lock_error(
-                &path,
-                std::io::Error::other("a waiting lock returned without the lock"),
-            )),
-            Ok(Ok(Err(e))) => Err(lock_error(&path, e)),
-            Ok(Err(join)) => Err(lock_error(&path, std::io::Error::other(join.to_string()))),
-            Err(_) => Err(busy()),
+        // Tried again after a pause, never waited for in the kernel (F_OFD_SETLKW) on a
+        // blocking thread: that thread would outlive the deadline for as long as the other
+        // process holds the byte (a forked worker stuck on a hung mount holds it for
+        // good), and enough of them would take the blocking pool that every disk wait of
+        // the daemon needs.
+        let mut pause = LOCK_POLL_FIRST;
+        loop {
+            if let Some(byte) =
+                ByteLock::take(&path, volume_id).map_err(|e| lock_error(&path, e))?
+            {
+                return Ok(VolumeGuard {
+                    _byte: byte,
+                    _local: local,
+                });
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Err(busy());
+            }
+            if pause == LOCK_POLL_FIRST {
+                tracing::debug!(
+                    volume_id,
+                    "waiting for another process working on this volume"
+                );
+            }
+            tokio::time::sleep(pause.min(left)).await;
+            pause = (pause * 2).min(LOCK_POLL_MAX);
         }
     }
 }
@@ -240,6 +233,40 @@ mod tests {
         assert_eq!(mode(&run.join("drv").join("locks")), 0o700);
         // The socket's group must be able to reach a socket in `run` (umask 022 here).
         assert_eq!(mode(&run) & 0o055, 0o055, "mode {:o}", mode(&run));
+    }
+
+    /// Waiting for a byte another process holds takes no thread: waits that time out
+    /// leave nothing behind. Before, each waited in the kernel on a blocking thread that
+    /// outlived its deadline for as long as the byte was held; two such waits took this
+    /// runtime's two blocking threads, and its next disk wait never ran.
+    #[test]
+    fn waits_that_time_out_leave_no_thread_behind() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        // Another process's opening of the lock file.
+        let holder = FileLocks::new(tmp.path()).unwrap();
+        let _held = holder.try_lock(LockScope::Node, "v").unwrap().unwrap();
+        let waiter = FileLocks::new(tmp.path()).unwrap();
+        runtime.block_on(async {
+            for _ in 0..3 {
+                let deadline = Deadline::after(Duration::from_millis(30));
+                let error = waiter
+                    .lock(LockScope::Node, "v", &deadline)
+                    .await
+                    .unwrap_err();
+                assert!(matches!(error, BridgeError::Busy { .. }), "{error}");
+            }
+            tokio::time::timeout(Duration::from_secs(5), tokio::task::spawn_blocking(|| ()))
+                .await
+                .expect("no blocking thread was free")
+                .unwrap();
+        });
+        runtime.shutdown_background();
     }
 
     #[tokio::test]
