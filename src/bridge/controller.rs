@@ -521,37 +521,38 @@ impl ControllerSide {
         deleted
     }
 
-    /// CreateVolume for a Cube volume (the same request every time for one name).
+    /// The bytes CreateVolume asks for the volume `record` stands for. An intent's are the
+    /// ones it recorded when it was written: a repeat is the same request whatever
+    /// `volume.capacity_bytes` says now (a driver answers the same name with another size
+    /// ALREADY_EXISTS, for good). A finished volume's recorded size, when `expand` grew it
+    /// past the configured one, is asked for too (the volume satisfies it). Else, and for
+    /// intents written before intents recorded it (0), the configured capacity.
+    fn asked_bytes(&self, record: &VolumeRecord) -> u64 {
+        let configured = self.config.capacity_bytes;
+        let recorded = record.capacity_bytes.max(0) as u64;
+        match record.state {
+            VolumeState::Created => configured.max(recorded),
+            _ if recorded > 0 => recorded,
+            _ => configured,
+        }
+    }
+
+    /// CreateVolume for the volume `record` stands for (the same request every time for
+    /// one name: `asked_bytes`).
     async fn create_volume(
         &self,
         hook: HookKind,
-        csi_name: &str,
+        record: &VolumeRecord,
         spec: &VolumeSpec,
-        content_source: Option<&ContentSource>,
-        deadline: &Deadline,
-    ) -> Result<CreatedVolume, BridgeError> {
-        self.create_volume_of_at_least(hook, csi_name, spec, content_source, 0, deadline)
-            .await
-    }
-
-    /// CreateVolume asking for at least `recorded` bytes, or the configured capacity if
-    /// more: a volume `expand` grew is asked for with its grown size, which it satisfies.
-    async fn create_volume_of_at_least(
-        &self,
-        hook: HookKind,
-        csi_name: &str,
-        spec: &VolumeSpec,
-        content_source: Option<&ContentSource>,
-        recorded: i64,
         deadline: &Deadline,
     ) -> Result<CreatedVolume, BridgeError> {
         let volume = NewVolume {
-            name: csi_name.to_string(),
-            required_bytes: self.config.capacity_bytes.max(recorded.max(0) as u64),
+            name: record.csi_name.clone(),
+            required_bytes: self.asked_bytes(record),
             capability: spec.capability.clone(),
             parameters: spec.parameters.clone(),
             secrets: self.settings.secrets(SecretUse::Provisioner).await?,
-            content_source: content_source.cloned(),
+            content_source: record.content_source.clone(),
             accessibility: self.config.accessibility.clone(),
         };
         faults::point(hook, When::Before, "CreateVolume");
@@ -629,7 +630,8 @@ impl ControllerSide {
                     state: VolumeState::Creating,
                     csi_volume_id: None,
                     volume_context: Default::default(),
-                    capacity_bytes: 0,
+                    // What CreateVolume asks for, so that a repeat asks the same.
+                    capacity_bytes: self.config.capacity_bytes as i64,
                     updated_at: self.now_secs(),
                     deletion: deletion.cloned(),
                     revision: None,
@@ -754,23 +756,12 @@ impl ControllerSide {
                     spec.deletion.as_ref(),
                 )
                 .await?;
-            let csi_name = record.csi_name.clone();
-            tracing::info!(name = %req.name, csi_name, "creating CSI volume");
+            tracing::info!(name = %req.name, csi_name = %record.csi_name, "creating CSI volume");
 
-            let recorded_capacity = match record.state {
-                VolumeState::Created => record.capacity_bytes,
-                _ => 0,
-            };
-            // A volume `restore` or `clone` recorded is asked for as it was made.
+            // A volume `restore` or `clone` recorded is asked for as it was made, and an
+            // intent with the size it recorded.
             let volume = match self
-                .create_volume_of_at_least(
-                    HookKind::Create,
-                    &csi_name,
-                    &spec,
-                    record.content_source.as_ref(),
-                    recorded_capacity,
-                    &deadline,
-                )
+                .create_volume(HookKind::Create, &record, &spec, &deadline)
                 .await
             {
                 Ok(v) => v,
@@ -789,7 +780,11 @@ impl ControllerSide {
                 }
             };
 
-            let required = self.config.capacity_bytes as i64;
+            // What this call asked for; a finished volume is held to what is configured now.
+            let required = match record.state {
+                VolumeState::Created => self.config.capacity_bytes as i64,
+                _ => self.asked_bytes(&record) as i64,
+            };
             let handle = VolumeHandle {
                 csi_volume_id: volume.csi_volume_id.clone(),
                 volume_context: volume.volume_context.clone(),
@@ -1143,13 +1138,7 @@ impl ControllerSide {
                 tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");
                 let spec = self.settings.spec(&identity.name).await?;
                 let id = self
-                    .create_volume(
-                        hook,
-                        &record.csi_name,
-                        &spec,
-                        record.content_source.as_ref(),
-                        deadline,
-                    )
+                    .create_volume(hook, &record, &spec, deadline)
                     .await?
                     .csi_volume_id;
                 (id, spec.deletion.or(record.deletion.clone()))

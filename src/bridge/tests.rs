@@ -157,6 +157,9 @@ struct DriverState {
     content_sources: BTreeMap<String, Option<ContentSource>>,
     /// The id the next new volume gets, instead of `handle-<n>`.
     next_handle: Option<String>,
+    /// With `Some`: the bytes each CreateVolume name was first asked for, and the same name
+    /// asked for another size is ALREADY_EXISTS, as the CSI spec has drivers answer.
+    asked_sizes: Option<BTreeMap<String, u64>>,
 }
 
 /// What another user put under the base dir, as the fake's `HostPaths` sees it.
@@ -456,6 +459,14 @@ impl ControllerDriver for Fake {
             && *earlier != volume.content_source
         {
             return Err(error("CreateVolume", "AlreadyExists", 6, Finality::Final));
+        }
+        let exists = s.volumes.contains_key(&volume.name);
+        if let Some(sizes) = &mut s.asked_sizes {
+            if !exists {
+                sizes.insert(volume.name.clone(), volume.required_bytes);
+            } else if sizes.get(&volume.name) != Some(&volume.required_bytes) {
+                return Err(error("CreateVolume", "AlreadyExists", 6, Finality::Final));
+            }
         }
         s.content_sources
             .insert(volume.name.clone(), volume.content_source.clone());
@@ -2992,6 +3003,61 @@ async fn a_repair_sends_no_unpublish_to_a_host_path_that_fails_its_check() {
         !calls.iter().any(|c| c == "NodeUnpublishVolume"),
         "{calls:?}"
     );
+}
+
+/// The config of a controller in `dir` whose volumes are `capacity` bytes.
+fn config_with_capacity(dir: &Path, capacity: u64) -> Config {
+    let text = format!(
+        "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[volume]\ncapacity_bytes = {capacity}\n",
+        d = dir.display()
+    );
+    Config::parse(&text, Path::new("test.toml")).unwrap()
+}
+
+/// A Create whose answer was lost is resolved (by the sweep, a Destroy, or a repeated
+/// Create) with the request it made, whatever `volume.capacity_bytes` says now: its
+/// intent records the size asked for. Before, the repeat asked for the size configured
+/// now, which a driver answers ALREADY_EXISTS for good (CSI: the same name with another
+/// size): every sweep failed, the volume leaked, and every Create of the id was refused
+/// as "being cleaned up".
+#[tokio::test]
+async fn an_unfinished_create_is_resolved_with_the_size_it_asked_for() {
+    let mut w = World::new(Fake::new(false, false));
+    w.fake.state.lock().unwrap().asked_sizes = Some(BTreeMap::new());
+    let small = config_with_capacity(w.dir.path(), 1 << 20);
+    let sides = |config: &Config| {
+        sides_with(
+            config,
+            &w.fake,
+            w.store.clone(),
+            Roles::CONTROLLER,
+            ConfigSettings::new(&config.volume, &config.secrets),
+        )
+    };
+    w.bridge = sides(&small);
+    w.fake.script("CreateVolume", Fault::LostAnswer);
+    w.create("v").await.unwrap_err();
+    assert_eq!(w.stored("v").unwrap().state, VolumeState::Creating);
+    // The operator raises the capacity; then the sweep runs.
+    let large = config_with_capacity(w.dir.path(), 2 << 20);
+    w.bridge = sides(&large);
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.backend_volumes().is_empty());
+    assert!(w.stored("v").is_none());
+    w.create("v").await.unwrap();
+
+    // The same for a repeated Create that finds the intent.
+    w.bridge = sides(&small);
+    w.fake.script("CreateVolume", Fault::LostAnswer);
+    w.create("u").await.unwrap_err();
+    w.bridge = sides(&large);
+    w.create("u").await.unwrap();
+    assert_eq!(w.stored("u").unwrap().state, VolumeState::Created);
 }
 
 /// A StorageClass with `reclaimPolicy: Retain`, over the config's settings.

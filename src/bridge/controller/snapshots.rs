@@ -657,7 +657,8 @@ impl ControllerSide {
                         state: VolumeState::Creating,
                         csi_volume_id: None,
                         volume_context: Default::default(),
-                        capacity_bytes: 0,
+                        // What CreateVolume asks for, so that a repeat asks the same.
+                        capacity_bytes: self.config.capacity_bytes as i64,
                         updated_at: self.now_secs(),
                         deletion: spec.deletion.clone(),
                         revision: None,
@@ -685,10 +686,9 @@ impl ControllerSide {
             }
             .into());
         };
-        let csi_name = record.csi_name.clone();
-        tracing::info!(volume_id = as_volume_id, source = %source.describe(), csi_name, "creating a CSI volume from a content source");
+        tracing::info!(volume_id = as_volume_id, source = %source.describe(), csi_name = %record.csi_name, "creating a CSI volume from a content source");
         let volume = match self
-            .create_volume(HookKind::Create, &csi_name, &spec, Some(&source), deadline)
+            .create_volume(HookKind::Create, &record, &spec, deadline)
             .await
         {
             Ok(volume) => volume,
