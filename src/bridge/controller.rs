@@ -668,7 +668,13 @@ impl ControllerSide {
         // When a volume became created is kept by a Create that finds it so (a repeated
         // Create, one of a restored volume): a forked Create's front tells by it what its
         // own worker finished (`withdraw_unanswered_create`).
-        let created_at = (record.state == VolumeState::Created).then_some(record.updated_at);
+        let same_volume = record.csi_volume_id.as_deref() == Some(volume.csi_volume_id.as_str());
+        let created_at =
+            (record.state == VolumeState::Created && same_volume).then_some(record.updated_at);
+        // A volume the driver made anew (the recorded one gone) was answered by nobody yet.
+        if record.state == VolumeState::Created && !same_volume {
+            record.answering_creates.clear();
+        }
         for _ in 0..STORE_RACE_RETRIES {
             record.state = VolumeState::Created;
             record.deletion = deletion.cloned();
@@ -744,6 +750,12 @@ impl ControllerSide {
                 .locks
                 .acquire(LockScope::Controller, &req.volume_id, &deadline)
                 .await?;
+            // A caller gone while this waited (behind another Create's undo, an operator's
+            // expand, the driver, the apiserver) was told the Create failed: nothing is
+            // made for it, not even a volume for the undo to delete.
+            if caller.is_gone() {
+                return Err(BridgeError::CallerGone);
+            }
             // Intent first: if the answer to CreateVolume is lost, Destroy (or the sweep)
             // can still find the volume by the name it records. A new volume gets a name
             // of its own; a Create that finds an intent asks again by the name it holds.
@@ -824,7 +836,11 @@ impl ControllerSide {
 
             // Made by this call (or by an earlier one whose answer never reached Cube), not
             // a volume an earlier Create already handed to CubeMaster.
-            let made_here = record.state == VolumeState::Creating;
+            // A finished record whose volume the driver no longer has (deleted behind the
+            // bridge, or by a Destroy whose record removal failed, which CubeMaster then
+            // forgot) got a new one from this call: that one is this call's too.
+            let made_here = record.state == VolumeState::Creating
+                || record.csi_volume_id.as_deref() != Some(volume.csi_volume_id.as_str());
             if let Err(error) = self
                 .finish_create(record, &volume, spec.deletion.as_ref(), &attempt)
                 .await

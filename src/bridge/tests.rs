@@ -2263,6 +2263,40 @@ async fn a_destroy_whose_caller_left_deletes_nothing() {
     assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
 }
 
+/// A Create whose caller left before it got the volume's lock (it waited behind another
+/// Create's undo, an operator's `expand`, a slow apiserver) writes no intent and sends no
+/// CreateVolume. Before, it made a volume only for its own undo to delete, and an undo
+/// that failed left a claim refusing Creates of the id until a sweep.
+#[tokio::test]
+async fn a_create_whose_caller_left_makes_nothing() {
+    let w = World::new(Fake::new(false, false));
+    let left = Caller::waiting();
+    left.leave();
+    let error = w.create_for("v", &left).await.unwrap_err();
+    assert!(error.to_string().contains("caller"), "{error}");
+    assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
+    assert!(w.stored("v").is_none());
+}
+
+/// A Create that finds a finished record whose volume the driver no longer has gets a new
+/// volume from CreateVolume: that volume is its own, undone when its answer never
+/// reaches Cube like any other it made. Before, it counted as the earlier Create's, was
+/// kept, and leaked (Cube, told the Create failed, never Destroys it).
+#[tokio::test]
+async fn a_create_that_remade_a_vanished_volume_undoes_it_when_unanswered() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    {
+        let mut driver = w.fake.state.lock().unwrap();
+        driver.volumes.clear();
+        driver.next_handle = Some("handle-remade".into());
+    }
+    let (_, caller) = undelivered();
+    w.create_for("v", &caller).await.unwrap_err();
+    assert!(w.backend_volumes().is_empty(), "{:?}", w.backend_volumes());
+    assert!(w.stored("v").is_none());
+}
+
 /// A controller side of another replica (its own lock dir, as on another host) over the
 /// world's store, driver and record key: with a shared (Kubernetes) store, replicas meet
 /// only in the store.
