@@ -264,3 +264,58 @@ async fn a_failed_forked_detach_is_left_for_cubes_retry() {
     assert_eq!(w.driver.arrivals("NodeUnstageVolume"), 2);
     w.destroy("retried").await.expect("destroy");
 }
+
+/// A forked hook that runs in place (it could not fork its worker: a pids limit, or its
+/// process has threads) answers as soon as its own work is done: the work earlier hooks
+/// abandoned is left to the next hook. Before, it finished that work first, the answer
+/// waited (here for a NodeUnpublish of another volume that does not come back), and Cube's
+/// kill then left the holder of an Attach Cube counted failed and never Detaches.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_run_in_place_answers_before_finishing_abandoned_work() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    // Volume "left": attached, then abandoned as a killed hook leaves it (nobody holds it,
+    // marked pending), so that the next node hook's follow-up tears it down.
+    let left = w.create("left").await.expect("create");
+    w.attach("sb-left", "left", 0, &left.private_data)
+        .await
+        .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", w.logs()));
+    let node = w.dir.path().join("state/node");
+    let record = node.join("left.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
+    json["holders"] = match json["holders"] {
+        serde_json::Value::Array(_) => serde_json::json!([]),
+        _ => serde_json::json!({}),
+    };
+    std::fs::write(&record, json.to_string()).unwrap();
+    std::fs::write(node.join("left.holders"), "*\t0\n").unwrap();
+    std::fs::write(node.join("pending/left"), "").unwrap();
+    let gate = w.driver.hold("NodeUnpublishVolume");
+
+    let made = w.create("fresh").await.expect("create");
+    let request = callers::attach_request(
+        "default",
+        &w.base_dir,
+        "sb-fresh",
+        "fresh",
+        0,
+        &made.private_data,
+    );
+    let front = w
+        .binary_caller()
+        .with_env("CUBE_CSI_BRIDGE_IN_PLACE", "1")
+        .spawn(&Hook::Attach(request));
+    let answered = tokio::time::timeout(WAIT, front.wait_with_output()).await;
+    gate.release();
+    let out = answered
+        .expect("the hook's answer waited for another volume's abandoned work")
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        w.logs()
+    );
+    assert!(holds(&w, "fresh", "sb-fresh"));
+}

@@ -139,6 +139,16 @@ fn crash(target: &str) {
     let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
 }
 
+/// Whether a forked hook must run in place, as it does when it cannot fork its worker
+/// (a pids limit) or its process has threads. With the `fault-injection` feature,
+/// `CUBE_CSI_BRIDGE_IN_PLACE=1` says so (tests/phantom_holders.rs).
+pub fn forced_in_place() -> bool {
+    #[cfg(feature = "fault-injection")]
+    return std::env::var_os("CUBE_CSI_BRIDGE_IN_PLACE").is_some_and(|v| v == "1");
+    #[cfg(not(feature = "fault-injection"))]
+    false
+}
+
 /// The leaf form a fresh Attach gives its paths. With the `fault-injection` feature,
 /// `CUBE_CSI_BRIDGE_LEGACY_LEAF=1` makes it the legacy `<driver>-<volume_id>` of the releases
 /// before: a test attaches as they did, then checks an upgraded bridge still serves those

@@ -173,13 +173,26 @@ fn pending_work_blocks(
     })
 }
 
+/// What a forked hook does once its answer is known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterAnswer {
+    /// Sweeps abandoned Creates and finishes node operations an earlier, killed hook
+    /// abandoned: a worker, whose front has the answer already.
+    FinishAbandonedWork,
+    /// Nothing: a hook run in place, whose answer is printed only when `run` returns (and
+    /// counted by Cube only once the process exits). Work done before that would hold the
+    /// answer back, and Cube's kill there would leave a holder or a volume it counted
+    /// failed.
+    Return,
+}
+
 /// Runs one hook with a bridge opened for just that hook's role. `answered` receives the
-/// output as soon as it is known; what follows (finishing node operations that an earlier,
-/// killed hook abandoned) no longer concerns the caller.
+/// output as soon as it is known; what follows (`after`) no longer concerns the caller.
 pub async fn run(
     config: Config,
     request: HookRequest,
     caller: &Caller,
+    after: AfterAnswer,
     answered: impl FnOnce(HookOutput),
 ) {
     let (kind, volume_id) = (request.kind(), request.volume_id().to_string());
@@ -216,6 +229,9 @@ pub async fn run(
     };
     let failed_detach = kind == HookKind::Detach && !output.success;
     answered(output);
+    if after == AfterAnswer::Return {
+        return;
+    }
     if let Ok(controller) = &bridge.controller {
         sweep_if_due(controller, &config).await;
     }
@@ -389,7 +405,14 @@ mod tests {
             volume_id: "vol-7".into(),
         });
         let mut output = None;
-        run(config, request, &Caller::waiting(), |o| output = Some(o)).await;
+        run(
+            config,
+            request,
+            &Caller::waiting(),
+            AfterAnswer::Return,
+            |o| output = Some(o),
+        )
+        .await;
         let output = output.unwrap();
         assert!(!output.success);
         assert!(

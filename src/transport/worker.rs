@@ -60,6 +60,9 @@ fn run_in_worker_inner(config: Config, request: HookRequest) -> (HookOutput, Opt
     if let Some(answer) = runtime().block_on(binary::answer_if_hot(&config, &request)) {
         return (answer, None);
     }
+    if crate::bridge::faults::forced_in_place() {
+        return (run_here(config, request), None);
+    }
     if !single_threaded() {
         // Forking a multi-threaded process is not safe: run here instead (a SIGKILL is then
         // left to the next hook or the daemon's reconciliation).
@@ -109,11 +112,18 @@ fn single_threaded() -> bool {
     std::fs::read_dir("/proc/self/task").is_ok_and(|tasks| tasks.count() == 1)
 }
 
+/// Runs the hook in this process, which Cube may kill at any moment before it exits: the
+/// answer is printed only when this returns, so nothing follows the hook (the work earlier
+/// hooks abandoned is left to the next forked hook or the daemon's scan).
 fn run_here(config: Config, request: HookRequest) -> HookOutput {
     let mut output = None;
-    runtime().block_on(binary::run(config, request, &Caller::waiting(), |o| {
-        output = Some(o)
-    }));
+    runtime().block_on(binary::run(
+        config,
+        request,
+        &Caller::waiting(),
+        binary::AfterAnswer::Return,
+        |o| output = Some(o),
+    ));
     output.expect("every hook answers")
 }
 
@@ -236,9 +246,15 @@ fn worker(
                 let _ = front_tx.send(Some(outcome));
             })
         };
-        binary::run(config, request, &caller, |output| {
-            send_answer(&answer, &output, &log_to);
-        })
+        binary::run(
+            config,
+            request,
+            &caller,
+            binary::AfterAnswer::FinishAbandonedWork,
+            |output| {
+                send_answer(&answer, &output, &log_to);
+            },
+        )
         .await;
         watcher.abort();
     });
