@@ -93,32 +93,47 @@ struct CommitState {
     running: bool,
     /// Flushes run so far (each one by the leader of a group).
     flushes: u64,
-    /// Every ticket up to this one was issued before a flush failed, and with what: its
-    /// writes may be among those the kernel dropped, which no later flush writes.
-    failed: Option<(u64, io::ErrorKind, String)>,
+    /// Flushes that failed so far, and how the last one did: a caller whose writes came
+    /// before a failure may have had them dropped by the kernel, and no later flush
+    /// writes them.
+    failures: u64,
+    last_failure: Option<(io::ErrorKind, String)>,
 }
 
 impl GroupCommit {
-    /// Returns once a `flush` that started after this call has succeeded; runs `flush`
-    /// itself when it is the one to lead the next group. A failed flush fails every
-    /// caller whose ticket was issued before it failed, not only its leader: the kernel
-    /// reports a failed writeback once and drops the pages it could not write, so a later
-    /// flush would succeed without their writes. Callers that come after go on.
+    /// `sync_since`, for writes made before this call.
     pub fn sync(&self, flush: impl Fn() -> io::Result<()>) -> io::Result<()> {
+        self.sync_since(self.mark(), flush)
+    }
+
+    /// What `sync_since` is given: taken before the writes a flush must cover.
+    pub fn mark(&self) -> u64 {
+        self.state.lock().expect("group commit poisoned").failures
+    }
+
+    /// Returns once a `flush` that started after this call has succeeded; runs `flush`
+    /// itself when it is the one to lead the next group. Fails when any flush failed
+    /// since `mark` was taken (before the caller's writes), not only when this caller's
+    /// own did: the kernel reports a failed writeback once and drops the pages it could
+    /// not write, so a later flush succeeds without those writes. Callers whose writes
+    /// come after go on.
+    pub fn sync_since(&self, mark: u64, flush: impl Fn() -> io::Result<()>) -> io::Result<()> {
         let mut state = self.state.lock().expect("group commit poisoned");
         state.issued += 1;
         let ticket = state.issued;
         loop {
+            if state.failures != mark {
+                let (kind, message) = state
+                    .last_failure
+                    .clone()
+                    .unwrap_or((io::ErrorKind::Other, "unknown".into()));
+                return Err(io::Error::new(
+                    kind,
+                    format!("a flush made after this write failed: {message}"),
+                ));
+            }
             if state.synced >= ticket {
                 return Ok(());
-            }
-            if let Some((through, kind, message)) = &state.failed
-                && ticket <= *through
-            {
-                return Err(io::Error::new(
-                    *kind,
-                    format!("a flush that covered this write failed: {message}"),
-                ));
             }
             if !state.running {
                 // Lead: one flush for every ticket issued so far.
@@ -131,7 +146,10 @@ impl GroupCommit {
                 state.flushes += 1;
                 match &result {
                     Ok(()) => state.synced = state.synced.max(covers),
-                    Err(e) => state.failed = Some((state.issued, e.kind(), e.to_string())),
+                    Err(e) => {
+                        state.failures += 1;
+                        state.last_failure = Some((e.kind(), e.to_string()));
+                    }
                 }
                 self.done.notify_all();
                 result?;
@@ -377,6 +395,24 @@ mod tests {
             assert!(error.to_string().contains(&eio.to_string()), "{error}");
         }
         group.sync(flush).unwrap();
+    }
+
+    /// A write made before a flush failed is not reported durable by a later flush that
+    /// succeeds, even when the caller asks only after the failure: the kernel dropped the
+    /// pages it could not write. Before, a caller whose write came before another's failed
+    /// flush, but whose call came after it, led a new flush and got Ok.
+    #[test]
+    fn a_write_made_before_a_failed_flush_is_never_reported_durable() {
+        let group = GroupCommit::default();
+        let mark = group.mark();
+        // ... this caller writes; another caller's flush fails meanwhile ...
+        group
+            .sync(|| Err(io::Error::from_raw_os_error(nix::libc::EIO)))
+            .unwrap_err();
+        assert!(group.sync_since(mark, || Ok(())).is_err());
+        // A write made after the failure is flushed as usual.
+        let later = group.mark();
+        group.sync_since(later, || Ok(())).unwrap();
     }
 
     /// A write that fails on a full file system leaves the old content and no temporary

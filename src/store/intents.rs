@@ -194,6 +194,7 @@ impl IntentLog {
     ) -> Result<(), IntentError> {
         let file = self.file()?;
         let log = self.log_path();
+        let mark;
         let checkpoints = {
             let _shared = self.lock(FlockArg::LockShared)?;
             // Read under the lock: no checkpoint moves it until the record is written.
@@ -203,7 +204,8 @@ impl IntentLog {
                 .map(|(_, n)| n);
             // One write (O_APPEND: at the end, whoever else appends). It starts with a
             // newline, so that a torn entry before it (a full disk) ends there and this one
-            // is read on its own line.
+            // is read on its own line. A flush that fails from here on may have dropped it.
+            mark = self.commit.mark();
             if let Err(error) = (&*file).write_all(entry(volume_id, record).as_bytes()) {
                 if durable {
                     // Nothing written yet but what the log tore: the save changed nothing.
@@ -228,7 +230,7 @@ impl IntentLog {
         };
         if durable {
             self.commit
-                .sync(|| file.sync_data())
+                .sync_since(mark, || file.sync_data())
                 .map_err(|e| (log.clone(), e))?;
         }
         {
