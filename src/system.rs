@@ -11,10 +11,26 @@ impl Clock for SystemClock {
         now_secs()
     }
 
+    /// Tried a few times, 20 ms apart: what makes the read fail (ENFILE, ENOMEM) passes,
+    /// and a daemon serving both roles that failed here would serve no Attach until it is
+    /// restarted.
     fn boot_id(&self) -> std::io::Result<String> {
-        read_boot_id(std::path::Path::new(BOOT_ID))
+        let path = std::path::Path::new(BOOT_ID);
+        let mut tries = 1;
+        loop {
+            match read_boot_id(path) {
+                Err(_) if tries < BOOT_ID_TRIES => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    tries += 1;
+                }
+                read => return read,
+            }
+        }
     }
 }
+
+/// Reads of the boot id before the node side gives up.
+const BOOT_ID_TRIES: u32 = 5;
 
 /// Where the kernel tells this boot's id.
 pub const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";

@@ -196,10 +196,8 @@ impl FileJournal {
     /// Opens the journal at `dir`, creating it (0700) if needed. After a reboot, the
     /// first open puts back what a power loss took from its records (`intents.rs`).
     pub fn open(dir: &Path) -> io::Result<Self> {
-        Self::open_in_boot(
-            dir,
-            &crate::system::read_boot_id(Path::new(crate::system::BOOT_ID))?,
-        )
+        use crate::bridge::ports::Clock;
+        Self::open_in_boot(dir, &crate::system::SystemClock.boot_id()?)
     }
 
     /// `open`, for a process of the boot `boot_id`.

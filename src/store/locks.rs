@@ -86,7 +86,7 @@ impl ByteLock {
 
 /// The first pause between two tries of a byte another process holds, and the longest.
 const LOCK_POLL_FIRST: std::time::Duration = std::time::Duration::from_millis(1);
-const LOCK_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(20);
+const LOCK_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(4);
 
 impl FileLocks {
     pub fn new(dir: &Path) -> std::io::Result<Self> {
