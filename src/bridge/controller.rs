@@ -521,12 +521,14 @@ impl ControllerSide {
         deleted
     }
 
-    /// The bytes CreateVolume asks for the volume `record` stands for. An intent's are the
-    /// ones it recorded when it was written: a repeat is the same request whatever
-    /// `volume.capacity_bytes` says now (a driver answers the same name with another size
-    /// ALREADY_EXISTS, for good). A finished volume's recorded size, when `expand` grew it
-    /// past the configured one, is asked for too (the volume satisfies it). Else, and for
-    /// intents written before intents recorded it (0), the configured capacity.
+    /// The bytes a Create's CreateVolume asks for the volume `record` stands for. An
+    /// intent's are the ones it recorded when it was written: a repeat is the same request
+    /// whatever `volume.capacity_bytes` says now (a driver answers the same name with
+    /// another size ALREADY_EXISTS, for good). A finished volume's recorded size, when
+    /// `expand` grew it past the configured one, is asked for too (the volume satisfies
+    /// it). Else, and for intents that say 0 (asked with no size, or written before
+    /// intents recorded it), the configured capacity. (A repeat only to delete asks for
+    /// exactly what the record says: `delete_recorded`.)
     fn asked_bytes(&self, record: &VolumeRecord) -> u64 {
         let configured = self.config.capacity_bytes;
         let recorded = record.capacity_bytes.max(0) as u64;
@@ -537,18 +539,18 @@ impl ControllerSide {
         }
     }
 
-    /// CreateVolume for the volume `record` stands for (the same request every time for
-    /// one name: `asked_bytes`).
+    /// CreateVolume of `required_bytes` for the volume `record` stands for.
     async fn create_volume(
         &self,
         hook: HookKind,
         record: &VolumeRecord,
+        required_bytes: u64,
         spec: &VolumeSpec,
         deadline: &Deadline,
     ) -> Result<CreatedVolume, BridgeError> {
         let volume = NewVolume {
             name: record.csi_name.clone(),
-            required_bytes: self.asked_bytes(record),
+            required_bytes,
             capability: spec.capability.clone(),
             parameters: spec.parameters.clone(),
             secrets: self.settings.secrets(SecretUse::Provisioner).await?,
@@ -708,6 +710,15 @@ impl ControllerSide {
                 Some(current) if current.state == VolumeState::Deleting => {
                     return Err(being_reclaimed(&record.volume_id));
                 }
+                // Another Create's record (written after this one's was removed): it
+                // stands for the volume that Create made, not this one.
+                Some(current) if current.csi_name != record.csi_name => {
+                    return Err(BridgeError::Precondition(format!(
+                        "the record of this volume now stands for another Create's CSI volume \
+                         (name {:?}, not {:?})",
+                        current.csi_name, record.csi_name
+                    )));
+                }
                 Some(current) => {
                     // Written over, so signed anew: only if the bridge wrote it.
                     self.check_integrity_before(&current, "record the created volume")
@@ -768,12 +779,19 @@ impl ControllerSide {
                     spec.deletion.as_ref(),
                 )
                 .await?;
-            tracing::info!(name = %req.name, csi_name = %record.csi_name, "creating CSI volume");
+            let csi_name = record.csi_name.clone();
+            tracing::info!(name = %req.name, csi_name, "creating CSI volume");
 
             // A volume `restore` or `clone` recorded is asked for as it was made, and an
             // intent with the size it recorded.
             let volume = match self
-                .create_volume(HookKind::Create, &record, &spec, &deadline)
+                .create_volume(
+                    HookKind::Create,
+                    &record,
+                    self.asked_bytes(&record),
+                    &spec,
+                    &deadline,
+                )
                 .await
             {
                 Ok(v) => v,
@@ -829,7 +847,13 @@ impl ControllerSide {
                 Ok(private_data) => private_data,
                 Err(problem) => {
                     return Err(self
-                        .undo_create(&req.volume_id, &volume.csi_volume_id, &attempt, problem)
+                        .undo_create(
+                            &req.volume_id,
+                            &csi_name,
+                            &volume.csi_volume_id,
+                            &attempt,
+                            problem,
+                        )
                         .await);
                 }
             };
@@ -854,6 +878,7 @@ impl ControllerSide {
                 return Err(self
                     .undo_create(
                         &req.volume_id,
+                        &csi_name,
                         &volume.csi_volume_id,
                         &attempt,
                         format!("recording the created volume failed: {error}"),
@@ -877,6 +902,7 @@ impl ControllerSide {
                 return Err(self
                     .undo_create(
                         &req.volume_id,
+                        &csi_name,
                         &volume.csi_volume_id,
                         &attempt,
                         "the answer to Create never reached CubeMaster (its caller left \
@@ -894,13 +920,14 @@ impl ControllerSide {
     async fn undo_create(
         &self,
         volume_id: &str,
+        csi_name: &str,
         csi_volume_id: &str,
         attempt: &str,
         problem: String,
     ) -> BridgeError {
         let error = BridgeError::Precondition(problem);
         let undone = self
-            .delete_unanswered(volume_id, csi_volume_id, Some(attempt))
+            .delete_unanswered(volume_id, csi_name, csi_volume_id, Some(attempt))
             .await;
         match undone {
             Ok(Undo::Deleted) => {
@@ -923,10 +950,13 @@ impl ControllerSide {
     /// it, None for the forked front that does not know its worker's), and its record,
     /// unless another Create is listed as answering with it: that one, on another replica,
     /// took this Create over and may have handed the volume to CubeMaster, so the volume
-    /// is left to it and `attempt` only takes itself off the list.
+    /// is left to it and `attempt` only takes itself off the list. A record that names
+    /// another CreateVolume name (`csi_name`: another Create's, written after this one's
+    /// was removed) is not this volume's: the volume is deleted and the record left alone.
     async fn delete_unanswered(
         &self,
         volume_id: &str,
+        csi_name: &str,
         csi_volume_id: &str,
         attempt: Option<&str>,
     ) -> Result<Undo, BridgeError> {
@@ -965,6 +995,12 @@ impl ControllerSide {
             let Some(mut record) = found else {
                 break;
             };
+            if record.csi_name != csi_name {
+                let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
+                self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
+                    .await?;
+                return Ok(Undo::Deleted);
+            }
             let others = record
                 .answering_creates
                 .iter()
@@ -1047,7 +1083,7 @@ impl ControllerSide {
         // volume is left as `delete_unanswered` leaves it.
         let worker = record.answering_creates.last().map(String::as_str);
         let undone = self
-            .delete_unanswered(volume_id, &csi_volume_id, worker)
+            .delete_unanswered(volume_id, &record.csi_name, &csi_volume_id, worker)
             .await;
         match &undone {
             Ok(Undo::Deleted) => self.recorder.rollback("create", "undone"),
@@ -1153,8 +1189,12 @@ impl ControllerSide {
                 // idempotent by name: asking again returns the volume if it exists.
                 tracing::info!(csi_name = %record.csi_name, "resolving an unfinished create before deleting");
                 let spec = self.settings.spec(&identity.name).await?;
+                // Exactly what the intent recorded, 0 (no size) too: any size that
+                // differs is ALREADY_EXISTS for good if the volume exists, and one that
+                // does not is made only to be deleted.
+                let asked = record.capacity_bytes.max(0) as u64;
                 let id = self
-                    .create_volume(hook, &record, &spec, deadline)
+                    .create_volume(hook, &record, asked, &spec, deadline)
                     .await?
                     .csi_volume_id;
                 (id, spec.deletion.or(record.deletion.clone()))

@@ -20,7 +20,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::BridgeError;
-use super::records::{ContentSource, SnapshotRecord, VolumeRecord};
+use super::records::{ContentSource, SnapshotRecord, VolumeRecord, VolumeState};
 
 /// Bytes of a record key.
 pub const KEY_LEN: usize = 32;
@@ -198,6 +198,13 @@ fn mac_input(driver: &str, r: &VolumeRecord) -> Vec<u8> {
             field(volume_id.as_bytes());
             field(csi_volume_id.as_bytes());
         }
+    }
+    // The size an intent asks CreateVolume for, which a repeated Create and the sweep ask
+    // for again; only when there is one, so that intents from before it was recorded (0)
+    // keep their MACs. A finished record's size is the driver's answer, not covered.
+    if r.state == VolumeState::Creating && r.capacity_bytes > 0 {
+        field(b"asked_bytes");
+        field(&r.capacity_bytes.to_be_bytes());
     }
     out
 }
@@ -402,6 +409,29 @@ mod tests {
             edit(&mut forged);
             assert_eq!(key.verify("nfs", &forged), Verdict::Mismatch, "{forged:?}");
         }
+    }
+
+    /// The size an intent asks CreateVolume for is covered (the sweep and a repeated
+    /// Create ask for it again); an intent that records none (from before) keeps its MAC,
+    /// and a finished record's size (the driver's answer) is not covered.
+    #[test]
+    fn an_intents_asked_size_is_covered() {
+        let key = RecordKey::from_bytes(&[7; KEY_LEN]).unwrap();
+        let mut intent = record();
+        intent.state = VolumeState::Creating;
+        intent.capacity_bytes = 0;
+        let unsized_mac = key.sign("nfs", &intent);
+        intent.capacity_bytes = 1 << 30;
+        intent.integrity = Some(key.sign("nfs", &intent));
+        assert_eq!(key.verify("nfs", &intent), Verdict::Valid);
+        assert_ne!(intent.integrity.as_deref(), Some(unsized_mac.as_str()));
+        let mut forged = intent.clone();
+        forged.capacity_bytes = 1 << 50;
+        assert_eq!(key.verify("nfs", &forged), Verdict::Mismatch);
+        let mut finished = record();
+        finished.integrity = Some(key.sign("nfs", &finished));
+        finished.capacity_bytes += 1;
+        assert_eq!(key.verify("nfs", &finished), Verdict::Valid);
     }
 
     #[test]

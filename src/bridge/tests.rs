@@ -2313,6 +2313,45 @@ fn other_replica(w: &World) -> ControllerSide {
     Arc::into_inner(bridge.controller.unwrap()).unwrap()
 }
 
+/// A Create whose record another replica replaced while its CreateVolume ran (a sweep or
+/// a Destroy removed the intent, then a new Create of the id wrote its own, under a name
+/// of its own) neither takes that record over nor leaves its own volume behind. Before,
+/// it wrote its volume's handle into the other Create's record (the volume that Create
+/// handed to Cube lost its record), or its undo left its own volume to that Create.
+#[tokio::test]
+async fn a_create_whose_record_another_create_replaced_keeps_to_its_own_volume() {
+    let w = World::new(Fake::new(false, false));
+    let replica_b = other_replica(&w);
+    w.fake
+        .script("CreateVolume", Fault::Slow(Duration::from_millis(300)));
+    let on_a = async { w.create("v").await };
+    let on_b = async {
+        while !w.fake.calls().iter().any(|c| c == "CreateVolume") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        w.store.records.lock().unwrap().remove("v");
+        replica_b
+            .create(
+                CreateVolume {
+                    volume_id: "v".into(),
+                    name: "v".into(),
+                },
+                &Caller::waiting(),
+            )
+            .await
+    };
+    let (a, b) = tokio::join!(on_a, on_b);
+    assert!(a.is_err(), "A's record was replaced");
+    let handle = VolumeHandle::decode(&b.expect("B's Create").private_data)
+        .unwrap()
+        .csi_volume_id;
+    assert_eq!(w.stored("v").unwrap().csi_volume_id, Some(handle.clone()));
+    assert_eq!(
+        w.backend_volumes().into_values().collect::<Vec<_>>(),
+        [handle]
+    );
+}
+
 /// Replica A's Create is slow in CreateVolume; CubeMaster, tired of waiting, asks replica
 /// B, which adopts A's intent, gets the same CSI volume (CreateVolume is idempotent by
 /// name) and hands it to CubeMaster. A's answer then reaches nobody. Before, A undid "what
@@ -3084,6 +3123,20 @@ async fn an_unfinished_create_is_resolved_with_the_size_it_asked_for() {
     assert!(w.backend_volumes().is_empty());
     assert!(w.stored("v").is_none());
     w.create("v").await.unwrap();
+
+    // From no size configured to one: the sweep asks with no size again.
+    let unsized_config = config_with_capacity(w.dir.path(), 0);
+    w.bridge = sides(&unsized_config);
+    w.fake.script("CreateVolume", Fault::LostAnswer);
+    w.create("z").await.unwrap_err();
+    w.bridge = sides(&large);
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.stored("z").is_none());
 
     // The same for a repeated Create that finds the intent.
     w.bridge = sides(&small);

@@ -688,7 +688,13 @@ impl ControllerSide {
         };
         tracing::info!(volume_id = as_volume_id, source = %source.describe(), csi_name = %record.csi_name, "creating a CSI volume from a content source");
         let volume = match self
-            .create_volume(HookKind::Create, &record, &spec, deadline)
+            .create_volume(
+                HookKind::Create,
+                &record,
+                self.asked_bytes(&record),
+                &spec,
+                deadline,
+            )
             .await
         {
             Ok(volume) => volume,
@@ -702,7 +708,8 @@ impl ControllerSide {
                 return Err(error);
             }
         };
-        let required = self.config.capacity_bytes as i64;
+        // What this call asked for (an adopted intent's recorded size).
+        let required = self.asked_bytes(&record) as i64;
         let handle = VolumeHandle {
             csi_volume_id: volume.csi_volume_id.clone(),
             volume_context: volume.volume_context.clone(),
@@ -712,7 +719,7 @@ impl ControllerSide {
         // What Create would refuse to hand to Cube is undone now, not at Create.
         let problem = if volume.capacity_bytes != 0 && volume.capacity_bytes < required {
             Some(format!(
-                "the driver made a volume of {} bytes, less than the {required} configured",
+                "the driver made a volume of {} bytes, less than the {required} asked for",
                 volume.capacity_bytes
             ))
         } else {
@@ -720,7 +727,13 @@ impl ControllerSide {
         };
         if let Some(problem) = problem {
             return Err(self
-                .undo_create(as_volume_id, &volume.csi_volume_id, &attempt, problem)
+                .undo_create(
+                    as_volume_id,
+                    &record.csi_name,
+                    &volume.csi_volume_id,
+                    &attempt,
+                    problem,
+                )
                 .await);
         }
         self.finish_create(record, &volume, spec.deletion.as_ref(), &attempt)
