@@ -494,8 +494,8 @@ struct ControllerEntry {
     /// Where the volume can be attached: CreateVolume's accessible_topology (empty: on
     /// every node).
     accessible_topology: Vec<Segments>,
-    /// The recorded capacity (0 = unknown): CreateVolume's answer, then what `expand`
-    /// grew it to.
+    /// The recorded capacity (0 = unknown): while creating, what CreateVolume asks for;
+    /// then CreateVolume's answer, then what `expand` grew it to.
     capacity_bytes: i64,
     /// Nodes still grow it to `capacity_bytes` (NodeExpandVolume) where it is attached.
     node_expansion_required: bool,
