@@ -865,6 +865,16 @@ impl ControllerSide {
             // forgot) got a new one from this call: that one is this call's too.
             let made_here = record.state == VolumeState::Creating
                 || record.csi_volume_id.as_deref() != Some(volume.csi_volume_id.as_str());
+            if record.state == VolumeState::Created && made_here {
+                // Usually the old one is gone; a driver whose handles follow its parameters
+                // (changed since) may still have it, and no record names it any more.
+                tracing::warn!(
+                    recorded = record.csi_volume_id.as_deref().unwrap_or(""),
+                    answered = %volume.csi_volume_id,
+                    "CreateVolume answered another CSI volume than the one recorded for this \
+                     volume: the new one is recorded; delete the old one by hand if it still exists"
+                );
+            }
             if let Err(error) = self
                 .finish_create(record, &volume, spec.deletion.as_ref(), &attempt)
                 .await
