@@ -1207,7 +1207,11 @@ impl ControllerSide {
                     .create_volume(hook, &record, asked, &spec, deadline)
                     .await?
                     .csi_volume_id;
-                (id, spec.deletion.or(record.deletion.clone()))
+                // Deleted whatever the reclaim policy, as the undo deletes: a Create
+                // never finished is one whose volume Cube never had, and a Retain policy
+                // would keep it for nobody (no record names it once this one is gone).
+                let deletion = spec.deletion.or(record.deletion.clone());
+                (id, deletion.map(|d| DeletionPolicy { retain: false, ..d }))
             }
         };
         // The last moment to stop: a Destroy's caller gone by now (it waited for the

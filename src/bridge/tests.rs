@@ -2994,6 +2994,33 @@ async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one(
     assert!(err.to_string().contains("being cleaned up"), "{err}");
 }
 
+/// An unfinished Create resolved by the sweep is deleted whatever the reclaim policy, as
+/// the undo of an unanswered Create deletes it: Cube never had the volume, and once its
+/// record is gone nothing names it. Before, a Retain policy kept it for nobody.
+#[tokio::test]
+async fn the_sweep_deletes_an_unfinished_create_whatever_the_reclaim_policy() {
+    let mut w = World::new(Fake::new(false, false));
+    let config = world_config(w.dir.path(), "");
+    w.bridge = sides_with(
+        &config,
+        &w.fake,
+        w.store.clone(),
+        Roles::BOTH,
+        RetainingSettings(ConfigSettings::new(&config.volume, &config.secrets)),
+    );
+    w.fake.script("CreateVolume", Fault::LostAnswer);
+    w.create("v").await.unwrap_err();
+    assert_eq!(w.backend_volumes().len(), 1, "the driver made it");
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.backend_volumes().is_empty(), "{:?}", w.backend_volumes());
+    assert!(w.stored("v").is_none());
+}
+
 /// A node side that does not know its own boot takes no record for an earlier boot's.
 /// Before, an unreadable boot id read as empty, every record then looked like one of a
 /// dead boot, and an Attach by another namespace tore down (NodeUnpublish, NodeUnstage)
