@@ -5191,7 +5191,8 @@ async fn an_unanswered_restore_is_resolved_by_the_sweep_with_its_content_source(
 
 /// A restore repeated after a lost answer goes on with the `Creating` intent of the same
 /// copy, and signs it anew: only if the bridge wrote it. One planted (unsigned, here with
-/// a Retain policy the sweep would honour) or edited is refused and stays unsigned.
+/// a Retain policy a Destroy of the finished copy would honour) or edited is refused and
+/// stays unsigned.
 #[tokio::test]
 async fn a_repeated_restore_does_not_sign_a_planted_intent() {
     let w = unanswered_restore().await;
