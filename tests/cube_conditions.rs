@@ -170,23 +170,6 @@ async fn a_binary_attach_killed_by_cube_is_rolled_back() {
     w.detach("sb", "killed", 0, &again.metadata).await.unwrap();
 }
 
-/// Rewrites a journal record as a crash would have left it, with `edit`.
-fn edit_record(w: &World, volume: &str, edit: impl FnOnce(&mut serde_json::Value)) {
-    let path = w.dir.path().join(format!("state/node/{volume}.json"));
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut json);
-    std::fs::write(&path, json.to_string()).unwrap();
-}
-
-/// The shape of "nobody holds it": empty, in whatever form this journal keeps holders.
-fn no_holders(json: &mut serde_json::Value) {
-    json["holders"] = match json["holders"] {
-        serde_json::Value::Array(_) => serde_json::json!([]),
-        _ => serde_json::json!({}),
-    };
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn start_up_reconciliation_never_acts_on_a_stale_copy() {
     require_root!();
@@ -203,13 +186,8 @@ async fn start_up_reconciliation_never_acts_on_a_stale_copy() {
     let mut daemon = w.daemon.take().unwrap();
     daemon.kill().await.unwrap();
     for volume in ["a-slow", "b-live"] {
-        edit_record(&w, volume, |json| {
-            json["publish"] = "uncertain".into();
-            no_holders(json);
-        });
-        // The holder log as the save before NodePublishVolume left it: nobody.
-        let log = w.dir.path().join(format!("state/node/{volume}.holders"));
-        std::fs::write(log, "*\t0\n").unwrap();
+        // The record and holder log as the save before NodePublishVolume left them.
+        w.leave_held_by_nobody(volume, |json| json["publish"] = "uncertain".into());
     }
     // Reconciling a-slow stays in NodeUnpublishVolume until released; meanwhile Cube
     // attaches b-live again.
@@ -255,7 +233,7 @@ async fn after_a_reboot_attachments_of_the_earlier_boot_are_torn_down() {
     // The reboot: the mount is gone, the journal says it was another boot, and the
     // sandbox that held it died without a Detach.
     cube_csi_bridge::mount::ops::unmount(Path::new(&a.host_path)).unwrap();
-    edit_record(&w, "old", |json| json["boot_id"] = "an-earlier-boot".into());
+    w.edit_node_record("old", |json| json["boot_id"] = "an-earlier-boot".into());
     w.driver.clear_calls();
     w.start_daemon().await.unwrap();
     assert!(

@@ -704,16 +704,11 @@ async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
     // NodePublishVolume was in flight (written before the call, never completed).
     let mut daemon = w.daemon.take().unwrap();
     daemon.kill().await.unwrap();
-    let record = w.dir.path().join("state/node/crash.json");
-    let text = std::fs::read_to_string(&record).unwrap();
+    let text = std::fs::read_to_string(w.dir.path().join("state/node/crash.json")).unwrap();
     assert!(text.contains(r#""publish":"done""#), "{text}");
-    // An Attach in flight has not recorded its sandbox as a holder yet.
-    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["publish"] = "uncertain".into();
-    json["holders"] = serde_json::json!({});
-    std::fs::write(&record, json.to_string()).unwrap();
-    // The holder log as the save before the call left it: nobody.
-    std::fs::write(record.with_extension("holders"), "*\t0\n").unwrap();
+    // An Attach in flight has not recorded its sandbox as a holder yet: the record and
+    // the holder log as the save before the call left them.
+    w.leave_held_by_nobody("crash", |json| json["publish"] = "uncertain".into());
     w.driver.clear_calls();
 
     w.start_daemon().await.unwrap();

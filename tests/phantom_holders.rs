@@ -280,17 +280,8 @@ async fn a_hook_run_in_place_answers_before_finishing_abandoned_work() {
     w.attach("sb-left", "left", 0, &left.private_data)
         .await
         .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", w.logs()));
-    let node = w.dir.path().join("state/node");
-    let record = node.join("left.json");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
-    json["holders"] = match json["holders"] {
-        serde_json::Value::Array(_) => serde_json::json!([]),
-        _ => serde_json::json!({}),
-    };
-    std::fs::write(&record, json.to_string()).unwrap();
-    std::fs::write(node.join("left.holders"), "*\t0\n").unwrap();
-    std::fs::write(node.join("pending/left"), "").unwrap();
+    w.leave_held_by_nobody("left", |_| {});
+    std::fs::write(w.dir.path().join("state/node/pending/left"), "").unwrap();
     let gate = w.driver.hold("NodeUnpublishVolume");
 
     let made = w.create("fresh").await.expect("create");

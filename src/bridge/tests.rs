@@ -3000,14 +3000,7 @@ async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one(
 #[tokio::test]
 async fn the_sweep_deletes_an_unfinished_create_whatever_the_reclaim_policy() {
     let mut w = World::new(Fake::new(false, false));
-    let config = world_config(w.dir.path(), "");
-    w.bridge = sides_with(
-        &config,
-        &w.fake,
-        w.store.clone(),
-        Roles::BOTH,
-        RetainingSettings(ConfigSettings::new(&config.volume, &config.secrets)),
-    );
+    w.retaining();
     w.fake.script("CreateVolume", Fault::LostAnswer);
     w.create("v").await.unwrap_err();
     assert_eq!(w.backend_volumes().len(), 1, "the driver made it");
@@ -3105,13 +3098,9 @@ async fn a_repair_sends_no_unpublish_to_a_host_path_that_fails_its_check() {
     );
 }
 
-/// The config of a controller in `dir` whose volumes are `capacity` bytes.
+/// The config of a world in `dir` whose volumes are `capacity` bytes.
 fn config_with_capacity(dir: &Path, capacity: u64) -> Config {
-    let text = format!(
-        "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[volume]\ncapacity_bytes = {capacity}\n",
-        d = dir.display()
-    );
-    Config::parse(&text, Path::new("test.toml")).unwrap()
+    world_config(dir, &format!("[volume]\ncapacity_bytes = {capacity}"))
 }
 
 /// A Create whose answer was lost is resolved (by the sweep, a Destroy, or a repeated
@@ -3177,6 +3166,20 @@ async fn an_unfinished_create_is_resolved_with_the_size_it_asked_for() {
 /// A StorageClass with `reclaimPolicy: Retain`, over the config's settings.
 struct RetainingSettings(ConfigSettings);
 
+impl World {
+    /// The world's sides again, their volume settings with a Retain policy.
+    fn retaining(&mut self) {
+        let config = world_config(self.dir.path(), "");
+        self.bridge = sides_with(
+            &config,
+            &self.fake,
+            self.store.clone(),
+            Roles::BOTH,
+            RetainingSettings(ConfigSettings::new(&config.volume, &config.secrets)),
+        );
+    }
+}
+
 #[async_trait]
 impl VolumeSettings for RetainingSettings {
     async fn spec(&self, driver_name: &str) -> Result<VolumeSpec, SettingsError> {
@@ -3212,21 +3215,7 @@ impl VolumeSettings for RetainingSettings {
 #[tokio::test]
 async fn a_reused_volume_id_never_gets_the_volume_a_retain_policy_kept() {
     let mut w = World::new(Fake::new(false, false));
-    let config = Config::parse(
-        &format!(
-            "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\ndir = \"{d}/state\"\nlock_dir = \"{d}/locks\"",
-            d = w.dir.path().display()
-        ),
-        Path::new("test.toml"),
-    )
-    .unwrap();
-    w.bridge = sides_with(
-        &config,
-        &w.fake,
-        w.store.clone(),
-        Roles::BOTH,
-        RetainingSettings(ConfigSettings::new(&config.volume, &config.secrets)),
-    );
+    w.retaining();
     let first = w.create("data").await.unwrap();
     w.destroy("data").await.unwrap();
     let kept = VolumeHandle::decode(&first.private_data).unwrap();

@@ -421,6 +421,30 @@ impl World {
             Err(_) => 0,
         }
     }
+
+    /// Edits `volume`'s node journal record (JSON) in place.
+    pub fn edit_node_record(&self, volume: &str, edit: impl FnOnce(&mut serde_json::Value)) {
+        let path = self.dir.path().join(format!("state/node/{volume}.json"));
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut json);
+        std::fs::write(&path, json.to_string()).unwrap();
+    }
+
+    /// Leaves `volume`'s record and holder log as a hook stopped before it recorded a
+    /// holder leaves them: nobody holds it (in whatever form the journal keeps holders);
+    /// `edit` changes the rest of the record.
+    pub fn leave_held_by_nobody(&self, volume: &str, edit: impl FnOnce(&mut serde_json::Value)) {
+        self.edit_node_record(volume, |json| {
+            json["holders"] = match json["holders"] {
+                serde_json::Value::Array(_) => serde_json::json!([]),
+                _ => serde_json::json!({}),
+            };
+            edit(json);
+        });
+        let log = self.dir.path().join(format!("state/node/{volume}.holders"));
+        std::fs::write(log, "*\t0\n").unwrap();
+    }
 }
 
 impl Drop for World {
