@@ -230,7 +230,7 @@ impl IntentLog {
         };
         if durable {
             self.commit
-                .sync_since(mark, || file.sync_data())
+                .sync_since(mark, || self.flush(&file))
                 .map_err(|e| (log.clone(), e))?;
         }
         {
@@ -264,7 +264,12 @@ impl IntentLog {
     /// its `apply`): no checkpoint runs meanwhile.
     pub fn holds_durable_entry(&self, volume_id: &str) -> Result<bool, IntentError> {
         let file = self.file()?;
-        file.sync_data().map_err(|e| (self.log_path(), e))?;
+        // Through the group commit, as every flush of the log: the kernel reports a failed
+        // writeback to one flush only, and a durable save waiting on another thread whose
+        // entry it dropped must learn of it.
+        self.commit
+            .sync(|| self.flush(&file))
+            .map_err(|e| (self.log_path(), e))?;
         if !self.header_is_ours(&file)? {
             return Ok(false);
         }
@@ -272,6 +277,17 @@ impl IntentLog {
             self.last_entries_on_disk(&file)?.get(volume_id),
             Some(Some(_))
         ))
+    }
+
+    /// One `fdatasync` of the log (tests may make it fail, as a lost writeback does).
+    fn flush(&self, file: &File) -> io::Result<()> {
+        #[cfg(test)]
+        if tests::flush_fails(&self.log_path()) {
+            return Err(io::Error::other(
+                "injected: writeback of the intent log failed",
+            ));
+        }
+        file.sync_data()
     }
 
     /// (durable saves so far, fdatasyncs of the log they needed), for tests.
@@ -618,6 +634,51 @@ fn last_entries(text: &[u8]) -> LastEntries {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Logs whose next flushes fail, and how many: the kernel reports a lost writeback
+    /// to the first flush of the file that comes after it, whoever makes it.
+    static FAILING_FLUSHES: Mutex<Vec<(PathBuf, u32)>> = Mutex::new(Vec::new());
+
+    pub(super) fn flush_fails(log: &Path) -> bool {
+        let mut failing = FAILING_FLUSHES.lock().unwrap_or_else(|p| p.into_inner());
+        match failing.iter_mut().find(|(path, n)| path == log && *n > 0) {
+            Some((_, n)) => {
+                *n -= 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn fail_next_flush(log: &Path) {
+        FAILING_FLUSHES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((log.to_path_buf(), 1));
+    }
+
+    /// A durable save whose entry a lost writeback dropped fails even when the flush
+    /// that learnt of the loss was a full disk's check of the log (`holds_durable_entry`,
+    /// made by another save meanwhile) rather than its own: that check's flush consumed
+    /// the error, and a later flush succeeds without the entry.
+    #[test]
+    fn a_writeback_lost_to_a_full_disks_check_fails_the_save_it_dropped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = IntentLog::open(tmp.path(), "b").unwrap();
+        save(&log, "other", b"{}", true);
+        let path = log.record_path("v");
+        let result = log.append("v", Some(b"{}"), true, |_| {
+            // Another thread's save on a full disk, between this entry's write and its
+            // flush: its check flushes the log first, and that flush fails.
+            fail_next_flush(&log.log_path());
+            assert!(log.holds_durable_entry("other").is_err());
+            write_atomic(&path, b"{}", None).map_err(|e| (path.clone(), e))
+        });
+        let error = result.expect_err("the save's entry may be lost, and it said durable");
+        assert!(error.1.to_string().contains("writeback"), "{}", error.1);
+        // Saves that come after the loss go on.
+        save(&log, "later", b"{}", true);
+    }
 
     fn save(log: &IntentLog, id: &str, bytes: &[u8], durable: bool) {
         let path = log.record_path(id);
