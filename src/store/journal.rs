@@ -417,17 +417,26 @@ impl FileJournal {
                 file.set_len(end).map_err(Self::io(&log))?;
             }
         }
+        // The header is one short line: the first bytes say how long the snapshot is.
+        let mut head = [0u8; 32];
+        let read = file.read_at(&mut head, 0).map_err(Self::io(&log))?;
+        let mut snapshot = parse_snapshot_header(&String::from_utf8_lossy(&head[..read]))
+            .map_or(0, |(header, snapshot)| (header + snapshot) as u64);
+        // A snapshot cut short (a kill or a full disk while it was rewritten) is no
+        // snapshot: the record, saved before it, holds those holders. Lines appended after
+        // it would be read as part of it once the log is as long as it says (and until
+        // then, not at all): a holder lost, and the log taken for a whole holder set. It
+        // goes, and the new lines are changes over the record.
+        if end < snapshot {
+            file.set_len(0).map_err(Self::io(&log))?;
+            (end, snapshot) = (0, 0);
+        }
         if let Err(e) = file.write_all_at(lines.as_bytes(), end) {
             // Whatever part of the lines made it to the file goes again, so that the log
             // ends where it did (best effort: the next append cuts a torn line anyway).
             let _ = file.set_len(end);
             return Err(io(e));
         }
-        // The header is one short line: the first bytes say how long the snapshot is.
-        let mut head = [0u8; 32];
-        let read = file.read_at(&mut head, 0).map_err(Self::io(&log))?;
-        let snapshot = parse_snapshot_header(&String::from_utf8_lossy(&head[..read]))
-            .map_or(0, |(header, snapshot)| (header + snapshot) as u64);
         Ok((end + lines.len() as u64).saturating_sub(snapshot))
     }
 
@@ -1430,6 +1439,46 @@ mod tests {
         }
         journal.save(&rec, false).unwrap();
         assert_eq!(std::fs::read_to_string(&log).unwrap(), whole);
+    }
+
+    /// A hot hook's line appended to a snapshot cut short is a change over the record, not
+    /// a part of the snapshot: before, the log read as whole once the appended lines
+    /// reached the length its header gave (and, until then, replayed nothing), so the
+    /// hot Attach's holder was lost, and the log alone passed for the whole holder set.
+    #[test]
+    fn a_line_appended_after_a_snapshot_cut_short_is_never_read_as_part_of_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let mut rec = NodeRecord::new("v", "h", "/t".into());
+        for (n, sandbox) in ["a", "b", "c"].into_iter().enumerate() {
+            attach_at("nsA", sandbox, n == 0, 100 + n as u64)
+                .apply_timed(&mut rec.holders, &mut rec.holder_times);
+        }
+        let log = journal.holder_log("v");
+        let whole = {
+            journal.save(&rec, false).unwrap();
+            std::fs::read_to_string(&log).unwrap()
+        };
+        let header = whole.find('\n').unwrap() + 1;
+        let first_line = header + whole[header..].find('\n').unwrap() + 1;
+        // Cut within a line, and at a line's end (a kill between two pages).
+        for cut in [whole.len() - 4, first_line] {
+            journal.save(&rec, false).unwrap();
+            assert_eq!(std::fs::read_to_string(&log).unwrap(), whole);
+            std::fs::write(&log, &whole.as_bytes()[..cut]).unwrap();
+            let mut expected = rec.clone();
+            for (n, sandbox) in ["d", "e", "f"].into_iter().enumerate() {
+                let change = attach_at("nsB", sandbox, n == 0, 300 + n as u64);
+                journal.append_holder("v", &change).unwrap();
+                change.apply_timed(&mut expected.holders, &mut expected.holder_times);
+                assert_eq!(
+                    journal.load("v").unwrap(),
+                    Some(expected.clone()),
+                    "cut at {cut}, after {sandbox}"
+                );
+                assert_eq!(journal.load_holders("v").unwrap(), None, "cut at {cut}");
+            }
+        }
     }
 
     /// The log alone rebuilds the holders of a record that is lost (emptied, truncated),
