@@ -1444,7 +1444,13 @@ impl NodeSide {
         record: &mut NodeRecord,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
-        self.node_journal().mark_pending(&record.volume_id)?;
+        // The marker only lets a scan find a teardown cut short sooner (the record says
+        // what is left, and Cube repeats a Detach it saw fail). One that cannot be made (a
+        // disk out of inodes) is no reason to leave the volume mounted for nobody: some
+        // callers (a failed Attach's release, a dead worker's holders) are never retried.
+        if let Err(error) = self.node_journal().mark_pending(&record.volume_id) {
+            tracing::warn!(%error, "could not mark the teardown pending; tearing down anyway");
+        }
         // First, the record must say nobody holds the volume before anything is undone, or
         // a teardown cut short (a crash, a failed undo) would have reconciliation mount it
         // again for holders that were leaving or stale. (No fsync: a process crash keeps the

@@ -3542,6 +3542,8 @@ struct FailingSaves {
     fail_appends: std::sync::atomic::AtomicBool,
     /// Durable saves fail (the intent log needs a block a full disk has not); others work.
     fail_durable: std::sync::atomic::AtomicBool,
+    /// Pending markers cannot be made (a disk out of inodes).
+    fail_marks: std::sync::atomic::AtomicBool,
     /// Every record written, in order.
     saved: Mutex<Vec<NodeRecord>>,
     /// The next save that is no durable one (a fold of the holder log) says so on the
@@ -3615,6 +3617,12 @@ impl NodeJournal for FailingSaves {
         self.inner.volume_ids()
     }
     fn mark_pending(&self, volume_id: &str) -> Result<(), JournalError> {
+        if self.fail_marks.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(JournalError::Io {
+                path: "pending marker".into(),
+                source: std::io::Error::from_raw_os_error(28),
+            });
+        }
         self.inner.mark_pending(volume_id)
     }
     fn clear_pending(&self, volume_id: &str) -> Result<(), JournalError> {
@@ -3642,6 +3650,7 @@ impl World {
             fill_after_durable: Default::default(),
             fail_appends: Default::default(),
             fail_durable: Default::default(),
+            fail_marks: Default::default(),
             saved: Default::default(),
             stall_next_fold: Default::default(),
         });
@@ -4159,6 +4168,23 @@ async fn a_last_detach_on_a_full_disk_still_tears_down() {
     journal
         .fail
         .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
+/// A last Detach tears down on a disk where no pending marker can be made (out of
+/// inodes, and the volume's parked marker pruned): the marker only helps a scan find a
+/// teardown cut short. Before, it failed at the marker and left the volume mounted; the
+/// same teardown releases what a failed Attach or a dead worker held, which Cube never
+/// retries.
+#[tokio::test]
+async fn a_teardown_goes_on_when_its_pending_marker_cannot_be_made() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut w = World::new(Fake::new(true, false));
+    let journal = w.with_failing_saves();
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    journal.fail_marks.store(true, SeqCst);
+    journal.fail.store(true, SeqCst);
     w.detach("v", "ns1", "s1", 0).await.unwrap();
     w.assert_clean("v");
 }

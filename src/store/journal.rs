@@ -274,7 +274,16 @@ impl FileJournal {
                 .metadata()
                 .and_then(|m| m.modified())
                 .is_ok_and(|at| now.duration_since(at).is_ok_and(|age| age >= keep));
-            if stale {
+            // A volume attached still keeps its marker however long ago it was marked: its
+            // last Detach marks it again by a rename, which needs no new inode (a disk out
+            // of them would otherwise fail the mark). Markers are the names with no dot.
+            let held = || {
+                entry
+                    .file_name()
+                    .to_str()
+                    .is_some_and(|name| !name.contains('.') && self.path(name).exists())
+            };
+            if stale && !held() {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -2028,16 +2037,21 @@ mod tests {
     }
 
     /// Idle markers not marked again for the keep time are removed by a clear, at most
-    /// once per prune interval; recent ones and pending ones stay.
+    /// once per prune interval; recent ones, pending ones and those of volumes still
+    /// attached stay.
     #[test]
     fn idle_markers_of_volumes_not_attached_lately_are_pruned() {
         let tmp = tempfile::tempdir().unwrap();
         let journal = FileJournal::open(tmp.path()).unwrap();
-        for id in ["old", "recent", "busy"] {
+        for id in ["old", "recent", "busy", "attached"] {
             journal.mark_pending(id).unwrap();
         }
         journal.clear_pending("old").unwrap();
         journal.clear_pending("recent").unwrap();
+        journal
+            .save(&NodeRecord::new("attached", "h", "/t".into()), false)
+            .unwrap();
+        journal.clear_pending("attached").unwrap();
         let idle = tmp.path().join("idle");
         let age = |name: &str, secs: u64| {
             std::fs::File::options()
@@ -2048,6 +2062,7 @@ mod tests {
                 .unwrap();
         };
         age("old", 7200);
+        age("attached", 7200);
         // The first clear stamped a pass just now: none before the interval is over.
         journal.prune_idle_markers(IDLE_MARKER_KEEP, IDLE_PRUNE_EVERY);
         assert!(idle.join("old").exists());
@@ -2056,5 +2071,12 @@ mod tests {
         assert!(!idle.join("old").exists());
         assert!(idle.join("recent").exists());
         assert_eq!(journal.pending().unwrap(), ["busy"]);
+        // A volume still attached keeps its marker for its last Detach, whose mark then
+        // needs no new inode; once it is gone, its marker is pruned like any other.
+        assert!(idle.join("attached").exists());
+        journal.remove("attached").unwrap();
+        age(IDLE_PRUNE_STAMP, 601);
+        journal.prune_idle_markers(IDLE_MARKER_KEEP, IDLE_PRUNE_EVERY);
+        assert!(!idle.join("attached").exists());
     }
 }
