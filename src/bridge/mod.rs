@@ -169,7 +169,28 @@ impl Bridge {
     /// A hot Attach (see `NodeSide::attach_if_hot`); `None` when it is not one, or when
     /// there is no node side to answer it.
     pub async fn attach_if_hot(&self, req: &AttachVolume) -> Option<Result<Attached, HookError>> {
-        self.node().ok()?.attach_if_hot(req).await
+        self.node().ok()?.attach_if_hot(req, None).await
+    }
+
+    /// `attach_if_hot`, leaving the volume's lock in `kept` while it awaits: a check
+    /// dropped there (its caller cancelled) leaves the lock for `attach_holding`.
+    pub async fn attach_if_hot_keeping(
+        &self,
+        req: &AttachVolume,
+        kept: &ports::KeptLock,
+    ) -> Option<Result<Attached, HookError>> {
+        self.node().ok()?.attach_if_hot(req, Some(kept)).await
+    }
+
+    /// Cube Attach under the volume's lock `guard` holds (see `NodeSide::attach_holding`).
+    pub async fn attach_holding(
+        &self,
+        req: AttachVolume,
+        caller: &Caller,
+        guard: ports::LockGuard,
+    ) -> Result<Attached, HookError> {
+        let side = self.side(HookKind::Attach, &req.volume_id, self.node())?;
+        side.attach_holding(req, caller, guard).await
     }
 
     /// A hot Detach (see `NodeSide::detach_if_hot`); `None` otherwise.

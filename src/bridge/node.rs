@@ -21,9 +21,9 @@ use super::faults::{self, When};
 use super::handoff::{AttachMetadata, VolumeHandle};
 use super::naming::VolumePaths;
 use super::ports::{
-    ControllerPublish, DeadMount, DriverError, HostPaths, JournalError, LockScope, MountCheck,
-    MountHealth, NodeJournal, PathError, Publish, Recorder, SecretUse, Secrets, Stage, Undone,
-    Visibility, VolumeLocks, VolumeSettings,
+    ControllerPublish, DeadMount, DriverError, HostPaths, JournalError, KeptLock, LockGuard,
+    LockScope, MountCheck, MountHealth, NodeJournal, PathError, Publish, Recorder, SecretUse,
+    Secrets, Stage, Undone, Visibility, VolumeLocks, VolumeSettings,
 };
 use super::records::{HOLDER_LOG_LIMIT, HolderChange, Holders, NodeRecord, Step};
 use super::{
@@ -459,51 +459,79 @@ impl NodeSide {
     /// hot (or another process holds the volume's lock) — run `attach`. Never waits for a
     /// lock, never calls the driver, never starts a thread: the forked hook answers here
     /// before it forks its worker.
-    pub async fn attach_if_hot(&self, req: &AttachVolume) -> Option<Result<Attached, HookError>> {
+    ///
+    /// With `kept`, the volume's lock is left there while the check awaits (the mount's
+    /// health may take a blocking thread) and taken back when it ends: a check dropped at
+    /// an await (its caller cancelled) leaves the lock to whoever finishes after it
+    /// (`attach_holding`), ahead of the hooks that came meanwhile.
+    pub async fn attach_if_hot(
+        &self,
+        req: &AttachVolume,
+        kept: Option<&KeptLock>,
+    ) -> Option<Result<Attached, HookError>> {
         super::hook_if(
             self.recorder.as_ref(),
             HookKind::Attach,
             &req.volume_id,
             async {
-                let Some(_guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
+                let Some(guard) = self.locks.try_acquire(LockScope::Node, &req.volume_id)? else {
                     return Ok(None);
                 };
-                let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
-                    return Ok(None);
+                let _guard = match kept {
+                    Some(kept) => {
+                        kept.keep(guard);
+                        None
+                    }
+                    None => Some(guard),
                 };
-                // A volume attached before the leaf changed keeps the host_path Cube holds.
-                let paths = VolumePaths::for_record(
-                    &req.base_dir,
-                    &self.config.driver,
-                    &req.volume_id,
-                    &record.target_path,
-                );
-                let deadline = Deadline::after(self.config.timeouts.attach);
-                // The mount table is read only for a record that could be hot; a dead
-                // mount is never hot (`attach` repairs it). A check that fails, or a
-                // holder line that cannot be written, is `attach`'s to answer: a failed
-                // Attach must release the sandbox as Cube does (`release_after_failure`),
-                // which may take a teardown, and this path calls no driver.
-                let mounted = self.attach_is_hot(&record, req, &paths, true)
-                    && matches!(self.visibility(&paths.target, &deadline).await,
-                        Ok(seen) if seen != Visibility::NotMounted)
-                    && matches!(self.dead_mount(&paths.target, &deadline).await, Ok(None));
-                if !self.attach_is_hot(&record, req, &paths, mounted) {
-                    return Ok(None);
-                }
-                let change = HolderChange::Attach {
-                    namespace: req.namespace.clone(),
-                    sandbox: req.sandbox_id.clone(),
-                    first: req.ref_count == 0,
-                    at: self.clock.now_secs(),
-                };
-                if self.record_holder_change(&mut record, &change).is_err() {
-                    return Ok(None);
-                }
-                Ok(Some(attached(&record, &req.volume_id)))
+                let checked = self.attach_if_hot_locked(req).await;
+                // Only a check that ran to its end gets here (no await since its last
+                // one): the lock is released as its own would be.
+                drop(kept.and_then(KeptLock::take));
+                checked
             },
         )
         .await
+    }
+
+    /// `attach_if_hot`, under the volume's lock.
+    async fn attach_if_hot_locked(
+        &self,
+        req: &AttachVolume,
+    ) -> Result<Option<Attached>, BridgeError> {
+        let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
+            return Ok(None);
+        };
+        // A volume attached before the leaf changed keeps the host_path Cube holds.
+        let paths = VolumePaths::for_record(
+            &req.base_dir,
+            &self.config.driver,
+            &req.volume_id,
+            &record.target_path,
+        );
+        let deadline = Deadline::after(self.config.timeouts.attach);
+        // The mount table is read only for a record that could be hot; a dead
+        // mount is never hot (`attach` repairs it). A check that fails, or a
+        // holder line that cannot be written, is `attach`'s to answer: a failed
+        // Attach must release the sandbox as Cube does (`release_after_failure`),
+        // which may take a teardown, and this path calls no driver.
+        let mounted = self.attach_is_hot(&record, req, &paths, true)
+            && matches!(self.visibility(&paths.target, &deadline).await,
+                Ok(seen) if seen != Visibility::NotMounted)
+            && matches!(self.dead_mount(&paths.target, &deadline).await, Ok(None));
+        if !self.attach_is_hot(&record, req, &paths, mounted) {
+            return Ok(None);
+        }
+        let change = HolderChange::Attach {
+            namespace: req.namespace.clone(),
+            sandbox: req.sandbox_id.clone(),
+            first: req.ref_count == 0,
+            at: self.clock.now_secs(),
+        };
+        if self.record_holder_change(&mut record, &change).is_err() {
+            return Ok(None);
+        }
+        Ok(Some(attached(&record, &req.volume_id)))
     }
 
     /// Cube Detach, only if it is on the hot path: other holders remain (or nothing is
@@ -542,6 +570,26 @@ impl NodeSide {
 
     /// Cube Attach.
     pub async fn attach(&self, req: AttachVolume, caller: &Caller) -> Result<Attached, HookError> {
+        self.attach_with_lock(req, caller, None).await
+    }
+
+    /// Cube Attach, under the volume's lock that `guard` already holds: the rest of a hot
+    /// check that was cancelled, with nothing of another hook between them.
+    pub async fn attach_holding(
+        &self,
+        req: AttachVolume,
+        caller: &Caller,
+        guard: LockGuard,
+    ) -> Result<Attached, HookError> {
+        self.attach_with_lock(req, caller, Some(guard)).await
+    }
+
+    async fn attach_with_lock(
+        &self,
+        req: AttachVolume,
+        caller: &Caller,
+        held: Option<LockGuard>,
+    ) -> Result<Attached, HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(
             self.recorder.as_ref(),
@@ -549,10 +597,14 @@ impl NodeSide {
             &volume_id,
             async {
                 let deadline = Deadline::after(self.config.timeouts.attach);
-                let _guard = self
-                    .locks
-                    .acquire(LockScope::Node, &req.volume_id, &deadline)
-                    .await?;
+                let _guard = match held {
+                    Some(guard) => guard,
+                    None => {
+                        self.locks
+                            .acquire(LockScope::Node, &req.volume_id, &deadline)
+                            .await?
+                    }
+                };
                 let change = HolderChange::Attach {
                     namespace: req.namespace.clone(),
                     sandbox: req.sandbox_id.clone(),

@@ -802,6 +802,30 @@ impl LockScope {
 /// Held while one hook works on one volume; dropping it releases the lock.
 pub type LockGuard = Box<dyn std::any::Any + Send>;
 
+/// Where a hook that may be cancelled at an await leaves the volume's lock while it waits,
+/// so that whatever must follow its cancellation takes the lock over instead of queueing
+/// behind the hooks that came after it (`NodeSide::attach_if_hot`).
+#[derive(Clone, Default)]
+pub struct KeptLock(std::sync::Arc<std::sync::Mutex<Option<LockGuard>>>);
+
+impl KeptLock {
+    pub fn keep(&self, guard: LockGuard) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
+    }
+
+    /// The lock left here, if any.
+    pub fn take(&self) -> Option<LockGuard> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl fmt::Debug for KeptLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kept = self.0.lock().map(|slot| slot.is_some()).unwrap_or(false);
+        f.debug_struct("KeptLock").field("kept", &kept).finish()
+    }
+}
+
 /// One operation per volume and scope at a time, across every process that shares the
 /// state (store/locks.rs: an in-process queue and a file lock).
 #[async_trait]

@@ -2753,6 +2753,72 @@ async fn a_hot_attach_cancelled_during_its_mount_check_releases_the_sandbox() {
     assert!(w.fake.is_mounted(&w.target("v")));
 }
 
+/// A hot Attach cancelled during its mount check, with Cube's next Attach of the same
+/// namespace already waiting: the cancelled one's release comes first, under the lock
+/// the check held, so the next one's holder stays. Before, the dropped check released
+/// the lock, the next Attach was recorded first, and the release (this Attach's
+/// `ref_count` 0: Cube counted nobody in the namespace) then removed the namespace's
+/// holders, the new one among them.
+#[tokio::test]
+async fn a_cancelled_hot_attachs_release_comes_before_the_next_attach() {
+    use crate::proto::cube::v1::volume_plugin_service_server::VolumePluginService;
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns2", "s9", 0).await.unwrap();
+    let config = Arc::new(world_config(w.dir.path(), ""));
+    let bridge = Arc::new(sides(&config, &w.fake, w.store.clone(), Roles::BOTH));
+    let tasks = tokio_util::task::TaskTracker::new();
+    let service = Arc::new(crate::transport::service::CubeService::new(
+        bridge,
+        config,
+        tasks.clone(),
+    ));
+    w.fake
+        .health_stalls_once
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let request = |sandbox: &str| crate::proto::cube::v1::AttachRequest {
+        sandbox_id: sandbox.into(),
+        namespace: "ns1".into(),
+        volume_id: "v".into(),
+        volume_base_dir: w.base().display().to_string(),
+        ref_count: 0,
+        private_data: w.handle().encode_for("fk").unwrap(),
+    };
+    let cancelled = {
+        let service = service.clone();
+        let request = request("s1");
+        tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_millis(300),
+                service.attach(tonic::Request::new(request)),
+            )
+            .await
+        })
+    };
+    // The next Attach arrives while the first one's check hangs, and waits for the lock.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let next = {
+        let service = service.clone();
+        let request = request("s2");
+        tokio::spawn(async move { service.attach(tonic::Request::new(request)).await })
+    };
+    assert!(
+        cancelled.await.unwrap().is_err(),
+        "the mount check did not hang"
+    );
+    next.await.unwrap().expect("the next Attach");
+    tasks.close();
+    tokio::time::timeout(Duration::from_secs(10), tasks.wait())
+        .await
+        .expect("the release ran");
+    let holders = w.record("v").unwrap().holders;
+    assert_eq!(
+        holders.get("ns1"),
+        Some(&BTreeSet::from(["s2".to_string()])),
+        "{holders:?}"
+    );
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
 /// The same for a retried Attach that fails anywhere else after taking the lock: here the
 /// mount's health check fails (a stat that timed out). The hot check leaves it to the full
 /// Attach (it calls no driver, and releasing may take a teardown), whose failure releases
@@ -2768,7 +2834,7 @@ async fn a_retried_attach_failing_its_mount_check_releases_the_sandbox() {
     let node = w.bridge.node().unwrap();
     let retried = w.attach_req("v", "ns1", "s1", 2);
     assert!(
-        node.attach_if_hot(&retried).await.is_none(),
+        node.attach_if_hot(&retried, None).await.is_none(),
         "the hot check answered a failed check itself"
     );
     let error = w

@@ -244,7 +244,7 @@ pub fn answer_reply(answer: &crate::bridge::Answer) -> HookReply {
     }
 }
 
-fn attach_reply(attached: crate::bridge::Attached) -> pb::AttachResponse {
+pub fn attach_reply(attached: crate::bridge::Attached) -> pb::AttachResponse {
     pb::AttachResponse {
         host_path: attached.host_path.to_string_lossy().into_owned(),
         metadata: attached.metadata,

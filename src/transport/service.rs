@@ -18,6 +18,7 @@ use std::task::Poll;
 use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
 use tonic::{Request, Response, Status};
 
+use crate::bridge::ports::KeptLock;
 use crate::bridge::{Answer, Bridge, Caller, Delivery, HookError, LeaveOnDrop};
 use crate::config::Config;
 use crate::cube::errors::to_status;
@@ -195,8 +196,15 @@ impl Drop for InlineHook {
 /// it runs the full Attach in a task with its caller gone, which takes the volume's lock
 /// and releases the sandbox as Cube did (`NodeSide::attach`). Other hooks need nothing:
 /// nothing is awaited after a hot hook's one write, and a failed Detach Cube retries.
+///
+/// The hot check leaves the volume's lock in `kept` while it awaits, and the full Attach
+/// takes it over from there: no hook that came meanwhile runs between them. (Before, the
+/// lock was released with the dropped check, and Cube's next Attach of the namespace
+/// could be recorded first, with the release then working from this Attach's stale
+/// `ref_count`: it removed the namespace's holders, the new one among them.)
 struct ReleaseIfCancelled {
     armed: Option<(Arc<Bridge>, hooks::Checked, TaskTracker)>,
+    kept: KeptLock,
     runtime: tokio::runtime::Handle,
 }
 
@@ -211,7 +219,25 @@ impl ReleaseIfCancelled {
         });
         Self {
             armed,
+            kept: KeptLock::default(),
             runtime: tokio::runtime::Handle::current(),
+        }
+    }
+
+    /// The hot check, leaving the lock where a cancellation finds it.
+    async fn run_if_hot(
+        &self,
+        bridge: &Bridge,
+        checked: &hooks::Checked,
+    ) -> Option<Result<HookReply, HookError>> {
+        match checked {
+            hooks::Checked::Attach(req) => Some(
+                bridge
+                    .attach_if_hot_keeping(req, &self.kept)
+                    .await?
+                    .map(|attached| HookReply::Attach(hooks::attach_reply(attached))),
+            ),
+            _ => hooks::run_if_hot(bridge, checked).await,
         }
     }
 
@@ -224,12 +250,18 @@ impl ReleaseIfCancelled {
 impl Drop for ReleaseIfCancelled {
     fn drop(&mut self) {
         if let Some((bridge, checked, tasks)) = self.armed.take() {
+            let kept = self.kept.take();
             tasks.spawn_on(
                 async move {
                     let caller = Caller::waiting();
                     caller.leave();
                     // Its outcome is logged and counted by the hook itself.
-                    let _ = hooks::run(&bridge, checked, &caller).await;
+                    let _ = match (checked, kept) {
+                        (hooks::Checked::Attach(req), Some(guard)) => {
+                            bridge.attach_holding(req, &caller, guard).await.map(drop)
+                        }
+                        (checked, _) => hooks::run(&bridge, checked, &caller).await.map(drop),
+                    };
                 },
                 &self.runtime,
             );
@@ -263,7 +295,7 @@ impl CubeService {
         // future before anything changed; once it is written, the answer is returned in
         // the same poll, as a handed-over answer is.
         let mut cancelled = ReleaseIfCancelled::arm(self, &checked);
-        let hot = hooks::run_if_hot(&self.bridge, &checked).await;
+        let hot = cancelled.run_if_hot(&self.bridge, &checked).await;
         cancelled.disarm();
         if let Some(result) = hot {
             return result.map_err(|e| to_status(&e));
