@@ -1112,6 +1112,10 @@ impl NodeSide {
         // recorded as uncertain at once (a step that never ran is undone by an idempotent
         // inverse call, as CSI requires of drivers). That is what a crash or a power loss
         // needs; the record is refined without waiting for the disk once the calls answer.
+        // A caller gone by now gets nothing made, and nothing marked: a step marked
+        // uncertain here would have the undo call its inverse (on a volume others hold,
+        // leave it unsettled for the next start-up to make again).
+        check_caller(caller)?;
         let controller_publish_node = plan
             .controller_publish_node
             .filter(|_| record.controller_publish != Step::Done);
@@ -1127,7 +1131,6 @@ impl NodeSide {
             record.stage = Step::Uncertain;
         }
         record.publish = Step::Uncertain;
-        check_caller(caller)?;
         self.save(hook, record, true).await?;
         if plan.stage {
             // The CO creates the staging directory (CSI spec); the driver the target. Only

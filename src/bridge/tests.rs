@@ -2702,6 +2702,23 @@ async fn a_retried_attach_that_fails_releases_the_sandbox_as_cube_does() {
     w.assert_clean("v");
 }
 
+/// A first Attach whose caller is gone before its first call makes no call, and no
+/// inverse call either. Before, its steps were marked uncertain before the caller was
+/// looked at, and the undo then sent NodeUnpublish, NodeUnstage and ControllerUnpublish
+/// for steps never made.
+#[tokio::test]
+async fn an_attach_whose_caller_left_before_its_first_call_calls_nothing() {
+    let w = World::new(Fake::new(true, true));
+    let caller = Caller::waiting();
+    caller.leave();
+    w.bridge
+        .attach(w.attach_req("v", "ns1", "s1", 0), &caller)
+        .await
+        .unwrap_err();
+    assert_eq!(w.fake.mutating_calls(), Vec::<String>::new());
+    w.assert_clean("v");
+}
+
 /// Over rpc, a retried hot Attach whose caller gives up while its mount check hangs (the
 /// handler is dropped mid-check): Cube counts it failed and releases the sandbox. Before,
 /// the dropped hot check left the sandbox held; now the full Attach runs in a task with
