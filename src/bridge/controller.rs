@@ -1214,17 +1214,26 @@ impl ControllerSide {
                 (id, deletion.map(|d| DeletionPolicy { retain: false, ..d }))
             }
         };
-        // The last moment to stop: a Destroy's caller gone by now (it waited for the
-        // lock, the driver, the apiserver) was told it failed, and the volume stays Cube's.
+        let retain = deletion.as_ref().is_some_and(|d| d.retain);
+        let secrets = if retain {
+            None
+        } else {
+            Some(self.settings.deletion_secrets(deletion.as_ref()).await?)
+        };
+        // The last moment to stop, after the last await before the deletion: a Destroy's
+        // caller gone by now (it waited for the lock, the driver, the apiserver, a
+        // deletion Secret) was told it failed, and the volume stays Cube's.
         if caller.is_gone() {
             return Err(BridgeError::CallerGone);
         }
-        if deletion.as_ref().is_some_and(|d| d.retain) {
-            tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
-        } else {
-            let secrets = self.settings.deletion_secrets(deletion.as_ref()).await?;
-            self.delete_volume(hook, &csi_volume_id, &secrets, deadline)
-                .await?;
+        match secrets {
+            None => {
+                tracing::warn!(%csi_volume_id, csi_name = %record.csi_name, "StorageClass reclaimPolicy is Retain: the CSI volume is kept; delete it by hand when no longer needed");
+            }
+            Some(secrets) => {
+                self.delete_volume(hook, &csi_volume_id, &secrets, deadline)
+                    .await?;
+            }
         }
         match self.store_delete(hook, &record).await {
             Ok(()) => {}

@@ -3290,6 +3290,70 @@ impl VolumeSettings for RetainingSettings {
     }
 }
 
+/// Volume settings whose deletion Secret is read while the Destroy's caller leaves (an
+/// apiserver read that takes long enough for CubeMaster to give up).
+struct CallerLeavesAtDeletionSecrets(ConfigSettings, Mutex<Option<Caller>>);
+
+#[async_trait]
+impl VolumeSettings for CallerLeavesAtDeletionSecrets {
+    async fn spec(&self, driver_name: &str) -> Result<VolumeSpec, SettingsError> {
+        self.0.spec(driver_name).await
+    }
+
+    async fn secrets(&self, usage: SecretUse) -> Result<Secrets, SettingsError> {
+        self.0.secrets(usage).await
+    }
+
+    async fn deletion_secrets(
+        &self,
+        deletion: Option<&DeletionPolicy>,
+    ) -> Result<Secrets, SettingsError> {
+        if let Some(caller) = self.1.lock().unwrap().take() {
+            caller.leave();
+        }
+        self.0.deletion_secrets(deletion).await
+    }
+
+    async fn check(&self, driver_name: Option<&str>) -> Result<Option<String>, SettingsError> {
+        self.0.check(driver_name).await
+    }
+}
+
+/// A Destroy whose caller leaves while its deletion Secret is read deletes nothing: Cube
+/// was told it failed and keeps the volume. Before, the caller was looked at before that
+/// read, and the volume was deleted under a Cube that still listed it.
+#[tokio::test]
+async fn a_destroy_whose_caller_left_during_its_secret_read_deletes_nothing() {
+    let mut w = World::new(Fake::new(false, false));
+    w.create("data").await.unwrap();
+    let config = world_config(w.dir.path(), "");
+    let caller = Caller::waiting();
+    w.bridge = sides_with(
+        &config,
+        &w.fake,
+        w.store.clone(),
+        Roles::BOTH,
+        CallerLeavesAtDeletionSecrets(
+            ConfigSettings::new(&config.volume, &config.secrets),
+            Mutex::new(Some(caller.clone())),
+        ),
+    );
+    w.bridge
+        .destroy(
+            DestroyVolume {
+                volume_id: "data".into(),
+            },
+            &caller,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(w.backend_volumes().len(), 1);
+    assert!(w.stored("data").is_some());
+    // Cube's retry deletes it.
+    w.destroy("data").await.unwrap();
+    assert!(w.backend_volumes().is_empty());
+}
+
 /// Cube lets a volume_id be used again once its volume is destroyed. With a Retain
 /// policy the destroyed volume's CSI volume (and its data) is kept; a new Create of the
 /// same id gets a new one. Before, both Creates sent CreateVolume the same name, and the
