@@ -547,6 +547,7 @@ impl ControllerSide {
         required_bytes: u64,
         spec: &VolumeSpec,
         deadline: &Deadline,
+        caller: Option<&Caller>,
     ) -> Result<CreatedVolume, BridgeError> {
         let volume = NewVolume {
             name: record.csi_name.clone(),
@@ -557,6 +558,11 @@ impl ControllerSide {
             content_source: record.content_source.clone(),
             accessibility: self.config.accessibility.clone(),
         };
+        // After the last await before the call: a hook's caller gone by now (it waited
+        // for the store, the apiserver, a Secret) gets no volume made only to be deleted.
+        if caller.is_some_and(Caller::is_gone) {
+            return Err(BridgeError::CallerGone);
+        }
         faults::point(hook, When::Before, "CreateVolume");
         let reply = self
             .driver
@@ -791,6 +797,7 @@ impl ControllerSide {
                     self.asked_bytes(&record),
                     &spec,
                     &deadline,
+                    Some(caller),
                 )
                 .await
             {
@@ -1204,7 +1211,7 @@ impl ControllerSide {
                 // does not is made only to be deleted.
                 let asked = record.capacity_bytes.max(0) as u64;
                 let id = self
-                    .create_volume(hook, &record, asked, &spec, deadline)
+                    .create_volume(hook, &record, asked, &spec, deadline, Some(caller))
                     .await?
                     .csi_volume_id;
                 // Deleted whatever the reclaim policy, as the undo deletes: a Create

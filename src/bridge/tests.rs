@@ -3290,32 +3290,64 @@ impl VolumeSettings for RetainingSettings {
     }
 }
 
-/// Volume settings whose deletion Secret is read while the Destroy's caller leaves (an
-/// apiserver read that takes long enough for CubeMaster to give up).
-struct CallerLeavesAtDeletionSecrets(ConfigSettings, Mutex<Option<Caller>>);
+/// Volume settings that make a hook's caller leave while they read a Secret (an
+/// apiserver read that takes long enough for CubeMaster to give up): the deletion Secret
+/// (`usage` None) or the Secret of `usage`.
+struct CallerLeavesAtSecret {
+    inner: ConfigSettings,
+    caller: Mutex<Option<Caller>>,
+    usage: Option<SecretUse>,
+}
+
+impl CallerLeavesAtSecret {
+    fn leave_if(&self, usage: Option<SecretUse>) {
+        if usage == self.usage
+            && let Some(caller) = self.caller.lock().unwrap().take()
+        {
+            caller.leave();
+        }
+    }
+}
+
+impl World {
+    /// The world's sides again, `caller` leaving when the Secret of `usage` is read.
+    fn caller_leaves_at_secret(&mut self, caller: &Caller, usage: Option<SecretUse>) {
+        let config = world_config(self.dir.path(), "");
+        self.bridge = sides_with(
+            &config,
+            &self.fake,
+            self.store.clone(),
+            Roles::BOTH,
+            CallerLeavesAtSecret {
+                inner: ConfigSettings::new(&config.volume, &config.secrets),
+                caller: Mutex::new(Some(caller.clone())),
+                usage,
+            },
+        );
+    }
+}
 
 #[async_trait]
-impl VolumeSettings for CallerLeavesAtDeletionSecrets {
+impl VolumeSettings for CallerLeavesAtSecret {
     async fn spec(&self, driver_name: &str) -> Result<VolumeSpec, SettingsError> {
-        self.0.spec(driver_name).await
+        self.inner.spec(driver_name).await
     }
 
     async fn secrets(&self, usage: SecretUse) -> Result<Secrets, SettingsError> {
-        self.0.secrets(usage).await
+        self.leave_if(Some(usage));
+        self.inner.secrets(usage).await
     }
 
     async fn deletion_secrets(
         &self,
         deletion: Option<&DeletionPolicy>,
     ) -> Result<Secrets, SettingsError> {
-        if let Some(caller) = self.1.lock().unwrap().take() {
-            caller.leave();
-        }
-        self.0.deletion_secrets(deletion).await
+        self.leave_if(None);
+        self.inner.deletion_secrets(deletion).await
     }
 
     async fn check(&self, driver_name: Option<&str>) -> Result<Option<String>, SettingsError> {
-        self.0.check(driver_name).await
+        self.inner.check(driver_name).await
     }
 }
 
@@ -3326,18 +3358,8 @@ impl VolumeSettings for CallerLeavesAtDeletionSecrets {
 async fn a_destroy_whose_caller_left_during_its_secret_read_deletes_nothing() {
     let mut w = World::new(Fake::new(false, false));
     w.create("data").await.unwrap();
-    let config = world_config(w.dir.path(), "");
     let caller = Caller::waiting();
-    w.bridge = sides_with(
-        &config,
-        &w.fake,
-        w.store.clone(),
-        Roles::BOTH,
-        CallerLeavesAtDeletionSecrets(
-            ConfigSettings::new(&config.volume, &config.secrets),
-            Mutex::new(Some(caller.clone())),
-        ),
-    );
+    w.caller_leaves_at_secret(&caller, None);
     w.bridge
         .destroy(
             DestroyVolume {
@@ -3351,6 +3373,21 @@ async fn a_destroy_whose_caller_left_during_its_secret_read_deletes_nothing() {
     assert!(w.stored("data").is_some());
     // Cube's retry deletes it.
     w.destroy("data").await.unwrap();
+    assert!(w.backend_volumes().is_empty());
+}
+
+/// A Create whose caller leaves while the provisioner Secret is read (after its intent
+/// is written) makes no volume, and leaves no intent. Before, the caller was looked at
+/// only before the intent, and a volume was made for nobody, only for the undo to
+/// delete it (and leaked if the undo failed).
+#[tokio::test]
+async fn a_create_whose_caller_left_before_create_volume_makes_nothing() {
+    let mut w = World::new(Fake::new(false, false));
+    let caller = Caller::waiting();
+    w.caller_leaves_at_secret(&caller, Some(SecretUse::Provisioner));
+    w.create_for("data", &caller).await.unwrap_err();
+    assert_eq!(w.fake.mutating_calls(), Vec::<String>::new());
+    assert!(w.stored("data").is_none());
     assert!(w.backend_volumes().is_empty());
 }
 

@@ -694,6 +694,7 @@ impl ControllerSide {
                 self.asked_bytes(&record),
                 &spec,
                 deadline,
+                None,
             )
             .await
         {
