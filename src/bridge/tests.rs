@@ -2702,6 +2702,22 @@ async fn a_retried_attach_that_fails_releases_the_sandbox_as_cube_does() {
     w.assert_clean("v");
 }
 
+/// A sandbox of the empty namespace (Cube's field is optional, proto3 sends "" when it is
+/// unset) attached on the hot path holds the volume like any other: another namespace's
+/// last Detach leaves it mounted. Before, its holder line was skipped as unreadable at
+/// the next load, and that Detach tore the volume down under it.
+#[tokio::test]
+async fn a_holder_of_the_empty_namespace_is_kept_through_the_holder_log() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.attach("v", "", "s2", 0).await.unwrap();
+    assert!(w.record("v").unwrap().holders.contains_key(""));
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert!(w.fake.is_mounted(&w.target("v")), "s2 still holds it");
+    w.detach("v", "", "s2", 0).await.unwrap();
+    w.assert_clean("v");
+}
+
 /// A first Attach whose caller is gone before its first call makes no call, and no
 /// inverse call either. Before, its steps were marked uncertain before the caller was
 /// looked at, and the undo then sent NodeUnpublish, NodeUnstage and ControllerUnpublish

@@ -1018,10 +1018,11 @@ fn holder_line(change: &HolderChange) -> String {
 fn parse_holder_line(line: &str) -> Option<HolderChange> {
     let mut parts = line.split('\t');
     let (tag, namespace, sandbox) = (parts.next()?, parts.next()?, parts.next()?);
-    // Three fields, or four whose last is a time in digits; none empty, no control
-    // character: anything else is a line glued to a torn one or damaged, and must not
-    // become a holder. (Gluing adds at least two fields.)
-    let plain = |field: &str| !field.is_empty() && !field.chars().any(char::is_control);
+    // Three fields, or four whose last is a time in digits; no control character:
+    // anything else is a line glued to a torn one or damaged, and must not become a
+    // holder. (Gluing adds at least two fields, or spoils the tag.) A namespace or a
+    // sandbox id may be empty: Cube's fields are optional, and such a holder is one.
+    let plain = |field: &str| !field.chars().any(char::is_control);
     let at = match parts.next() {
         None => 0,
         Some(at) if !at.is_empty() && at.len() <= 20 && at.bytes().all(|b| b.is_ascii_digit()) => {
@@ -1627,7 +1628,7 @@ mod tests {
         // A glued or damaged line in the middle of a log is skipped, the rest replayed.
         std::fs::write(
             &log,
-            "=\tnsA\ta\n=\tnsA\taaa=\tnsB\tbbb\n+\t\tx\n+\tns\u{7}\ty\n=\tnsB\tb\n",
+            "=\tnsA\ta\n=\tnsA\taaa=\tnsB\tbbb\n+\tx\n+\tns\u{7}\ty\n=\tnsB\tb\n",
         )
         .unwrap();
         let holders = journal.load("v").unwrap().unwrap().holders;
