@@ -174,13 +174,20 @@ impl UnixSocket {
         )?;
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
-                if UnixStream::connect(path).await.is_ok() {
-                    return Err(ListenError::InUse {
-                        path: path.to_path_buf(),
-                    });
+                // Stale only when nobody listens (ECONNREFUSED). Any other failure may be
+                // a live server's: a full accept queue (a stalled instance) answers
+                // EAGAIN, and removing its socket would hand its hooks to this one.
+                match UnixStream::connect(path).await {
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        std::fs::remove_file(path)
+                            .map_err(io(format!("removing stale socket {}", path.display())))?;
+                    }
+                    _ => {
+                        return Err(ListenError::InUse {
+                            path: path.to_path_buf(),
+                        });
+                    }
                 }
-                std::fs::remove_file(path)
-                    .map_err(io(format!("removing stale socket {}", path.display())))?;
             }
             Ok(_) => {
                 return Err(ListenError::NotASocket {
@@ -634,6 +641,49 @@ mod tests {
         assert!(path.exists(), "removed a socket it did not create");
         successor.file.remove_if_ours();
         assert!(!path.exists());
+    }
+
+    /// A live server whose accept queue is full (stalled, or flooded) answers a connect
+    /// with EAGAIN: its socket is in use, not stale. Before, any failed connect had the
+    /// socket removed, and a second instance took the first one's hooks.
+    #[tokio::test]
+    async fn a_socket_whose_server_has_a_full_queue_is_not_taken_for_stale() {
+        use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("busy.sock");
+        let server = nix::sys::socket::socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        nix::sys::socket::bind(
+            std::os::fd::AsRawFd::as_raw_fd(&server),
+            &UnixAddr::new(&path).unwrap(),
+        )
+        .unwrap();
+        nix::sys::socket::listen(&server, Backlog::new(0).unwrap()).unwrap();
+        // Fill its queue: nobody accepts.
+        let mut queued = Vec::new();
+        loop {
+            match UnixStream::connect(&path).await {
+                Ok(stream) => queued.push(stream),
+                Err(e) => {
+                    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+                    break;
+                }
+            }
+            assert!(queued.len() < 64, "the queue never filled");
+        }
+        assert!(matches!(
+            UnixSocket::bind(&path, None).await,
+            Err(ListenError::InUse { .. })
+        ));
+        assert!(path.exists());
+        // Once nobody listens, the socket is stale and replaced.
+        drop(server);
+        UnixSocket::bind(&path, None).await.unwrap();
     }
 
     #[tokio::test]
