@@ -89,9 +89,16 @@ pub fn open_sides(
     roles: Roles,
     mounts: Arc<dyn MountCheck>,
 ) -> Result<Bridge, BridgeError> {
-    let keeps_records = roles.node
-        || (roles.controller && config.state.controller_store == ControllerStoreKind::Embedded);
-    let shared = shared(config, keeps_records)?;
+    // Claimed for the records each role keeps: a controller-only bridge claims no node
+    // endpoint (a node-only bridge of the same driver, on its own endpoint, shares the dir).
+    let keeper = if roles.node {
+        Some(Keeper::Node)
+    } else if roles.controller && config.state.controller_store == ControllerStoreKind::Embedded {
+        Some(Keeper::Controller)
+    } else {
+        None
+    };
+    let shared = shared(config, keeper)?;
     let controller = if roles.controller {
         open_controller(config, &shared)
             .map(Arc::new)
@@ -109,7 +116,7 @@ pub fn open_sides(
     Ok(Bridge { controller, node })
 }
 
-fn shared(config: &Config, keeps_records: bool) -> Result<Shared, BridgeError> {
+fn shared(config: &Config, keeper: Option<Keeper>) -> Result<Shared, BridgeError> {
     let label = DriverLabel::of(config);
     let client = |endpoint| {
         CsiClient::new(endpoint)
@@ -140,7 +147,7 @@ fn shared(config: &Config, keeps_records: bool) -> Result<Shared, BridgeError> {
         node_driver,
         volume_settings,
         kube,
-        keeps_records,
+        keeper,
     )
 }
 
@@ -152,7 +159,14 @@ pub fn open_hot_node(config: &Config, mounts: Arc<dyn MountCheck>) -> Result<Bri
     let absent = Arc::new(hot_path::NotConnected::new(
         &config.csi.endpoint.to_string(),
     ));
-    let mut shared = shared_over(config, absent.clone(), absent.clone(), absent, None, true)?;
+    let mut shared = shared_over(
+        config,
+        absent.clone(),
+        absent.clone(),
+        absent,
+        None,
+        Some(Keeper::Node),
+    )?;
     // A forked hook serves no metrics: counts made here would be for nobody.
     shared.recorder = Arc::new(NoRecorder);
     let node = open_node(config, &shared, mounts)?;
@@ -162,16 +176,16 @@ pub fn open_hot_node(config: &Config, mounts: Arc<dyn MountCheck>) -> Result<Bri
     })
 }
 
-/// What both sides share, over the given drivers. With `keeps_records` (a node side, or
-/// the embedded controller store, will read and write records in `state.dir`) the state
-/// dir is claimed for this bridge first, before even its lock dir is made.
+/// What both sides share, over the given drivers. With a `keeper` (a node side, or the
+/// embedded controller store, will read and write records in `state.dir`) the state dir
+/// is claimed for it first, before even its lock dir is made.
 fn shared_over(
     config: &Config,
     controller_driver: Arc<dyn ControllerDriver>,
     node_driver: Arc<dyn NodeDriver>,
     volume_settings: Arc<dyn VolumeSettings>,
     kube: Option<Arc<Kube>>,
-    keeps_records: bool,
+    keeper: Option<Keeper>,
 ) -> Result<Shared, BridgeError> {
     let label = DriverLabel::of(config);
     let settings = core_settings(config);
@@ -188,8 +202,8 @@ fn shared_over(
         crate::store::owner::STATE_DIR_RISK,
     )
     .map_err(|e| BridgeError::io(format!("state dir {}", state_dir.display()), e))?;
-    if keeps_records {
-        claim_state_dir(config, Keeper::Node)?;
+    if let Some(keeper) = keeper {
+        claim_state_dir(config, keeper)?;
     }
     let lock_dir = &config.state.lock_dir;
     let locks = Arc::new(
@@ -383,6 +397,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("above state.dir"), "{err}");
+    }
+
+    /// A controller-only and a node-only bridge of one driver, each on its own CSI
+    /// endpoint, share a state dir (docs/security.md): the controller-only one claims only
+    /// the controller's endpoint. Before, it claimed the node's too, with its own endpoint,
+    /// and whichever started second was refused as another bridge's.
+    #[test]
+    fn a_controller_only_and_a_node_only_bridge_of_one_driver_share_a_state_dir() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        let d = tmp.path().display();
+        let on = |endpoint: &str| {
+            Config::parse(
+                &format!(
+                    "driver = \"fk\"\n[csi]\nendpoint = \"{endpoint}\"\n[state]\n\
+                     dir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\n\
+                     default_volume_base_dir = \"{d}/vol\"\n"
+                ),
+                std::path::Path::new("/test.toml"),
+            )
+            .unwrap()
+        };
+        let controller = on("/run/controller.sock");
+        let node = on("/run/node.sock");
+        for _ in 0..2 {
+            open_sides(&controller, Roles::CONTROLLER, mounts.clone())
+                .map(|_| ())
+                .unwrap();
+            open_sides(&node, Roles::NODE, mounts.clone())
+                .map(|_| ())
+                .unwrap();
+        }
     }
 
     /// Two bridges of separate config files naming one state dir: the second is refused
