@@ -555,7 +555,9 @@ impl ControllerDriver for Fake {
             return Err(error("CreateSnapshot", "NotFound", 5, Finality::Final));
         }
         let next = s.snapshots.len();
-        let (id, _) = s
+        // Lenient where the spec says ALREADY_EXISTS: a name asked again of another
+        // source gets the snapshot that has it, which says its own source.
+        let (id, source) = s
             .snapshots
             .entry(snapshot.name.clone())
             .or_insert_with(|| {
@@ -575,7 +577,7 @@ impl ControllerDriver for Fake {
         }
         Ok(SnapshotInfo {
             csi_snapshot_id: id,
-            source_csi_volume_id: snapshot.source_csi_volume_id.clone(),
+            source_csi_volume_id: source,
             size_bytes: 4096,
             creation_time: 7,
             ready_to_use: true,
@@ -3390,6 +3392,48 @@ async fn a_destroy_whose_caller_left_during_its_secret_read_deletes_nothing() {
     // Cube's retry deletes it.
     w.destroy("data").await.unwrap();
     assert!(w.backend_volumes().is_empty());
+}
+
+/// A snapshot name the driver already gave another volume's snapshot (another bridge on
+/// the same CSI driver with the same name prefix, or a record lost here) is refused, and
+/// nothing is recorded: the driver handed back the other volume's snapshot. Before, it
+/// was recorded as this one's, and a `snapshot delete` or `restore` through it reached
+/// the other's data.
+#[tokio::test]
+async fn a_snapshot_the_driver_answers_with_another_volumes_is_refused() {
+    let w = World::new(Fake::new(false, false));
+    w.create("a").await.unwrap();
+    w.create("b").await.unwrap();
+    w.controller()
+        .create_snapshot("a", "nightly")
+        .await
+        .unwrap();
+    // The record is another bridge's (its own store), not this one's.
+    w.fake
+        .snapshot_records
+        .snapshots
+        .lock()
+        .unwrap()
+        .remove("nightly");
+    let err = w
+        .controller()
+        .create_snapshot("b", "nightly")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("another bridge"), "{err}");
+    assert!(
+        !w.fake
+            .snapshot_records
+            .snapshots
+            .lock()
+            .unwrap()
+            .contains_key("nightly")
+    );
+    assert!(
+        !w.fake
+            .mutating_calls()
+            .contains(&"DeleteSnapshot".to_string())
+    );
 }
 
 /// A Create whose caller leaves while the provisioner Secret is read (after its intent

@@ -361,7 +361,27 @@ impl ControllerSide {
             .controller()
             .create_snapshot(&snapshot, deadline)
             .await;
-        self.driver.driver(reply).await
+        let info = self.driver.driver(reply).await?;
+        // CreateSnapshot is idempotent by name, and a name asked of another source is
+        // ALREADY_EXISTS by the spec; a driver that hands back the snapshot of another
+        // volume instead (the name another bridge on this driver took, with the same
+        // `volume.name_prefix`) must not have it recorded here: a delete or a restore
+        // through this record would then reach that bridge's data.
+        if !info.source_csi_volume_id.is_empty()
+            && info.source_csi_volume_id != record.source_csi_volume_id
+        {
+            return Err(BridgeError::Precondition(format!(
+                "the CSI driver answered CreateSnapshot {:?} with snapshot {:?} of volume \
+                 {:?}, not of {:?}: that name belongs to another snapshot (another bridge \
+                 on this CSI driver with the same volume.name_prefix?); give each bridge \
+                 its own prefix",
+                record.csi_name,
+                info.csi_snapshot_id,
+                info.source_csi_volume_id,
+                record.source_csi_volume_id
+            )));
+        }
+        Ok(info)
     }
 
     /// `snapshot list`: every snapshot record, what the driver says of each (with
