@@ -185,8 +185,8 @@ impl AttachMetadata {
         };
         if get(keys::VOLUME_ID)? != volume_id {
             return Err(format!(
-                "metadata belongs to volume {:?}, not {volume_id:?}",
-                map[keys::VOLUME_ID]
+                "metadata belongs to volume {}, not {volume_id:?}",
+                super::naming::quote_bounded(&map[keys::VOLUME_ID])
             ));
         }
         let target = PathBuf::from(get(keys::MOUNT_DIR)?);
@@ -196,7 +196,8 @@ impl AttachMetadata {
             Some(s) if paths.staging.as_os_str() == s.as_str() => true,
             Some(s) => {
                 return Err(format!(
-                    "metadata staging_dir {s:?} is not this volume's staging path {}",
+                    "metadata staging_dir {} is not this volume's staging path {}",
+                    super::naming::quote_bounded(s),
                     paths.staging.display()
                 ));
             }

@@ -27,6 +27,12 @@ pub fn short_volume_id(id: &str) -> std::borrow::Cow<'_, str> {
 
 /// `id` quoted for a message, as `short_volume_id` bounds it.
 pub fn quote_volume_id(id: &str) -> String {
+    quote_bounded(id)
+}
+
+/// Any value of a request quoted for a message or a log line: escaped (no newline or
+/// control character reaches either) and cut to its first bytes, its length said.
+pub fn quote_bounded(id: &str) -> String {
     let head = id_head(id);
     if head.len() == id.len() {
         format!("{id:?}")
@@ -133,6 +139,13 @@ fn reads_as_truncated(name: &str) -> bool {
 /// Checks Attach's volume_base_dir: absolute, already normal (no `.`, `..`, `//`), and
 /// not `/` itself.
 pub fn validate_base_dir(dir: &str) -> Result<PathBuf, String> {
+    // Before anything quotes it: an error message says only bounded values.
+    if dir.len() > 1024 {
+        return Err(format!(
+            "volume_base_dir {} is longer than 1024 bytes",
+            quote_bounded(dir)
+        ));
+    }
     let path = Path::new(dir);
     if !path.is_absolute() {
         return Err(format!("volume_base_dir {dir:?} is not absolute"));
@@ -150,9 +163,6 @@ pub fn validate_base_dir(dir: &str) -> Result<PathBuf, String> {
         return Err(format!(
             "volume_base_dir {dir:?} is not a normal path (no '.', '..' or '//')"
         ));
-    }
-    if dir.len() > 1024 {
-        return Err("volume_base_dir is longer than 1024 bytes".into());
     }
     Ok(normal)
 }
@@ -245,12 +255,14 @@ impl VolumePaths {
     /// metadata can never point the bridge at another directory, and metadata of a volume
     /// attached before the upgrade still works).
     pub fn from_target(target: &Path, driver: &str, volume_id: &str) -> Result<Self, String> {
+        // The caller's path, quoted bounded in every message below.
+        let shown = || quote_bounded(&target.to_string_lossy());
         let base = target
             .parent()
-            .ok_or_else(|| format!("mount_dir {} has no parent", target.display()))?;
+            .ok_or_else(|| format!("mount_dir {} has no parent", shown()))?;
         let base_str = base
             .to_str()
-            .ok_or_else(|| format!("mount_dir {} is not UTF-8", target.display()))?;
+            .ok_or_else(|| format!("mount_dir {} is not UTF-8", shown()))?;
         let base = validate_base_dir(base_str).map_err(|e| format!("mount_dir: {e}"))?;
         let paths = Self::new(&base, driver, volume_id);
         if paths.target == target {
@@ -262,7 +274,7 @@ impl VolumePaths {
         }
         Err(format!(
             "mount_dir {} is not this volume's host_path {}",
-            target.display(),
+            shown(),
             paths.target.display()
         ))
     }

@@ -52,7 +52,10 @@ impl HookArgv {
         match text.parse::<i64>() {
             Ok(n) if n >= 0 => Ok(n),
             Ok(n) => Err(format!("--ref-count {n} is negative; it counts holders")),
-            Err(_) => Err(format!("--ref-count {text:?} is not an integer")),
+            Err(_) => Err(format!(
+                "--ref-count {} is not an integer",
+                crate::bridge::naming::quote_bounded(&text)
+            )),
         }
     }
 }
@@ -417,7 +420,8 @@ pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError
     let (hook, volume_id) = (request.kind(), request.volume_id().to_string());
     check_listed(request, config).map_err(|message| {
         let shown = crate::bridge::naming::short_volume_id(&volume_id);
-        tracing::warn!(op = hook.as_str(), volume_id = %shown, %message, "rejected an invalid request");
+        // Debug-quoted: a rejected id may hold a newline, which would forge a log line.
+        tracing::warn!(op = hook.as_str(), volume_id = ?shown, %message, "rejected an invalid request");
         crate::metrics::hook(
             &crate::metrics::DriverLabel::of(config),
             hook.as_str(),
@@ -434,6 +438,18 @@ pub fn check(request: HookRequest, config: &Config) -> Result<Checked, HookError
 
 #[cfg(test)]
 mod tests {
+    /// A --ref-count that is no number is quoted bounded (before: whole, 120 KiB of it).
+    #[test]
+    fn a_bad_ref_count_is_quoted_bounded() {
+        let argv = super::HookArgv {
+            ref_count: Some(format!("{}\nx", "9".repeat(120 << 10))),
+            ..Default::default()
+        };
+        let message = argv.ref_count(super::HookKind::Attach).unwrap_err();
+        assert!(message.len() < 2048, "{} bytes", message.len());
+        assert!(!message.contains('\n'), "{message}");
+    }
+
     use std::path::Path;
 
     use super::*;

@@ -122,19 +122,15 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
     if config.node.base_dir_allowed(dir) {
         return match resolved(dir) {
             Some(real) if real != dir && !config.node.base_dir_allowed(&real) => Err(format!(
-                "volume_base_dir {} leads through a symlink to {}, which is not one of \
-                 node.allowed_base_dirs; add {} there if volumes really belong there",
-                dir.display(),
-                real.display(),
-                real.display()
+                "volume_base_dir {dir:?} leads through a symlink to {real:?}, which is not \
+                 one of node.allowed_base_dirs; add it there if volumes really belong there"
             )),
             _ => Ok(()),
         };
     }
     Err(format!(
-        "volume_base_dir {} is not one of node.allowed_base_dirs ({}); add it there if \
-         Cubelet's volume_plugin_base_dir really is {}",
-        dir.display(),
+        "volume_base_dir {dir:?} is not one of node.allowed_base_dirs ({}); add it there if \
+         Cubelet's volume_plugin_base_dir really is that",
         config
             .node
             .allowed_base_dirs
@@ -142,7 +138,6 @@ fn check_base_dir_allowed(dir: &Path, config: &Config) -> Result<(), String> {
             .map(|d| d.display().to_string())
             .collect::<Vec<_>>()
             .join(", "),
-        dir.display()
     ))
 }
 
@@ -187,13 +182,44 @@ pub fn metadata_json(text: &str) -> Result<HashMap<String, String>, String> {
     if text.trim().is_empty() {
         return Ok(HashMap::new());
     }
-    serde_json::from_str(text)
-        .map_err(|e| format!("--metadata is not a JSON object of strings: {e}"))
+    // serde's message quotes the value it met (a whole string, up to the limit above):
+    // only what kind of error, and where.
+    serde_json::from_str(text).map_err(|e| {
+        format!(
+            "--metadata is not a JSON object of strings ({:?} error at line {}, column {})",
+            e.classify(),
+            e.line(),
+            e.column()
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a caller sends is quoted in an error only bounded and escaped: the message
+    /// stays short (Cube stores it, root's log keeps it) and holds no newline. Before,
+    /// a base dir of megabytes, a metadata string of 100 KiB or a path with a newline
+    /// came back whole.
+    #[test]
+    fn rejected_values_are_quoted_bounded_and_escaped() {
+        let config = config();
+        let long = |dir: String| {
+            let mut req = attach_req();
+            req.volume_base_dir = dir;
+            attach(req, &config).unwrap_err()
+        };
+        for message in [
+            long("r".repeat(3 << 20)),
+            long(format!("/{}", "r".repeat(3 << 20))),
+            long("/data/v\nINFO forged line".into()),
+            metadata_json(&format!("{:?}", "m".repeat(100 << 10))).unwrap_err(),
+        ] {
+            assert!(message.len() < 2048, "{} bytes", message.len());
+            assert!(!message.contains('\n'), "{message}");
+        }
+    }
 
     fn config() -> Config {
         Config::parse(

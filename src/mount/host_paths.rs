@@ -101,8 +101,9 @@ fn owned_and_closed(stat: &FileStat) -> Option<String> {
 fn not_a_dir(dir: &OwnedFd, name: &OsStr, path: &Path) -> PathError {
     match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
         Ok(stat) if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK => {
+            // Quoted: whoever planted the link chose its target, newlines included.
             let to = readlinkat(dir, name)
-                .map(|t| PathBuf::from(t).display().to_string())
+                .map(|t| format!("{:?}", PathBuf::from(t)))
                 .unwrap_or_else(|_| "?".into());
             refused(
                 path,
