@@ -8,6 +8,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use crate::bridge::Deadline;
+use crate::bridge::integrity::Verdict;
 use crate::bridge::inventory::{NodeVolume, add_driver_conditions, node_volumes};
 use crate::bridge::ports::{ControllerDriver, Segments, describe_topologies};
 use crate::config::Config;
@@ -484,6 +485,10 @@ pub async fn list(config: &Config, output: Output) -> anyhow::Result<String> {
 struct ControllerEntry {
     volume_id: String,
     state: &'static str,
+    /// What the record's MAC says under the record key: `valid`, `unsigned` (written
+    /// before records carried one, or stripped), `mismatch` (forged or damaged: Destroy
+    /// and the sweep refuse it), `no key` (none made yet).
+    integrity: &'static str,
     csi_name: String,
     csi_volume_id: Option<String>,
     csi_driver: Option<String>,
@@ -508,12 +513,22 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         .uses_kubernetes()
         .then(|| Arc::new(crate::k8s::Kube::new(&config.kubernetes)));
     let store = crate::app::controller_store(config, kube.as_ref())?;
+    // Read, never made here: a listing changes nothing.
+    let key = crate::app::record_key_source(config, kube.as_ref())
+        .read()
+        .await?;
     let now = crate::system::now_secs();
     let mut entries: Vec<ControllerEntry> = store
         .list()
         .await?
         .into_iter()
         .map(|r| ControllerEntry {
+            integrity: match key.as_ref().map(|key| key.verify(&config.driver, &r)) {
+                None => "no key",
+                Some(Verdict::Valid) => "valid",
+                Some(Verdict::Unsigned) => "unsigned",
+                Some(Verdict::Mismatch) => "mismatch",
+            },
             state: r.state.as_str(),
             age_secs: now.saturating_sub(r.updated_at),
             made_from: r.content_source.as_ref().map(|s| s.describe()),
@@ -531,26 +546,38 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         return Ok(serde_json::to_string_pretty(&entries)? + "\n");
     }
     let mut out = format!(
-        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\tCAPACITY\tATTACHABLE_ON\n",
+        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\tCAPACITY\tATTACHABLE_ON\tINTEGRITY\n",
         store.describe()
     );
     for e in entries {
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}",
-            e.volume_id,
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            printable(&e.volume_id),
             e.state,
             age(now.saturating_sub(e.age_secs)),
-            e.csi_volume_id.as_deref().unwrap_or("-"),
-            e.csi_name,
+            printable(e.csi_volume_id.as_deref().unwrap_or("-")),
+            printable(&e.csi_name),
             match e.capacity_bytes {
                 0 => "-".to_string(),
                 bytes => crate::bridge::expansion::human_size(bytes),
             },
-            describe_topologies(&e.accessible_topology)
+            printable(&describe_topologies(&e.accessible_topology)),
+            e.integrity
         );
     }
     Ok(out)
+}
+
+/// A stored value for a terminal: as it is, or quoted with its control characters
+/// escaped when it has any. Whoever writes the records (a CubeVolume writer) must not
+/// forge rows with a newline or a tab, or move the operator's cursor with an escape.
+pub(crate) fn printable(value: &str) -> std::borrow::Cow<'_, str> {
+    if value.chars().any(char::is_control) {
+        format!("{value:?}").into()
+    } else {
+        value.into()
+    }
 }
 
 /// `3d4h`, `5m`, … since `since` (seconds since the epoch); `-` when unknown.
@@ -657,6 +684,54 @@ mod tests {
     use crate::config::MountViewSetting;
     use crate::mount::{BaseDirPolicy, HostDirs};
     use std::os::unix::fs::{PermissionsExt, symlink};
+
+    /// `list --controller` shows whether each record's MAC holds, and a stored value with
+    /// control characters (written by whoever may write CubeVolumes) quoted and escaped:
+    /// no forged row, no terminal escape. Before, the record below printed as an ordinary
+    /// leak, on two rows, with an escape that erased the line.
+    #[tokio::test]
+    async fn listing_the_controller_store_shows_integrity_and_escapes_stored_values() {
+        use crate::bridge::records::{VolumeRecord, VolumeState};
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().display();
+        let config = Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n"
+            ),
+            Path::new("/test.toml"),
+        )
+        .unwrap();
+        let forged = VolumeRecord {
+            volume_id: "victim".into(),
+            csi_name: "cube-victim".into(),
+            state: VolumeState::Created,
+            csi_volume_id: Some("h\nforged\tcreated\x1b[2K".into()),
+            volume_context: Default::default(),
+            capacity_bytes: 0,
+            updated_at: 1,
+            csi_driver: None,
+            deletion: None,
+            revision: None,
+            integrity: None,
+            content_source: None,
+            accessible_topology: Vec::new(),
+            node_expansion_required: false,
+            answering_creates: Vec::new(),
+        };
+        crate::app::controller_store(&config, None)
+            .unwrap()
+            .put(&mut forged.clone())
+            .await
+            .unwrap();
+        let text = list_controller(&config, Output::Text).await.unwrap();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(!text.contains('\x1b'), "{text}");
+        let row = text.lines().last().unwrap();
+        assert!(row.ends_with("\tno key"), "{row}");
+        let json = list_controller(&config, Output::Json).await.unwrap();
+        assert!(json.contains("\"integrity\": \"no key\""), "{json}");
+    }
 
     /// Needs root (CI runs it as root). `check`'s test mount is made only on directories
     /// it has just made in a base dir that passes the hooks' check: names planted in the

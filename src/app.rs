@@ -224,16 +224,7 @@ fn shared_over(
 fn open_controller(config: &Config, shared: &Shared) -> Result<ControllerSide, BridgeError> {
     let store = controller_store(config, shared.kube.as_ref())?;
     let snapshots = snapshot_store(config, shared.kube.as_ref())?;
-    // The embedded store's key sits beside it; a shared store's key comes from where every
-    // replica can read it.
-    let record_key: Arc<dyn RecordKeySource> = match (&shared.kube, config.state.controller_store) {
-        (Some(kube), ControllerStoreKind::Kubernetes) => Arc::new(SecretKeySource::new(
-            kube.clone(),
-            &config.record_key_secret(),
-            config.kubernetes.record_key_sha256.as_deref(),
-        )),
-        _ => Arc::new(FileKeySource::new(&config.state.dir.join("record.key"))),
-    };
+    let record_key = record_key_source(config, shared.kube.as_ref());
     Ok(ControllerSide::new(
         shared.settings.clone(),
         ControllerPorts {
@@ -304,6 +295,19 @@ fn open_node(
             clock: shared.clock.clone(),
         },
     ))
+}
+
+/// Where the key the controller records are signed with is. The embedded store's key
+/// sits beside it; a shared store's key comes from where every replica can read it.
+pub fn record_key_source(config: &Config, kube: Option<&Arc<Kube>>) -> Arc<dyn RecordKeySource> {
+    match (kube, config.state.controller_store) {
+        (Some(kube), ControllerStoreKind::Kubernetes) => Arc::new(SecretKeySource::new(
+            kube.clone(),
+            &config.record_key_secret(),
+            config.kubernetes.record_key_sha256.as_deref(),
+        )),
+        _ => Arc::new(FileKeySource::new(&config.state.dir.join("record.key"))),
+    }
 }
 
 /// The controller store backend the config names.

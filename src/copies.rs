@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::admin::Output;
+use crate::admin::{Output, printable};
 use crate::bridge::ControllerSide;
 use crate::bridge::records::{ContentSource, SnapshotRecord, VolumeRecord};
 use crate::config::{Config, Roles};
@@ -120,16 +120,16 @@ pub async fn list_snapshots(config: Config, output: Output) -> anyhow::Result<St
         let _ = writeln!(
             out,
             "{}\t{}{integrity}\t{}\t{}\t{}\t{}\t{}",
-            e.snapshot_id,
+            printable(&e.snapshot_id),
             e.state,
-            e.source_volume_id,
+            printable(&e.source_volume_id),
             e.driver_says,
             e.size_bytes,
-            e.csi_snapshot_id.as_deref().unwrap_or("-"),
+            printable(e.csi_snapshot_id.as_deref().unwrap_or("-")),
             if e.restored_into.is_empty() {
                 "-".to_string()
             } else {
-                e.restored_into.join(",")
+                printable(&e.restored_into.join(",")).into_owned()
             }
         );
     }
