@@ -118,7 +118,7 @@ async fn a_host_path_planted_as_a_symlink_is_never_published_onto() {
         &error,
         &host_path,
         &[
-            &format!("is a symlink (to {})", root_only.display()),
+            &format!("is a symlink (to {root_only:?})"),
             "owner uid 65534",
         ],
     );
@@ -176,7 +176,7 @@ async fn a_staging_dir_planted_as_a_symlink_overmounts_nothing() {
         &error,
         &dot_staging,
         &[
-            &format!("is a symlink (to {})", attacker.display()),
+            &format!("is a symlink (to {attacker:?})"),
             "owner uid 65534",
         ],
     );
@@ -252,7 +252,7 @@ async fn a_staging_dir_swapped_after_attach_is_never_unstaged_through() {
             &error,
             &dot_staging,
             &[
-                &format!("is a symlink (to {})", victim_parent.display()),
+                &format!("is a symlink (to {victim_parent:?})"),
                 "owner uid 65534",
             ],
         );
