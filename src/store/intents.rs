@@ -85,7 +85,17 @@ pub struct IntentLog {
     /// Volumes whose entry an fdatasync of this process covered, with the checkpoint
     /// count of the log it was in (a checkpoint of any process makes them stale).
     synced: Mutex<std::collections::HashMap<String, u64>>,
+    /// The last checkpoint that failed (a full disk has no room for the snapshot): the
+    /// log's size then, and when. The next is tried only once the log has grown by a
+    /// quarter of `checkpoint_bytes` or `CHECKPOINT_RETRY_AFTER` has passed: each try
+    /// reads and hashes the whole log under the exclusive lock every other save waits for.
+    failed_checkpoint: Mutex<Option<(u64, std::time::Instant)>>,
+    /// Checkpoints tried so far, for tests.
+    checkpoints_tried: std::sync::atomic::AtomicU64,
 }
+
+/// How long after a failed checkpoint the next save tries again, whatever the log's size.
+const CHECKPOINT_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl IntentLog {
     /// Opens the log of the journal at `records` for a process of boot `boot_id`; if the
@@ -108,6 +118,8 @@ impl IntentLog {
             commit: GroupCommit::default(),
             checkpoint_bytes,
             synced: Mutex::new(std::collections::HashMap::new()),
+            failed_checkpoint: Mutex::new(None),
+            checkpoints_tried: Default::default(),
         };
         let path = log.log_path();
         let file = match std::fs::OpenOptions::new()
@@ -454,7 +466,15 @@ impl IntentLog {
             return Ok(());
         }
         let limit = self.checkpoint_bytes.max(self.snapshot_size());
-        if size(file)? <= limit {
+        let now = size(file)?;
+        if now <= limit {
+            return Ok(());
+        }
+        let failed = *self.failed_checkpoint.lock().expect("intent log poisoned");
+        if let Some((at_size, at)) = failed
+            && now < at_size + self.checkpoint_bytes / 4
+            && at.elapsed() < CHECKPOINT_RETRY_AFTER
+        {
             return Ok(());
         }
         let Some(_exclusive) = self.try_lock(FlockArg::LockExclusiveNonblock)? else {
@@ -463,8 +483,16 @@ impl IntentLog {
         if size(file)? <= limit {
             return Ok(());
         }
-        let last = self.last_entries_on_disk(file)?;
-        self.checkpoint(file, last)
+        self.checkpoints_tried
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let result = self
+            .last_entries_on_disk(file)
+            .and_then(|last| self.checkpoint(file, last));
+        *self.failed_checkpoint.lock().expect("intent log poisoned") = match &result {
+            Ok(()) => None,
+            Err(_) => Some((now, std::time::Instant::now())),
+        };
+        result
     }
 
     /// The size of the snapshot file (0 when there is none).
@@ -785,6 +813,41 @@ mod tests {
         assert!((1..=32).contains(&syncs), "{syncs}");
         let text = std::fs::read(tmp.path().join("intents/log")).unwrap();
         assert_eq!(last_entries(&text).len(), 32);
+    }
+
+    /// A checkpoint that fails (no room for its snapshot) is not tried again by every
+    /// save: before, each one read and hashed the whole log under the exclusive lock and
+    /// failed again. The log grows meanwhile; once there is room, the next try empties it.
+    #[test]
+    fn a_failed_checkpoint_is_not_tried_again_by_every_save() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let log = IntentLog::with_checkpoint(dir, "b", 4000).unwrap();
+        // No room for the snapshot: its temporary file cannot be made.
+        let blocker = dir.join(format!("intents/.snapshot.{}.tmp", std::process::id()));
+        std::fs::create_dir(&blocker).unwrap();
+        let fill = |from: usize, n: usize| {
+            for i in from..from + n {
+                save(
+                    &log,
+                    &format!("v{}", i % 7),
+                    format!("{{\"n\":{i}}}").as_bytes(),
+                    false,
+                );
+            }
+        };
+        fill(0, 400);
+        let tried = log
+            .checkpoints_tried
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            (1..=12).contains(&tried),
+            "{tried} checkpoints tried for 400 saves"
+        );
+        std::fs::remove_dir(&blocker).unwrap();
+        fill(400, 400);
+        let size = std::fs::metadata(dir.join("intents/log")).unwrap().len();
+        assert!(size < 8000, "never checkpointed again: {size} bytes");
     }
 
     /// A log past its size is emptied once its snapshot is written; what it held is then
