@@ -593,6 +593,27 @@ fn check_apart(configs: &[Config]) -> Result<(), String> {
                     "drivers {x:?} and {y:?} share {what}; each driver needs its own"
                 ));
             }
+            // A socket is a file: one driver's dir beneath another's socket path (driver
+            // `a.sock`'s default lock dir under driver `a`'s default socket) cannot both be.
+            let dirs = |c: &Config| {
+                [
+                    ("state.dir", c.state.dir.clone()),
+                    ("state.lock_dir", c.state.lock_dir.clone()),
+                ]
+            };
+            for ((socket_of, owner), (dirs_of, other)) in [((a, x), (b, y)), ((b, y), (a, x))] {
+                let socket = &socket_of.serve.socket;
+                for (field, dir) in dirs(dirs_of) {
+                    if dir.starts_with(socket) {
+                        return Err(format!(
+                            "driver {other:?}'s {field} {} lies under driver {owner:?}'s \
+                             serve.socket {}; set either one elsewhere",
+                            dir.display(),
+                            socket.display()
+                        ));
+                    }
+                }
+            }
             // One CSI driver behind both: CreateVolume is idempotent by name, so equal
             // names would share a CSI volume, and one driver's sweep of its abandoned
             // Create would delete the volume the other handed to Cube.
@@ -1451,6 +1472,20 @@ access_mode = "single_node_writer"
             !parse(MINIMAL).unwrap().metrics.driver_label,
             "a one-driver file keeps its series unlabelled"
         );
+    }
+
+    /// Drivers `x` and `x.sock` of one file: the second's default dirs lie under the
+    /// first's default socket. Refused with both names; before, whichever started second
+    /// failed with "File exists" or "not a socket".
+    #[test]
+    fn a_drivers_dir_under_another_drivers_socket_is_refused() {
+        let text = TWO_DRIVERS.replace("\"local\"", "\"nfs.sock\"");
+        let err = parse_all(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("\"nfs.sock\"") && err.contains("serve.socket"),
+            "{err}"
+        );
+        parse_all(TWO_DRIVERS).unwrap();
     }
 
     #[test]
