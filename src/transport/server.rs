@@ -100,13 +100,9 @@ impl Daemon {
         // answering finds the metrics endpoint there too.
         let metrics = match metrics_addr {
             Some(addr) => {
-                let listener =
-                    crate::metrics::bind(addr)
-                        .await
-                        .map_err(|source| ListenError::Io {
-                            context: format!("binding the metrics endpoint {addr}"),
-                            source,
-                        })?;
+                let listener = crate::metrics::bind(addr)
+                    .await
+                    .map_err(|source| metrics_bind_error(addr, source))?;
                 tracing::info!(%addr, "serving Prometheus metrics at /metrics");
                 Some(listener)
             }
@@ -557,9 +553,38 @@ pub fn shutdown_signal() -> impl Future<Output = ()> {
     }
 }
 
+/// Why the metrics endpoint could not be bound, with what to do about an address in use:
+/// the chart gives every release the same ports on the host network.
+fn metrics_bind_error(addr: std::net::SocketAddr, source: std::io::Error) -> ListenError {
+    let context = if source.kind() == std::io::ErrorKind::AddrInUse {
+        format!(
+            "binding the metrics endpoint {addr} (another process listens there: another \
+             bridge instance or Helm release on this host?; give each its own metrics.listen, \
+             in the chart metrics.port)"
+        )
+    } else {
+        format!("binding the metrics endpoint {addr}")
+    };
+    ListenError::Io { context, source }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A metrics port another process holds is named, with the fix; before, the error
+    /// said only "Address already in use", and a second release crash-looped on it.
+    #[tokio::test]
+    async fn a_metrics_port_in_use_says_who_may_hold_it_and_what_to_do() {
+        let held = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = held.local_addr().unwrap();
+        let error = crate::metrics::bind(addr).await.unwrap_err();
+        let message = metrics_bind_error(addr, error).to_string();
+        assert!(
+            message.contains("another bridge instance") && message.contains("metrics.listen"),
+            "{message}"
+        );
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A sweep pass that lasts (three reclaims, each waiting out a Destroy's budget on a
