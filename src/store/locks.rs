@@ -12,12 +12,17 @@
 //! One file per scope, made once, rather than one per volume: making a file is an inode
 //! allocation on every Create and first Attach (about 1 ms on a busy ext4 without a
 //! journal), and earlier builds never removed theirs, one per volume ever seen. Every
-//! process on the lock dir must map ids to bytes the same way: a build that took a file
-//! per volume does not exclude this one, so the daemon and the hook executable are
-//! upgraded together. The lock dir must be root's alone (`check_private_dir`).
+//! process on the lock dir must map ids to bytes the same way. A build that took a file
+//! per volume (`<scope>-<volume_id>.lock`, `flock`) may still run through an upgrade (a
+//! forked worker finishing, a daemon not yet restarted): where such a file exists, it is
+//! locked too, after the byte, so neither build acts on a volume the other works on. (A
+//! volume whose file an old build makes only after this one looked is not covered: stop
+//! the old daemon before the new one starts.) The lock dir must be root's alone
+//! (`check_private_dir`).
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -52,6 +57,8 @@ pub struct VolumeGuard {
 #[derive(Debug)]
 struct ByteLock {
     _file: File,
+    /// The per-volume file of an earlier build, when there is one, locked as it locked it.
+    _legacy: Option<nix::fcntl::Flock<File>>,
 }
 
 /// The byte of a scope's lock file that stands for `volume_id`. Every process sharing a
@@ -64,9 +71,10 @@ fn byte_of(volume_id: &str) -> i64 {
 }
 
 impl ByteLock {
-    /// Locks the byte of `volume_id` in `path` (made 0600 when missing); `Ok(None)` when
-    /// another opening holds it.
-    fn take(path: &Path, volume_id: &str) -> std::io::Result<Option<ByteLock>> {
+    /// Locks the byte of `volume_id` in `path` (made 0600 when missing), and the volume's
+    /// file of an earlier build (`legacy`) when it exists; `Ok(None)` when another opening
+    /// holds either.
+    fn take(path: &Path, legacy: &Path, volume_id: &str) -> std::io::Result<Option<ByteLock>> {
         let file = open_private(path)?;
         let range = libc::flock {
             l_type: libc::F_WRLCK as libc::c_short,
@@ -77,9 +85,32 @@ impl ByteLock {
             l_pid: 0,
         };
         match nix::fcntl::fcntl(&file, FcntlArg::F_OFD_SETLK(&range)) {
-            Ok(_) => Ok(Some(ByteLock { _file: file })),
-            Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) => Ok(None),
-            Err(errno) => Err(std::io::Error::from(errno)),
+            Ok(_) => {}
+            Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) => return Ok(None),
+            Err(errno) => return Err(std::io::Error::from(errno)),
+        }
+        // Never made here: only an earlier build's file counts.
+        let old = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(legacy)
+        {
+            Ok(old) => old,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Some(ByteLock {
+                    _file: file,
+                    _legacy: None,
+                }));
+            }
+            Err(e) => return Err(e),
+        };
+        match nix::fcntl::Flock::lock(old, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(locked) => Ok(Some(ByteLock {
+                _file: file,
+                _legacy: Some(locked),
+            })),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+            Err((_, errno)) => Err(std::io::Error::from(errno)),
         }
     }
 }
@@ -118,7 +149,8 @@ impl FileLocks {
             return Ok(None);
         };
         let path = self.path(scope);
-        let byte = ByteLock::take(&path, volume_id).map_err(|e| lock_error(&path, e))?;
+        let legacy = self.legacy_path(scope, volume_id);
+        let byte = ByteLock::take(&path, &legacy, volume_id).map_err(|e| lock_error(&path, e))?;
         Ok(byte.map(|byte| VolumeGuard {
             _byte: byte,
             _local: local,
@@ -141,6 +173,12 @@ impl FileLocks {
         self.dir.join(format!("{}.volumes.lock", scope.as_str()))
     }
 
+    /// The file a build before one file per scope locked for `volume_id`.
+    fn legacy_path(&self, scope: LockScope, volume_id: &str) -> PathBuf {
+        self.dir
+            .join(format!("{}-{volume_id}.lock", scope.as_str()))
+    }
+
     /// Waits for the volume's lock until the deadline.
     pub async fn lock(
         &self,
@@ -157,6 +195,7 @@ impl FileLocks {
             .map_err(|_| busy())?;
 
         let path = self.path(scope);
+        let legacy = self.legacy_path(scope, volume_id);
         // Tried again after a pause, never waited for in the kernel (F_OFD_SETLKW) on a
         // blocking thread: that thread would outlive the deadline for as long as the other
         // process holds the byte (a forked worker stuck on a hung mount holds it for
@@ -165,7 +204,7 @@ impl FileLocks {
         let mut pause = LOCK_POLL_FIRST;
         loop {
             if let Some(byte) =
-                ByteLock::take(&path, volume_id).map_err(|e| lock_error(&path, e))?
+                ByteLock::take(&path, &legacy, volume_id).map_err(|e| lock_error(&path, e))?
             {
                 return Ok(VolumeGuard {
                     _byte: byte,
@@ -221,6 +260,41 @@ mod tests {
 
     /// `byte_of("v")`: the first 62 bits of SHA-256("v").
     const BYTE_OF_V: i64 = 1_379_528_753_050_839_963;
+
+    /// A volume an earlier build (one `flock`ed file per volume) works on, through an
+    /// upgrade, is held for this one too, and one it holds is free once it lets go.
+    /// Before, the two builds never excluded each other: a new start-up pass took a free
+    /// byte and rolled back the old worker's Attach under it.
+    #[tokio::test]
+    async fn a_volume_an_earlier_build_holds_is_held() {
+        let tmp = tempfile::tempdir().unwrap();
+        let locks = FileLocks::new(tmp.path()).unwrap();
+        let old = std::fs::File::create(tmp.path().join("node-v.lock")).unwrap();
+        let held =
+            nix::fcntl::Flock::lock(old, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
+        assert!(locks.try_lock(LockScope::Node, "v").unwrap().is_none());
+        let deadline = Deadline::after(Duration::from_millis(20));
+        assert!(matches!(
+            locks.lock(LockScope::Node, "v", &deadline).await,
+            Err(BridgeError::Busy { .. })
+        ));
+        // Other volumes, and the other scope, are not held.
+        assert!(locks.try_lock(LockScope::Node, "w").unwrap().is_some());
+        assert!(
+            locks
+                .try_lock(LockScope::Controller, "v")
+                .unwrap()
+                .is_some()
+        );
+        drop(held);
+        let guard = locks.try_lock(LockScope::Node, "v").unwrap().unwrap();
+        // And the earlier build finds it held while this one works on it.
+        let again = std::fs::File::open(tmp.path().join("node-v.lock")).unwrap();
+        assert!(
+            nix::fcntl::Flock::lock(again, nix::fcntl::FlockArg::LockExclusiveNonblock).is_err()
+        );
+        drop(guard);
+    }
 
     #[test]
     fn the_lock_dir_is_private_but_its_new_parents_stay_searchable() {
