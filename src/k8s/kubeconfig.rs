@@ -22,11 +22,51 @@ pub(super) async fn load(path: &Path) -> Result<kube::Config, KubeError> {
         message: e.to_string(),
     };
     crate::config::check_trusted_file(path).map_err(|e| configure(&e))?;
-    let kubeconfig = Kubeconfig::read_from(path).map_err(|e| configure(&e))?;
+    let kubeconfig =
+        Kubeconfig::read_from(path).map_err(|e| configure(&describe_config_error(&e)))?;
     check_named_files(&kubeconfig).map_err(|e| configure(&e))?;
+    check_no_proxy(&kubeconfig).map_err(|e| configure(&e))?;
     kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
-        .map_err(|e| configure(&e))
+        .map_err(|e| configure(&describe_config_error(&e)))
+}
+
+/// A kubeconfig error as words safe to return to Cube: the YAML parser's message quotes
+/// the lines around the error, which may hold a token, a password or a key.
+pub(super) fn describe_config_error(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if let Some(kube::config::KubeconfigError::Parse(_)) =
+            e.downcast_ref::<kube::config::KubeconfigError>()
+        {
+            return "the kubeconfig is not valid YAML of a kubeconfig (the parser's message \
+                    is not shown: it quotes the file's lines, which may hold credentials)"
+                .to_string();
+        }
+        cause = e.source();
+    }
+    error.to_string()
+}
+
+/// Refuses a cluster that names a `proxy-url`: the client is built without proxy support
+/// (it would fail naming a build feature, and quote the URL, credentials included), and
+/// the API server is reached directly.
+fn check_no_proxy(kubeconfig: &Kubeconfig) -> Result<(), String> {
+    let proxied = kubeconfig.clusters.iter().find(|named| {
+        named
+            .cluster
+            .as_ref()
+            .and_then(|c| c.proxy_url.as_deref())
+            .is_some_and(|url| !url.is_empty())
+    });
+    match proxied {
+        Some(named) => Err(format!(
+            "its cluster {:?} names a proxy-url; the bridge reaches the API server directly \
+             (no proxy): remove it",
+            named.name
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Holds the kubeconfig files `kube::Config::infer` would read (`$KUBECONFIG`'s, else
@@ -61,7 +101,10 @@ pub(super) fn check_inferred() -> Result<(), KubeError> {
             Kubeconfig::read_from(path).and_then(|one| merged.merge(one))
         });
     match merged {
-        Ok(kubeconfig) => check_named_files(&kubeconfig).map_err(configure),
+        Ok(kubeconfig) => {
+            check_named_files(&kubeconfig).map_err(configure)?;
+            check_no_proxy(&kubeconfig).map_err(configure)
+        }
         Err(_) => Ok(()),
     }
 }
@@ -267,6 +310,39 @@ mod tests {
 
     fn set_mode(path: &Path, mode: u32) {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// A kubeconfig whose YAML is broken next to a credential is refused without quoting
+    /// it, and one whose cluster names a proxy is refused without quoting the proxy's URL
+    /// (and its password). Before, the parser's message quoted the lines around the error,
+    /// and the client's named the proxy URL whole, into Cube's stored error.
+    #[tokio::test]
+    async fn a_broken_or_proxied_kubeconfig_is_refused_without_quoting_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("kubeconfig");
+        let broken = KUBECONFIG.replace("token: t", "token: tok-SECRET-1\n    bogus: [unclosed");
+        std::fs::write(&path, broken).unwrap();
+        set_mode(&path, 0o600);
+        let error = load(&path).await.unwrap_err().to_string();
+        assert!(!error.contains("SECRET"), "{error}");
+        assert!(error.contains("not valid YAML"), "{error}");
+
+        let proxied = KUBECONFIG.replace(
+            "server: https://127.0.0.1:1",
+            "server: https://127.0.0.1:1\n    proxy-url: http://u:pw-SECRET@127.0.0.1:9",
+        );
+        std::fs::write(&path, proxied).unwrap();
+        let kube = super::super::Kube::new(&crate::config::KubernetesSettings {
+            kubeconfig: Some(path.clone()),
+            namespace: Some("x".into()),
+            ..Default::default()
+        });
+        let Err(error) = kube.client().await else {
+            panic!("a kubeconfig naming a proxy was taken");
+        };
+        let error = error.to_string();
+        assert!(!error.contains("SECRET"), "{error}");
+        assert!(error.contains("proxy-url"), "{error}");
     }
 
     /// A kubeconfig another user could change (here: writable by others) is refused

@@ -130,7 +130,7 @@ impl Kube {
                     .map_err(|e| KubeError::Configure {
                         source_desc: "$KUBECONFIG, ~/.kube/config or the pod's service account"
                             .into(),
-                        message: e.to_string(),
+                        message: kubeconfig::describe_config_error(&e),
                     })?;
                 (config, "the inferred configuration".to_string())
             }
@@ -139,6 +139,13 @@ impl Kube {
             source_desc: source_desc.clone(),
             message,
         })?;
+        // A proxy left is the environment's (`HTTPS_PROXY`: a forked hook inherits
+        // Cubelet's, set for image pulls; a kubeconfig's own `proxy-url` was refused). The
+        // client is built without proxy support and would fail naming the URL, credentials
+        // included, and ignoring `NO_PROXY`: the API server is reached directly.
+        if config.proxy_url.take().is_some() {
+            tracing::debug!("ignoring the proxy of the environment for the Kubernetes API");
+        }
         config.connect_timeout = Some(CONNECT_TIMEOUT);
         config.read_timeout = Some(READ_TIMEOUT);
         config.write_timeout = Some(READ_TIMEOUT);
