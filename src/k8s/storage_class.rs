@@ -320,15 +320,17 @@ impl StorageClassSource {
     ) -> Result<Arc<BTreeMap<String, String>>, KubeError> {
         let class = self.class().await?;
         match class.secret_ref(usage) {
-            Some(reference) => self.secret_data(reference).await,
+            Some(reference) => self.secret_data(reference, SecretFrom::StorageClass).await,
             None => Ok(Default::default()),
         }
     }
 
-    /// The data of one Secret, from the cache while it is fresh.
+    /// The data of one Secret, from the cache while it is fresh; `from` says, in errors,
+    /// where the reference came from.
     pub async fn secret_data(
         &self,
         reference: &SecretRef,
+        from: SecretFrom,
     ) -> Result<Arc<BTreeMap<String, String>>, KubeError> {
         let cache = self
             .secrets
@@ -338,19 +340,30 @@ impl StorageClassSource {
             .or_insert_with(|| Arc::new(Cached::new(self.ttl)))
             .clone();
         let what = format!("Secret {}/{}", reference.namespace, reference.name);
-        cache.get(&what, || self.read_secret(reference)).await
+        cache.get(&what, || self.read_secret(reference, from)).await
     }
 
     async fn read_secret(
         &self,
         reference: &SecretRef,
+        from: SecretFrom,
     ) -> Result<BTreeMap<String, String>, KubeError> {
         let (client, _) = self.kube.client().await?;
         let api: Api<Secret> = Api::namespaced(client.clone(), &reference.namespace);
-        let what = format!(
-            "Secret {}/{} (referenced by StorageClass {})",
-            reference.namespace, reference.name, self.name
-        );
+        let what = match from {
+            SecretFrom::StorageClass => format!(
+                "Secret {}/{} (referenced by StorageClass {})",
+                reference.namespace, reference.name, self.name
+            ),
+            // The StorageClass may name another one by now: the volume's record says which
+            // Secret deletes it, and the chart must still let the bridge read it.
+            SecretFrom::Record => format!(
+                "Secret {}/{} (recorded as the volume's deletion Secret when it was created; \
+                 keep it, and keep it in the chart's kubernetes.secrets, while volumes \
+                 record it)",
+                reference.namespace, reference.name
+            ),
+        };
         let secret = api
             .get_opt(&reference.name)
             .await
@@ -367,6 +380,15 @@ impl StorageClassSource {
         }
         Ok(out)
     }
+}
+
+/// Where a Secret's reference came from, for errors that name it.
+#[derive(Debug, Clone, Copy)]
+pub enum SecretFrom {
+    /// The StorageClass, as it is now.
+    StorageClass,
+    /// A volume's record, as the StorageClass was at its Create.
+    Record,
 }
 
 fn settings_error(e: KubeError) -> SettingsError {
@@ -413,7 +435,11 @@ impl VolumeSettings for StorageClassSource {
             // Recorded at Create: works after the StorageClass changed or is gone.
             Some(policy) => match &policy.secret {
                 Some(reference) => Ok(Secrets(
-                    (*self.secret_data(reference).await.map_err(settings_error)?).clone(),
+                    (*self
+                        .secret_data(reference, SecretFrom::Record)
+                        .await
+                        .map_err(settings_error)?)
+                    .clone(),
                 )),
                 None => Ok(Secrets::default()),
             },
