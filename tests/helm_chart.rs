@@ -510,6 +510,61 @@ controller:
     }
 }
 
+/// Releases of the same chart and values in two namespaces make no object of the same
+/// kind, namespace and name (the CRDs aside, which they share): a second `helm install`
+/// would fail on the first one's, and an apply would take it over. Before, the Role and
+/// RoleBinding of the Secrets, made in the Secrets' namespace (`default` in the nfs
+/// example), had the same names in both, and the StorageClass ClusterRole of release
+/// `x-team` in namespace `a` was that of release `x` in namespace `team-a`.
+#[test]
+fn releases_in_two_namespaces_share_no_object() {
+    let helm = require_helm!();
+    let objects = |release: &str, namespace: &str, values: &[String]| {
+        let mut args = vec![
+            "template",
+            release,
+            CHART,
+            "--namespace",
+            namespace,
+            "--kube-version",
+            KUBE_VERSION,
+        ];
+        args.extend(strs(values));
+        let run = helm.run(&args);
+        assert!(run.success, "{} failed:\n{}", run.line, run.stderr);
+        manifests(&run.stdout)
+            .into_iter()
+            .filter(|o| o["kind"] != "CustomResourceDefinition")
+            .map(|o| {
+                (
+                    o["kind"].as_str().unwrap_or_default().to_string(),
+                    o["metadata"]["namespace"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                    o["metadata"]["name"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                )
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    for (name, values) in value_sets() {
+        for [(one, first), (two, second)] in [
+            [(RELEASE, "team-a"), (RELEASE, "team-b")],
+            [("cube-csi-bridge-team", "a"), (RELEASE, "team-a")],
+        ] {
+            let (a, b) = (objects(one, first, &values), objects(two, second, &values));
+            let shared: Vec<_> = a.intersection(&b).collect();
+            assert!(
+                shared.is_empty(),
+                "{name} values: {one} in {first} and {two} in {second} both make {shared:?}"
+            );
+        }
+    }
+}
+
 /// The rendered manifests as JSON values, one per YAML document.
 fn manifests(rendered: &str) -> Vec<serde_json::Value> {
     use serde::Deserialize;
