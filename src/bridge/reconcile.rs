@@ -210,6 +210,10 @@ impl NodeSide {
         };
         let paths = VolumePaths::from_target(&record.target_path, &self.config.driver, volume_id)
             .map_err(BridgeError::Precondition)?;
+        // Marked first: a repair that fails (the driver still starting), or is cut short,
+        // is tried again by the next scan of pending volumes rather than only by the next
+        // start-up or Attach.
+        journal.mark_pending(volume_id)?;
         // Cubelet makes the base dir before an Attach, and Attach checks it: here nobody
         // has, and establish expects it made.
         let repaired = match self.check_base_dir(&paths, &deadline).await {
@@ -233,7 +237,7 @@ impl NodeSide {
                 Ok(Outcome::Repaired)
             }
             Err(error) => {
-                tracing::error!(%error, "re-establishing a held volume failed; the next Attach retries");
+                tracing::error!(%error, "re-establishing a held volume failed; the next scan (or Attach) tries again");
                 self.node_journal().save(&record, false)?;
                 Ok(Outcome::MountLost)
             }

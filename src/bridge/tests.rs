@@ -1870,6 +1870,27 @@ async fn a_legacy_record_is_torn_down_at_its_own_paths_without_metadata() {
 
 // ---------------------------------------------------------------- reconcile
 
+/// A held volume whose mount was lost, whose repair at start-up fails (the driver still
+/// starting), is tried again by the next scan of pending volumes and mounted. Before, the
+/// repair left no marker, and only the next start-up or Attach looked at it again (the
+/// report said "retried next pass").
+#[tokio::test]
+async fn a_repair_that_failed_at_start_up_is_tried_again_by_the_next_scan() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("lost", "ns", "s", 0).await.unwrap();
+    w.fake.unmount_behind_our_back(&w.target("lost"));
+    w.fake.script("NodePublishVolume", Fault::Final);
+    let node = w.bridge.node().unwrap();
+    let report = node.reconcile_node(reconcile::Scope::All).await.unwrap();
+    assert_eq!(report.mount_lost, 1, "{report:?}");
+    let report = node
+        .reconcile_node(reconcile::Scope::Abandoned)
+        .await
+        .unwrap();
+    assert_eq!(report.repaired, 1, "{report:?}");
+    assert!(w.fake.is_mounted(&w.target("lost")));
+}
+
 #[tokio::test]
 async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_the_held() {
     let w = World::new(Fake::new(true, false));
