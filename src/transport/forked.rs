@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use nix::fcntl::Flock;
 
 use crate::bridge::reconcile::Scope;
-use crate::bridge::{Caller, HookError, HookKind};
+use crate::bridge::{BridgeError, Caller, HookError, HookKind};
 use crate::config::{Config, Roles};
 use crate::cube::errors;
 use crate::cube::hooks;
@@ -117,13 +117,27 @@ pub async fn withdraw_unanswered(config: &Config, request: &HookRequest, started
                 namespace: attach.namespace.clone(),
                 sandbox: attach.sandbox_id.clone(),
             };
-            // An error here is a holder the worker never saved: nothing to take back.
-            if let Ok(released) = node.release_holders(&attach.volume_id, &which).await {
-                tracing::warn!(
+            match node.release_holders(&attach.volume_id, &which).await {
+                Ok(released) => tracing::warn!(
                     volume_id = %attach.volume_id,
                     torn_down = released.torn_down,
                     "the worker died without answering after saving its holder; holder withdrawn"
-                );
+                ),
+                // No record, or no such holder: one the worker never saved, nothing to
+                // take back.
+                Err(BridgeError::InvalidRequest(_)) => {}
+                // Anything else (the lock held past its wait, the journal unreadable) may
+                // leave a holder Cube released, the volume mounted for nobody: said, with
+                // what to do.
+                Err(error) => tracing::error!(
+                    volume_id = %attach.volume_id,
+                    namespace = %attach.namespace,
+                    sandbox_id = %attach.sandbox_id,
+                    %error,
+                    "the worker died without answering, and its holder could not be withdrawn; \
+                     if `cube-csi-bridge holders` lists it, release it with `cube-csi-bridge \
+                     holders release`"
+                ),
             }
         }
         HookRequest::Create(create) => {
