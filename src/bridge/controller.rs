@@ -108,7 +108,19 @@ pub struct ControllerSide {
     /// This process made the key and has not yet signed the records from before keys.
     unsigned_records_pending: std::sync::atomic::AtomicBool,
     snapshots: Arc<dyn SnapshotStore>,
+    /// What a watching sweep (the daemon's) has seen of each unfinished record: the
+    /// version it saw, and since when on this process's monotonic clock (`Sightings`).
+    sightings: std::sync::Mutex<Sightings>,
 }
+
+/// Unfinished records as a long-lived sweeper saw them: (store key) → (version: the
+/// record's revision, time and state; first seen). A record's `updated_at` is the wall
+/// clock of whichever host wrote it: a sweeper whose clock runs ahead of a replica's (or a
+/// record written while a clock ran ahead, later fixed) must not judge a live Create
+/// abandoned, nor a dead one never abandoned. Aged by this process's own watch, a record
+/// is abandoned only once it has stayed the same for the whole grace.
+type Sightings =
+    std::collections::HashMap<String, ((Option<String>, u64, VolumeState), std::time::Instant)>;
 
 impl std::fmt::Debug for ControllerSide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,7 +146,48 @@ impl ControllerSide {
             record_key: tokio::sync::OnceCell::new(),
             unsigned_records_pending: Default::default(),
             snapshots: ports.snapshots,
+            sightings: Default::default(),
         }
+    }
+
+    /// Whether an unfinished record written at `updated_at` (its writer's wall clock) is
+    /// abandoned after `grace`. One-shot sweepers (a forked hook's) go by the wall clocks.
+    /// A watching one (`watched`: the daemon's, which sweeps again and again) also needs
+    /// to have seen the record unchanged for the grace itself, and then takes a record
+    /// dated in the future (a clock since set back) for an old one.
+    fn abandoned_after(
+        &self,
+        key: String,
+        version: (Option<String>, u64, VolumeState),
+        grace: Duration,
+        watched: bool,
+    ) -> bool {
+        let (now, updated_at) = (self.now_secs(), version.1);
+        let aged = updated_at <= now && now - updated_at >= grace.as_secs();
+        if !watched {
+            return aged;
+        }
+        let mut sightings = self.sightings.lock().expect("sightings poisoned");
+        let seen = sightings
+            .entry(key)
+            .and_modify(|(seen, since)| {
+                if *seen != version {
+                    *seen = version.clone();
+                    *since = std::time::Instant::now();
+                }
+            })
+            .or_insert_with(|| (version.clone(), std::time::Instant::now()))
+            .1
+            .elapsed();
+        seen >= grace && (aged || updated_at > now)
+    }
+
+    /// Forgets the sightings of records no longer listed (`keep` says which are).
+    fn forget_sightings(&self, keep: impl Fn(&str) -> bool) {
+        self.sightings
+            .lock()
+            .expect("sightings poisoned")
+            .retain(|key, _| keep(key));
     }
 
     /// The core's settings this side runs with.
@@ -1267,18 +1320,43 @@ impl ControllerSide {
     }
 
     /// Resolves abandoned creates: `Creating` records (and `Deleting` claims whose
-    /// sweeper died) untouched for longer than `grace`. `Created` records are never
-    /// judged here: only an operator can tell a leak from a volume in use.
+    /// sweeper died) untouched for longer than `grace`, by the wall clocks of their writer
+    /// and of this process (a one-shot sweep: a forked hook's). `Created` records are
+    /// never judged here: only an operator can tell a leak from a volume in use.
     pub async fn sweep_abandoned_creates(
         &self,
         grace: Duration,
     ) -> Result<SweepReport, BridgeError> {
+        self.sweep(grace, false).await
+    }
+
+    /// `sweep_abandoned_creates` for a process that sweeps again and again (the daemon):
+    /// a record is abandoned only once this process has also seen it unchanged for the
+    /// whole grace (`abandoned_after`).
+    pub async fn sweep_abandoned_creates_watched(
+        &self,
+        grace: Duration,
+    ) -> Result<SweepReport, BridgeError> {
+        self.sweep(grace, true).await
+    }
+
+    async fn sweep(&self, grace: Duration, watched: bool) -> Result<SweepReport, BridgeError> {
         self.record_key().await?;
         let mut report = SweepReport::default();
-        let now = self.now_secs();
-        for record in self.controller_store().list().await? {
+        let records = self.controller_store().list().await?;
+        let listed: std::collections::HashSet<String> = records
+            .iter()
+            .map(|r| format!("volume/{}", r.volume_id))
+            .collect();
+        self.forget_sightings(|key| !key.starts_with("volume/") || listed.contains(key));
+        for record in records {
             let abandoned = record.state != VolumeState::Created
-                && now.saturating_sub(record.updated_at) >= grace.as_secs();
+                && self.abandoned_after(
+                    format!("volume/{}", record.volume_id),
+                    (record.revision.clone(), record.updated_at, record.state),
+                    grace,
+                    watched,
+                );
             if !abandoned {
                 continue;
             }
@@ -1309,7 +1387,10 @@ impl ControllerSide {
         }
         // Volumes first: a store without snapshot records (a CRD not yet installed) must
         // not keep the volumes' sweep from reporting.
-        if let Err(error) = self.sweep_abandoned_snapshots(grace, &mut report).await {
+        if let Err(error) = self
+            .sweep_abandoned_snapshots(grace, watched, &mut report)
+            .await
+        {
             tracing::error!(%error, "sweeping abandoned snapshot creates failed; the next sweep retries");
             report.failed += 1;
         }

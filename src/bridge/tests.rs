@@ -3116,6 +3116,44 @@ async fn a_claim_on_a_refreshed_record_loses_and_a_create_refuses_a_claimed_one(
     assert!(err.to_string().contains("being cleaned up"), "{err}");
 }
 
+/// The daemon's sweep (watched) judges an unfinished record abandoned only once it has
+/// itself seen it unchanged for the grace. A record another replica's clock dates an hour
+/// back (a replica whose clock is behind this one's, its Create still running) is left
+/// alone at first sight; one dated years ahead (written while a clock ran ahead, set back
+/// since) is reclaimed once watched. Before, the wall clocks alone decided: the first was
+/// claimed at once (its live Create failed), the second never reclaimed.
+#[tokio::test]
+async fn the_daemons_sweep_ages_records_by_its_own_watch() {
+    let w = World::new(Fake::new(false, false));
+    for id in ["past", "future"] {
+        w.fake.script("CreateVolume", Fault::LostAnswer);
+        w.create(id).await.unwrap_err();
+    }
+    let now = crate::system::now_secs();
+    {
+        let mut records = w.store.records.lock().unwrap();
+        records.get_mut("past").unwrap().updated_at = now - 3600;
+        records.get_mut("future").unwrap().updated_at = now + 10 * 365 * 86_400;
+    }
+    let grace = Duration::from_secs(1);
+    let first = w
+        .controller()
+        .sweep_abandoned_creates_watched(grace)
+        .await
+        .unwrap();
+    assert_eq!(first.reclaimed, 0, "{first:?}");
+    assert_eq!(w.backend_volumes().len(), 2);
+    // Watched unchanged for the grace (a lower bound, never an upper one).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let second = w
+        .controller()
+        .sweep_abandoned_creates_watched(grace)
+        .await
+        .unwrap();
+    assert_eq!(second.reclaimed, 2, "{second:?}");
+    assert!(w.backend_volumes().is_empty(), "{:?}", w.backend_volumes());
+}
+
 /// An unfinished Create resolved by the sweep is deleted whatever the reclaim policy, as
 /// the undo of an unanswered Create deletes it: Cube never had the volume, and once its
 /// record is gone nothing names it. Before, a Retain policy kept it for nobody.
@@ -3450,6 +3488,29 @@ async fn a_snapshot_the_driver_answers_with_another_volumes_is_refused() {
             .unwrap()
             .contains_key("nightly")
     );
+    assert!(
+        !w.fake
+            .mutating_calls()
+            .contains(&"DeleteSnapshot".to_string())
+    );
+    // An attempt whose answer was lost leaves its record unfinished; deleting it finds
+    // the name is the other volume's snapshot, and removes only the record.
+    w.fake.script("CreateSnapshot", Fault::Uncertain);
+    w.controller()
+        .create_snapshot("b", "nightly")
+        .await
+        .unwrap_err();
+    let recorded = |id: &str| {
+        w.fake
+            .snapshot_records
+            .snapshots
+            .lock()
+            .unwrap()
+            .contains_key(id)
+    };
+    assert!(recorded("nightly"));
+    w.controller().delete_snapshot("nightly").await.unwrap();
+    assert!(!recorded("nightly"));
     assert!(
         !w.fake
             .mutating_calls()

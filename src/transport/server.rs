@@ -481,7 +481,7 @@ async fn abandoned_node_pass(node: &crate::bridge::NodeSide) {
 }
 
 async fn abandoned_create_pass(controller: &crate::bridge::ControllerSide, grace: Duration) {
-    match controller.sweep_abandoned_creates(grace).await {
+    match controller.sweep_abandoned_creates_watched(grace).await {
         Ok(report) if report.reclaimed + report.failed > 0 => {
             tracing::info!(?report, "abandoned creates swept")
         }

@@ -225,7 +225,8 @@ impl ControllerSide {
             return Ok(record);
         }
         tracing::info!(snapshot_id, volume_id, csi_name, "creating CSI snapshot");
-        let info = match self.take_snapshot(&record, &deadline).await {
+        let taken = self.take_snapshot(&record, &deadline).await;
+        let info = match taken.and_then(|info| own_snapshot(&record, info)) {
             Ok(info) => info,
             Err(error) => {
                 // As with volumes: only a final error proves nothing was made.
@@ -361,29 +362,40 @@ impl ControllerSide {
             .controller()
             .create_snapshot(&snapshot, deadline)
             .await;
-        let info = self.driver.driver(reply).await?;
-        // CreateSnapshot is idempotent by name, and a name asked of another source is
-        // ALREADY_EXISTS by the spec; a driver that hands back the snapshot of another
-        // volume instead (the name another bridge on this driver took, with the same
-        // `volume.name_prefix`) must not have it recorded here: a delete or a restore
-        // through this record would then reach that bridge's data.
-        if !info.source_csi_volume_id.is_empty()
-            && info.source_csi_volume_id != record.source_csi_volume_id
-        {
-            return Err(BridgeError::Precondition(format!(
-                "the CSI driver answered CreateSnapshot {:?} with snapshot {:?} of volume \
-                 {:?}, not of {:?}: that name belongs to another snapshot (another bridge \
-                 on this CSI driver with the same volume.name_prefix?); give each bridge \
-                 its own prefix",
-                record.csi_name,
-                info.csi_snapshot_id,
-                info.source_csi_volume_id,
-                record.source_csi_volume_id
-            )));
-        }
-        Ok(info)
+        self.driver.driver(reply).await
     }
+}
 
+/// Whether the driver answered CreateSnapshot with a snapshot of another source volume
+/// than the record's (when it says the source at all).
+fn is_of_another_source(record: &SnapshotRecord, info: &SnapshotInfo) -> bool {
+    !info.source_csi_volume_id.is_empty()
+        && info.source_csi_volume_id != record.source_csi_volume_id
+}
+
+/// `info`, when it is a snapshot of the record's source volume. CreateSnapshot is
+/// idempotent by name, and a name asked of another source is ALREADY_EXISTS by the spec;
+/// a driver that hands back the snapshot of another volume instead (the name another
+/// bridge on this driver took, with the same `volume.name_prefix`) must not have it
+/// recorded here: a delete or a restore through this record would reach that bridge's
+/// data.
+fn own_snapshot(record: &SnapshotRecord, info: SnapshotInfo) -> Result<SnapshotInfo, BridgeError> {
+    if is_of_another_source(record, &info) {
+        return Err(BridgeError::Precondition(format!(
+            "the CSI driver answered CreateSnapshot {:?} with snapshot {:?} of volume \
+             {:?}, not of {:?}: that name belongs to another snapshot (another bridge \
+             on this CSI driver with the same volume.name_prefix?); give each bridge \
+             its own prefix",
+            record.csi_name,
+            info.csi_snapshot_id,
+            info.source_csi_volume_id,
+            record.source_csi_volume_id
+        )));
+    }
+    Ok(info)
+}
+
+impl ControllerSide {
     /// `snapshot list`: every snapshot record, what the driver says of each (with
     /// LIST_SNAPSHOTS), and the volumes restored from it.
     pub async fn list_snapshots(&self) -> Result<Vec<SnapshotEntry>, BridgeError> {
@@ -497,7 +509,17 @@ impl ControllerSide {
             (VolumeState::Created, Some(id)) => id.clone(),
             _ => {
                 tracing::info!(csi_name = %record.csi_name, "resolving an unfinished snapshot before deleting");
-                self.take_snapshot(&record, deadline).await?.csi_snapshot_id
+                let info = self.take_snapshot(&record, deadline).await?;
+                if is_of_another_source(&record, &info) {
+                    // The name is another volume's snapshot: nothing of this record's was
+                    // made under it, so only the record goes (never that snapshot).
+                    tracing::warn!(csi_name = %record.csi_name, "the snapshot name belongs to another volume's snapshot: only the unfinished record is removed");
+                    return match self.snapshots.delete_snapshot(&record).await {
+                        Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),
+                        Err(e) => Err(e.into()),
+                    };
+                }
+                info.csi_snapshot_id
             }
         };
         let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
@@ -777,12 +799,23 @@ impl ControllerSide {
     pub(super) async fn sweep_abandoned_snapshots(
         &self,
         grace: Duration,
+        watched: bool,
         report: &mut SweepReport,
     ) -> Result<(), BridgeError> {
-        let now = self.now_secs();
-        for record in self.snapshots.list_snapshots().await? {
+        let records = self.snapshots.list_snapshots().await?;
+        let listed: std::collections::HashSet<String> = records
+            .iter()
+            .map(|r| format!("snapshot/{}", r.snapshot_id))
+            .collect();
+        self.forget_sightings(|key| !key.starts_with("snapshot/") || listed.contains(key));
+        for record in records {
             let abandoned = record.state != VolumeState::Created
-                && now.saturating_sub(record.updated_at) >= grace.as_secs();
+                && self.abandoned_after(
+                    format!("snapshot/{}", record.snapshot_id),
+                    (record.revision.clone(), record.updated_at, record.state),
+                    grace,
+                    watched,
+                );
             if !abandoned {
                 continue;
             }
