@@ -487,7 +487,8 @@ struct ControllerEntry {
     state: &'static str,
     /// What the record's MAC says under the record key: `valid`, `unsigned` (written
     /// before records carried one, or stripped), `mismatch` (forged or damaged: Destroy
-    /// and the sweep refuse it), `no key` (none made yet).
+    /// and the sweep refuse it), `no key` (none made yet), `key error` (the key could not
+    /// be read: the listing says why).
     integrity: &'static str,
     csi_name: String,
     csi_volume_id: Option<String>,
@@ -513,10 +514,16 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         .uses_kubernetes()
         .then(|| Arc::new(crate::k8s::Kube::new(&config.kubernetes)));
     let store = crate::app::controller_store(config, kube.as_ref())?;
-    // Read, never made here: a listing changes nothing.
-    let key = crate::app::record_key_source(config, kube.as_ref())
+    // Read, never made here: a listing changes nothing. A key that cannot be read (a
+    // pinned key missing or replaced, no right to read it) is when the listing is needed
+    // most: the records are listed all the same, their integrity unknown, and why said.
+    let (key, key_error) = match crate::app::record_key_source(config, kube.as_ref())
         .read()
-        .await?;
+        .await
+    {
+        Ok(key) => (key, None),
+        Err(error) => (None, Some(error.to_string())),
+    };
     let now = crate::system::now_secs();
     let mut entries: Vec<ControllerEntry> = store
         .list()
@@ -524,6 +531,7 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         .into_iter()
         .map(|r| ControllerEntry {
             integrity: match key.as_ref().map(|key| key.verify(&config.driver, &r)) {
+                None if key_error.is_some() => "key error",
                 None => "no key",
                 Some(Verdict::Valid) => "valid",
                 Some(Verdict::Unsigned) => "unsigned",
@@ -545,9 +553,16 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
     if output == Output::Json {
         return Ok(serde_json::to_string_pretty(&entries)? + "\n");
     }
-    let mut out = format!(
-        "# {}\nVOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\tCAPACITY\tATTACHABLE_ON\tINTEGRITY\n",
-        store.describe()
+    let mut out = format!("# {}\n", store.describe());
+    if let Some(error) = &key_error {
+        let _ = writeln!(
+            out,
+            "# the record key could not be read: {}",
+            printable(error)
+        );
+    }
+    out.push_str(
+        "VOLUME\tSTATE\tAGE\tCSI_VOLUME_ID\tCSI_NAME\tCAPACITY\tATTACHABLE_ON\tINTEGRITY\n",
     );
     for e in entries {
         let _ = writeln!(
@@ -731,6 +746,18 @@ mod tests {
         assert!(row.ends_with("\tno key"), "{row}");
         let json = list_controller(&config, Output::Json).await.unwrap();
         assert!(json.contains("\"integrity\": \"no key\""), "{json}");
+        // A key that cannot be read (here: not one the bridge made) is when the listing
+        // is needed most: the records are listed all the same, and why is said.
+        std::fs::write(tmp.path().join("state/record.key"), "not a key\n").unwrap();
+        let text = list_controller(&config, Output::Text).await.unwrap();
+        assert!(
+            text.contains("# the record key could not be read"),
+            "{text}"
+        );
+        assert!(
+            text.lines().last().unwrap().ends_with("\tkey error"),
+            "{text}"
+        );
     }
 
     /// Needs root (CI runs it as root). `check`'s test mount is made only on directories
