@@ -805,8 +805,8 @@ pub type LockGuard = Box<dyn std::any::Any + Send>;
 /// Where a hook that may be cancelled at an await leaves the volume's lock while it waits,
 /// so that whatever must follow its cancellation takes the lock over instead of queueing
 /// behind the hooks that came after it (`NodeSide::attach_if_hot`).
-#[derive(Clone, Default)]
-pub struct KeptLock(std::sync::Arc<std::sync::Mutex<Option<LockGuard>>>);
+#[derive(Default)]
+pub struct KeptLock(std::sync::Mutex<Option<LockGuard>>);
 
 impl KeptLock {
     pub fn keep(&self, guard: LockGuard) {

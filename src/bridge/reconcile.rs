@@ -212,8 +212,11 @@ impl NodeSide {
             .map_err(BridgeError::Precondition)?;
         // Marked first: a repair that fails (the driver still starting), or is cut short,
         // is tried again by the next scan of pending volumes rather than only by the next
-        // start-up or Attach.
-        journal.mark_pending(volume_id)?;
+        // start-up or Attach. A marker that cannot be made (a disk out of inodes) only
+        // loses that retry: the repair is still tried.
+        if let Err(error) = journal.mark_pending(volume_id) {
+            tracing::warn!(%error, "could not mark the repair pending; repairing anyway");
+        }
         // Cubelet makes the base dir before an Attach, and Attach checks it: here nobody
         // has, and establish expects it made.
         let repaired = match self.check_base_dir(&paths, &deadline).await {

@@ -14,11 +14,11 @@
 //! journal), and earlier builds never removed theirs, one per volume ever seen. Every
 //! process on the lock dir must map ids to bytes the same way. A build that took a file
 //! per volume (`<scope>-<volume_id>.lock`, `flock`) may still run through an upgrade (a
-//! forked worker finishing, a daemon not yet restarted): where such a file exists, it is
-//! locked too, after the byte, so neither build acts on a volume the other works on. (A
-//! volume whose file an old build makes only after this one looked is not covered: stop
-//! the old daemon before the new one starts.) The lock dir must be root's alone
-//! (`check_private_dir`).
+//! forked worker finishing, a daemon not yet restarted): when the lock dir holds such
+//! files as this process opens it, the volume's file (if any) is locked too, after the
+//! byte, so neither build acts on a volume the other works on. (A volume whose file an
+//! old build makes only after this process opened is not covered: stop the old daemon
+//! before the new one starts.) The lock dir must be root's alone (`check_private_dir`).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -42,6 +42,10 @@ type LocalLocks = HashMap<(LockScope, String), Arc<tokio::sync::Mutex<()>>>;
 pub struct FileLocks {
     dir: PathBuf,
     local: Mutex<LocalLocks>,
+    /// The lock dir held files of an earlier build (one per volume) when this opened:
+    /// only then is each volume's looked for (one `open` per lock), the old build
+    /// possibly still running through an upgrade.
+    legacy: bool,
 }
 
 /// Held while one hook works on one volume. Dropping it releases both locks (the byte
@@ -74,8 +78,12 @@ impl ByteLock {
     /// Locks the byte of `volume_id` in `path` (made 0600 when missing), and the volume's
     /// file of an earlier build (`legacy`) when it exists; `Ok(None)` when another opening
     /// holds either.
-    fn take(path: &Path, legacy: &Path, volume_id: &str) -> std::io::Result<Option<ByteLock>> {
-        let file = open_private(path)?;
+    fn take(
+        path: &Path,
+        legacy: Option<&Path>,
+        volume_id: &str,
+    ) -> Result<Option<ByteLock>, BridgeError> {
+        let file = open_private(path).map_err(|e| lock_error(path, e))?;
         let range = libc::flock {
             l_type: libc::F_WRLCK as libc::c_short,
             l_whence: libc::SEEK_SET as libc::c_short,
@@ -87,8 +95,14 @@ impl ByteLock {
         match nix::fcntl::fcntl(&file, FcntlArg::F_OFD_SETLK(&range)) {
             Ok(_) => {}
             Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) => return Ok(None),
-            Err(errno) => return Err(std::io::Error::from(errno)),
+            Err(errno) => return Err(lock_error(path, errno.into())),
         }
+        let Some(legacy) = legacy else {
+            return Ok(Some(ByteLock {
+                _file: file,
+                _legacy: None,
+            }));
+        };
         // Never made here: only an earlier build's file counts.
         let old = match std::fs::OpenOptions::new()
             .read(true)
@@ -102,7 +116,7 @@ impl ByteLock {
                     _legacy: None,
                 }));
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(lock_error(legacy, e)),
         };
         match nix::fcntl::Flock::lock(old, nix::fcntl::FlockArg::LockExclusiveNonblock) {
             Ok(locked) => Ok(Some(ByteLock {
@@ -110,7 +124,7 @@ impl ByteLock {
                 _legacy: Some(locked),
             })),
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
-            Err((_, errno)) => Err(std::io::Error::from(errno)),
+            Err((_, errno)) => Err(lock_error(legacy, errno.into())),
         }
     }
 }
@@ -133,9 +147,20 @@ impl FileLocks {
             "hold every volume's lock (each hook then waits out its deadline) or plant a \
              file there for the bridge to open as root",
         )?;
+        // Names only an earlier build made (`<scope>-<volume_id>.lock`; this one's are
+        // `<scope>.volumes.lock`).
+        let legacy = std::fs::read_dir(dir)?.flatten().any(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            name.ends_with(".lock")
+                && [LockScope::Node, LockScope::Controller]
+                    .iter()
+                    .any(|scope| name.starts_with(&format!("{}-", scope.as_str())))
+        });
         Ok(Self {
             dir: dir.to_path_buf(),
             local: Mutex::new(HashMap::new()),
+            legacy,
         })
     }
 
@@ -149,8 +174,8 @@ impl FileLocks {
             return Ok(None);
         };
         let path = self.path(scope);
-        let legacy = self.legacy_path(scope, volume_id);
-        let byte = ByteLock::take(&path, &legacy, volume_id).map_err(|e| lock_error(&path, e))?;
+        let legacy = self.legacy.then(|| self.legacy_path(scope, volume_id));
+        let byte = ByteLock::take(&path, legacy.as_deref(), volume_id)?;
         Ok(byte.map(|byte| VolumeGuard {
             _byte: byte,
             _local: local,
@@ -195,7 +220,7 @@ impl FileLocks {
             .map_err(|_| busy())?;
 
         let path = self.path(scope);
-        let legacy = self.legacy_path(scope, volume_id);
+        let legacy = self.legacy.then(|| self.legacy_path(scope, volume_id));
         // Tried again after a pause, never waited for in the kernel (F_OFD_SETLKW) on a
         // blocking thread: that thread would outlive the deadline for as long as the other
         // process holds the byte (a forked worker stuck on a hung mount holds it for
@@ -203,9 +228,7 @@ impl FileLocks {
         // the daemon needs.
         let mut pause = LOCK_POLL_FIRST;
         loop {
-            if let Some(byte) =
-                ByteLock::take(&path, &legacy, volume_id).map_err(|e| lock_error(&path, e))?
-            {
+            if let Some(byte) = ByteLock::take(&path, legacy.as_deref(), volume_id)? {
                 return Ok(VolumeGuard {
                     _byte: byte,
                     _local: local,
@@ -268,8 +291,9 @@ mod tests {
     #[tokio::test]
     async fn a_volume_an_earlier_build_holds_is_held() {
         let tmp = tempfile::tempdir().unwrap();
-        let locks = FileLocks::new(tmp.path()).unwrap();
+        // The old build's file is there when this build opens the lock dir.
         let old = std::fs::File::create(tmp.path().join("node-v.lock")).unwrap();
+        let locks = FileLocks::new(tmp.path()).unwrap();
         let held =
             nix::fcntl::Flock::lock(old, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
         assert!(locks.try_lock(LockScope::Node, "v").unwrap().is_none());
