@@ -351,6 +351,52 @@ mod tests {
         assert!(error.attempts > 1, "retried like UNAVAILABLE: {error:?}");
     }
 
+    /// A driver answering a status whose details are not base64 (in the headers of a
+    /// trailers-only answer, or in the trailers after a body) gets an error back, not a
+    /// panic: tonic panics decoding such details, which took down the calling task (a
+    /// hook before its undo, the start-up check, every housekeeping pass).
+    #[tokio::test]
+    async fn status_details_that_are_not_base64_are_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let mut in_trailers = false;
+            while let Ok((stream, _)) = listener.accept().await {
+                let mut conn = h2::server::handshake(stream).await.unwrap();
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let builder = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc");
+                    if in_trailers {
+                        let mut stream = respond
+                            .send_response(builder.body(()).unwrap(), false)
+                            .unwrap();
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", "13".parse().unwrap());
+                        trailers.insert("grpc-status-details-bin", "%%%".parse().unwrap());
+                        let _ = stream.send_trailers(trailers);
+                    } else {
+                        let response = builder
+                            .header("grpc-status", "13")
+                            .header("grpc-status-details-bin", "%%%")
+                            .body(())
+                            .unwrap();
+                        let _ = respond.send_response(response, true);
+                    }
+                    in_trailers = !in_trailers;
+                }
+            }
+        });
+        for _ in 0..2 {
+            let path = path.clone();
+            let error = tokio::spawn(async move { failed_create(&path).await })
+                .await
+                .expect("the call panicked");
+            assert_eq!(error.status, "Internal", "{error:?}");
+        }
+    }
+
     /// A retry that fails finally after an attempt that may have done the work (UNAVAILABLE
     /// from a driver restarting after it made the volume, then ALREADY_EXISTS) is still
     /// uncertain: taken as final, Create forgot its intent and the volume leaked.

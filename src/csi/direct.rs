@@ -140,8 +140,56 @@ impl tower::Service<http::Request<Body>> for UnixConnection {
             let mut sender = connection.sender().await?;
             sender.ready().await?;
             let response = sender.send_request(request).await?;
-            Ok(response.map(Body::new))
+            let (mut parts, body) = response.into_parts();
+            parts.headers.remove(STATUS_DETAILS);
+            Ok(http::Response::from_parts(
+                parts,
+                Body::new(WithoutStatusDetails(body)),
+            ))
         })
+    }
+}
+
+/// The header of a gRPC status's details, which the bridge never reads. tonic decodes it
+/// while it reads the status, and a value that is not base64 panics there (tonic 0.14's
+/// `Status::from_header_map` expects it): any driver could then take down the task that
+/// called it (a hook before its undo, the start-up check, the housekeeping passes). It is
+/// removed from every answer's headers and trailers before tonic sees them.
+const STATUS_DETAILS: &str = "grpc-status-details-bin";
+
+/// A driver's answer body, its trailers without `STATUS_DETAILS`.
+struct WithoutStatusDetails<B>(B);
+
+impl<B> hyper::body::Body for WithoutStatusDetails<B>
+where
+    B: hyper::body::Body + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.0).poll_frame(cx).map(|frame| {
+            frame.map(|frame| {
+                frame.map(|frame| match frame.into_trailers() {
+                    Ok(mut trailers) => {
+                        trailers.remove(STATUS_DETAILS);
+                        hyper::body::Frame::trailers(trailers)
+                    }
+                    Err(frame) => frame,
+                })
+            })
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.0.size_hint()
     }
 }
 
