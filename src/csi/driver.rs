@@ -16,8 +16,8 @@ use crate::bridge::AccessMode;
 use crate::bridge::Deadline;
 use crate::bridge::ports::{
     Capability, ControllerCaps, ControllerDriver, ControllerExpand, ControllerExpanded,
-    ControllerPublish, CreatedVolume, DriverError, DriverIdentity, ExpansionMode, NewSnapshot,
-    NewVolume, NodeCaps, NodeDriver, NodeExpand, NodeInfo, Publish, Secrets, Segments,
+    ControllerPublish, CreatedVolume, DriverError, DriverIdentity, ExpansionMode, Finality,
+    NewSnapshot, NewVolume, NodeCaps, NodeDriver, NodeExpand, NodeInfo, Publish, Secrets, Segments,
     SnapshotInfo, Stage, TopologyRequirement, Undone, VolumeStats,
 };
 use crate::bridge::records::ContentSource;
@@ -38,6 +38,17 @@ pub struct GrpcDriver {
 impl GrpcDriver {
     pub fn new(client: CsiClient) -> Self {
         Self { client }
+    }
+
+    /// A call that succeeded with an answer the bridge cannot use (no volume or snapshot
+    /// id): the driver made what was asked, so the failure is uncertain, and the intent
+    /// that names it by name is kept for the sweep, or a Destroy, to find it again.
+    /// Taken as final, the Create forgot its intent and the volume leaked.
+    fn made_but_unusable(&self, call: &'static str, message: &str) -> DriverError {
+        DriverError {
+            finality: Finality::Uncertain,
+            ..self.bad_answer(call, message)
+        }
     }
 
     /// An error the bridge itself finds in an answer (not a gRPC status).
@@ -291,7 +302,7 @@ impl ControllerDriver for GrpcDriver {
             .volume
             .filter(|v| !v.volume_id.is_empty())
             .ok_or_else(|| {
-                self.bad_answer(
+                self.made_but_unusable(
                     "CreateVolume",
                     "CreateVolume succeeded but returned no volume id",
                 )
@@ -390,7 +401,7 @@ impl ControllerDriver for GrpcDriver {
             .filter(|s| !s.snapshot_id.is_empty())
             .map(snapshot_info)
             .ok_or_else(|| {
-                self.bad_answer(
+                self.made_but_unusable(
                     "CreateSnapshot",
                     "CreateSnapshot succeeded but returned no snapshot id",
                 )
@@ -680,6 +691,50 @@ impl NodeDriver for GrpcDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A CreateVolume that succeeds with no volume id made a volume the bridge cannot
+    /// name by id: the failure is uncertain, so the Create keeps its intent (the name
+    /// finds the volume again). Before, it was final, the intent was forgotten and the
+    /// volume leaked.
+    #[tokio::test]
+    async fn a_create_volume_answered_without_an_id_is_uncertain() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let mut conn = h2::server::handshake(stream).await.unwrap();
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let response = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc")
+                        .body(())
+                        .unwrap();
+                    let mut stream = respond.send_response(response, false).unwrap();
+                    // An empty CreateVolumeResponse: no volume.
+                    let _ = stream.send_data(bytes::Bytes::from_static(&[0, 0, 0, 0, 0]), false);
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("grpc-status", "0".parse().unwrap());
+                    let _ = stream.send_trailers(trailers);
+                }
+            }
+        });
+        let driver = GrpcDriver::new(CsiClient::new(&super::super::Endpoint::Unix(path)));
+        let volume = NewVolume {
+            name: "pvc-1".into(),
+            required_bytes: 0,
+            capability: Capability::default(),
+            parameters: BTreeMap::new(),
+            secrets: Secrets::default(),
+            content_source: None,
+            accessibility: None,
+        };
+        let error = driver
+            .create_volume(&volume, &Deadline::after(Duration::from_secs(3)))
+            .await
+            .unwrap_err();
+        assert_eq!(error.finality, Finality::Uncertain, "{error:?}");
+    }
 
     #[test]
     fn capability_is_a_mount_volume_with_the_mode_asked_for() {
