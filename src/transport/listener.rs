@@ -106,6 +106,12 @@ impl UnixSocket {
         let Some(fd) = chosen else {
             return Ok(None);
         };
+        // Held to the rules a socket this process binds is held to: systemd binds where its
+        // unit says, with the mode it says, and another user who may write that directory
+        // could rename a socket of their own over it and answer Cube's hooks.
+        if let Some(bound) = bound_at(fd) {
+            check_passed_socket(&bound)?;
+        }
         taken.push(fd);
         // SAFETY: systemd hands this process the descriptor `fd` among its listen fds,
         // nothing else in the process owns it, and `TAKEN` makes sure it is wrapped once.
@@ -245,6 +251,28 @@ impl UnixSocket {
             },
         })
     }
+}
+
+/// Refuses a socket systemd passed, bound at `bound`, that another user could replace (a
+/// directory above it they may write, their symlink on the way), or that every user may
+/// connect to (a socket unit without `SocketMode=0660`).
+fn check_passed_socket(bound: &Path) -> Result<(), ListenError> {
+    let euid = nix::unistd::geteuid().as_raw();
+    let what = format!("the socket systemd passed, {}", bound.display());
+    if let Some(replaceable) = crate::config::untrusted_on_the_way([bound], euid, false) {
+        return Err(ListenError::Replaceable {
+            why: replaceable.describe(&what),
+        });
+    }
+    let meta = std::fs::symlink_metadata(bound).map_err(io(what.clone()))?;
+    if meta.mode() & 0o002 != 0 {
+        return Err(io(what)(std::io::Error::other(format!(
+            "its mode is {:o}: every user may connect and send any hook; set SocketMode=0660 \
+             in its socket unit (a drop-in)",
+            meta.mode() & 0o777
+        ))));
+    }
+    Ok(())
 }
 
 impl SocketFile {
@@ -684,6 +712,34 @@ mod tests {
         // Once nobody listens, the socket is stale and replaced.
         drop(server);
         UnixSocket::bind(&path, None).await.unwrap();
+    }
+
+    /// A socket systemd passed is held to the rules of one this process binds: refused in a
+    /// directory another user may write, or when every user may connect. Before, it was
+    /// taken wherever its unit bound it, with whatever mode.
+    #[test]
+    fn a_passed_socket_another_user_could_replace_or_reach_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let set = |p: &Path, mode| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        set(&dir, 0o755);
+        set(&path, 0o660);
+        check_passed_socket(&path).unwrap();
+        set(&path, 0o666);
+        let error = check_passed_socket(&path).unwrap_err().to_string();
+        assert!(error.contains("SocketMode=0660"), "{error}");
+        set(&path, 0o660);
+        set(&dir, 0o777);
+        assert!(matches!(
+            check_passed_socket(&path),
+            Err(ListenError::Replaceable { .. })
+        ));
     }
 
     #[tokio::test]
