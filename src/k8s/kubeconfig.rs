@@ -74,7 +74,30 @@ fn check_no_proxy(kubeconfig: &Kubeconfig) -> Result<(), String> {
 /// hook inherits Cubelet's environment and home. With none of them present, infer falls
 /// back to the pod's service account, whose files the kubelet mounts.
 pub(super) fn check_inferred() -> Result<(), KubeError> {
-    let candidates = inferred_candidates();
+    check_candidates(&inferred_candidates())
+}
+
+/// `check_inferred` of these kubeconfig paths.
+fn check_candidates(candidates: &[PathBuf]) -> Result<(), KubeError> {
+    // One missing now may be there when the client reads it a moment later: where another
+    // user could make it (a directory on the way theirs, or writable by them), refused.
+    let euid = nix::unistd::geteuid().as_raw();
+    for missing in candidates.iter().filter(|p| !p.exists()) {
+        let absolute = std::path::absolute(missing).unwrap_or_else(|_| missing.to_path_buf());
+        if let Some(replaceable) =
+            crate::config::untrusted_on_the_way([absolute.as_path()], euid, false)
+        {
+            return Err(KubeError::Configure {
+                source_desc: missing.display().to_string(),
+                message: format!(
+                    "{}, so another user could make this kubeconfig (not there yet) between \
+                     its check and its read; point $KUBECONFIG (or HOME) at a directory only \
+                     root can write",
+                    replaceable.describe("it")
+                ),
+            });
+        }
+    }
     let present: Vec<&PathBuf> = candidates.iter().filter(|p| p.exists()).collect();
     for path in &present {
         crate::config::check_trusted_file(path).map_err(|message| KubeError::Configure {
@@ -310,6 +333,23 @@ mod tests {
 
     fn set_mode(path: &Path, mode: u32) {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// A $KUBECONFIG naming a file not there yet, in a directory another user may write,
+    /// is refused: the client reads it right after the check, and whoever makes it first
+    /// has root run its `exec` command. Before, a missing file was passed over.
+    #[test]
+    fn a_missing_kubeconfig_another_user_could_make_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let open = tmp.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let missing = open.join("config");
+        let error = check_candidates(&[missing]).unwrap_err().to_string();
+        assert!(error.contains("not there yet"), "{error}");
+        // Missing where only root could make it: nothing to refuse.
+        check_candidates(&[tmp.path().join("config")]).unwrap();
     }
 
     /// A kubeconfig whose YAML is broken next to a credential is refused without quoting
