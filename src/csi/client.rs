@@ -96,7 +96,11 @@ impl tower::Service<http::Request<tonic::body::Body>> for CsiChannel {
             CsiChannel::Unix(connection) => connection.call(request),
             CsiChannel::Tcp(channel) => {
                 let call = channel.call(request);
-                Box::pin(async move { call.await.map_err(Into::into) })
+                Box::pin(async move {
+                    call.await
+                        .map(super::direct::without_status_details)
+                        .map_err(Into::into)
+                })
             }
         }
     }
@@ -308,7 +312,11 @@ mod tests {
     /// A CreateVolume of the driver at `path` that must fail, with room for a retry even
     /// when the first attempt is slow on a loaded machine.
     async fn failed_create(path: &std::path::Path) -> DriverError {
-        let client = CsiClient::new(&Endpoint::Unix(path.to_path_buf()));
+        failed_create_at(&Endpoint::Unix(path.to_path_buf())).await
+    }
+
+    async fn failed_create_at(endpoint: &Endpoint) -> DriverError {
+        let client = CsiClient::new(endpoint);
         let request = csi::CreateVolumeRequest {
             name: "pvc-1".into(),
             ..Default::default()
@@ -357,43 +365,62 @@ mod tests {
     /// hook before its undo, the start-up check, every housekeeping pass).
     #[tokio::test]
     async fn status_details_that_are_not_base64_are_an_error_not_a_panic() {
+        /// Answers every call with status 13 and details that are not base64, by turns in
+        /// the headers of a trailers-only answer and in the trailers after the headers.
+        async fn answer<S>(stream: S, in_trailers: &mut bool)
+        where
+            S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+        {
+            let mut conn = h2::server::handshake(stream).await.unwrap();
+            while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                let builder = http::Response::builder()
+                    .status(200)
+                    .header("content-type", "application/grpc");
+                if *in_trailers {
+                    let mut stream = respond
+                        .send_response(builder.body(()).unwrap(), false)
+                        .unwrap();
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("grpc-status", "13".parse().unwrap());
+                    trailers.insert("grpc-status-details-bin", "%%%".parse().unwrap());
+                    let _ = stream.send_trailers(trailers);
+                } else {
+                    let response = builder
+                        .header("grpc-status", "13")
+                        .header("grpc-status-details-bin", "%%%")
+                        .body(())
+                        .unwrap();
+                    let _ = respond.send_response(response, true);
+                }
+                *in_trailers = !*in_trailers;
+            }
+        }
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("csi.sock");
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let unix = tokio::net::UnixListener::bind(&path).unwrap();
         tokio::spawn(async move {
             let mut in_trailers = false;
-            while let Ok((stream, _)) = listener.accept().await {
-                let mut conn = h2::server::handshake(stream).await.unwrap();
-                while let Some(Ok((_request, mut respond))) = conn.accept().await {
-                    let builder = http::Response::builder()
-                        .status(200)
-                        .header("content-type", "application/grpc");
-                    if in_trailers {
-                        let mut stream = respond
-                            .send_response(builder.body(()).unwrap(), false)
-                            .unwrap();
-                        let mut trailers = http::HeaderMap::new();
-                        trailers.insert("grpc-status", "13".parse().unwrap());
-                        trailers.insert("grpc-status-details-bin", "%%%".parse().unwrap());
-                        let _ = stream.send_trailers(trailers);
-                    } else {
-                        let response = builder
-                            .header("grpc-status", "13")
-                            .header("grpc-status-details-bin", "%%%")
-                            .body(())
-                            .unwrap();
-                        let _ = respond.send_response(response, true);
-                    }
-                    in_trailers = !in_trailers;
-                }
+            while let Ok((stream, _)) = unix.accept().await {
+                answer(stream, &mut in_trailers).await;
             }
         });
-        for _ in 0..2 {
-            let path = path.clone();
-            let error = tokio::spawn(async move { failed_create(&path).await })
-                .await
-                .expect("the call panicked");
-            assert_eq!(error.status, "Internal", "{error:?}");
+        // A controller endpoint over TCP goes through tonic's own channel: the same.
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = tcp.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let mut in_trailers = false;
+            while let Ok((stream, _)) = tcp.accept().await {
+                answer(stream, &mut in_trailers).await;
+            }
+        });
+        for endpoint in [Endpoint::Unix(path), Endpoint::Tcp(address)] {
+            for _ in 0..2 {
+                let endpoint = endpoint.clone();
+                let error = tokio::spawn(async move { failed_create_at(&endpoint).await })
+                    .await
+                    .expect("the call panicked");
+                assert_eq!(error.status, "Internal", "{error:?}");
+            }
         }
     }
 

@@ -140,12 +140,7 @@ impl tower::Service<http::Request<Body>> for UnixConnection {
             let mut sender = connection.sender().await?;
             sender.ready().await?;
             let response = sender.send_request(request).await?;
-            let (mut parts, body) = response.into_parts();
-            parts.headers.remove(STATUS_DETAILS);
-            Ok(http::Response::from_parts(
-                parts,
-                Body::new(WithoutStatusDetails(body)),
-            ))
+            Ok(without_status_details(response.map(Body::new)))
         })
     }
 }
@@ -156,6 +151,14 @@ impl tower::Service<http::Request<Body>> for UnixConnection {
 /// called it (a hook before its undo, the start-up check, the housekeeping passes). It is
 /// removed from every answer's headers and trailers before tonic sees them.
 const STATUS_DETAILS: &str = "grpc-status-details-bin";
+
+/// A driver's answer, over either transport, without `STATUS_DETAILS` in its headers or
+/// its trailers.
+pub(super) fn without_status_details(response: http::Response<Body>) -> http::Response<Body> {
+    let (mut parts, body) = response.into_parts();
+    parts.headers.remove(STATUS_DETAILS);
+    http::Response::from_parts(parts, Body::new(WithoutStatusDetails(body)))
+}
 
 /// A driver's answer body, its trailers without `STATUS_DETAILS`.
 struct WithoutStatusDetails<B>(B);
