@@ -84,16 +84,16 @@ fn check_candidates(candidates: &[PathBuf]) -> Result<(), KubeError> {
     let euid = nix::unistd::geteuid().as_raw();
     for missing in candidates.iter().filter(|p| !p.exists()) {
         let absolute = std::path::absolute(missing).unwrap_or_else(|_| missing.to_path_buf());
-        if let Some(replaceable) =
-            crate::config::untrusted_on_the_way([absolute.as_path()], euid, false)
-        {
+        let why = crate::config::untrusted_on_the_way([absolute.as_path()], euid, false)
+            .map(|replaceable| replaceable.describe("it"))
+            .or_else(|| creatable_by_others(&absolute, euid));
+        if let Some(why) = why {
             return Err(KubeError::Configure {
                 source_desc: missing.display().to_string(),
                 message: format!(
-                    "{}, so another user could make this kubeconfig (not there yet) between \
+                    "{why}, so another user could make this kubeconfig (not there yet) between \
                      its check and its read; point $KUBECONFIG (or HOME) at a directory only \
-                     root can write",
-                    replaceable.describe("it")
+                     root can write"
                 ),
             });
         }
@@ -130,6 +130,33 @@ fn check_candidates(candidates: &[PathBuf]) -> Result<(), KubeError> {
         }
         Err(_) => Ok(()),
     }
+}
+
+/// Why another user could make `path`, which does not exist: a link is there (to a file
+/// not there either, wherever it leads), or the nearest directory above it that exists
+/// lets others add names (with the sticky bit too: it stops renames and removals, not a
+/// new name).
+fn creatable_by_others(path: &Path, euid: u32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    if std::fs::symlink_metadata(path).is_ok() {
+        return Some(format!(
+            "{} is a link to a file that is not there",
+            path.display()
+        ));
+    }
+    let dir = path.ancestors().skip(1).find(|d| d.exists())?;
+    let real = std::fs::canonicalize(dir).ok()?;
+    let meta = std::fs::metadata(&real).ok()?;
+    let mode = meta.mode() & 0o7777;
+    let trusted = meta.uid() == 0 || meta.uid() == euid;
+    (!trusted || mode & 0o022 != 0).then(|| {
+        format!(
+            "{}, the nearest directory of it there is, lets another user add names to it \
+             (owner uid {}, mode {mode:o})",
+            real.display(),
+            meta.uid()
+        )
+    })
 }
 
 /// Makes the client run the kubeconfig's programs exactly as they were checked: a bare
@@ -348,6 +375,20 @@ mod tests {
         let missing = open.join("config");
         let error = check_candidates(&[missing]).unwrap_err().to_string();
         assert!(error.contains("not there yet"), "{error}");
+        // Sticky does not help: it stops renames, not a new name.
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let error = check_candidates(&[open.join("config")])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("add names"), "{error}");
+        // Nor does a link there to a file not there.
+        let private = tmp.path().join("private");
+        std::fs::create_dir(&private).unwrap();
+        std::os::unix::fs::symlink(open.join("later"), private.join("config")).unwrap();
+        let error = check_candidates(&[private.join("config")])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("link"), "{error}");
         // Missing where only root could make it: nothing to refuse.
         check_candidates(&[tmp.path().join("config")]).unwrap();
     }
