@@ -109,8 +109,16 @@ impl UnixSocket {
         // Held to the rules a socket this process binds is held to: systemd binds where its
         // unit says, with the mode it says, and another user who may write that directory
         // could rename a socket of their own over it and answer Cube's hooks.
-        if let Some(bound) = bound_at(fd) {
-            check_passed_socket(&bound)?;
+        match bound_at(fd) {
+            Some(bound) => check_passed_socket(&bound)?,
+            // An abstract socket (`ListenStream=@name`) has no file, mode or directory:
+            // every process of the network namespace may connect.
+            None => {
+                return Err(io("the socket systemd passed")(std::io::Error::other(
+                    "it is bound to no path (an abstract socket), so any process may \
+                     connect; give its unit a ListenStream= path",
+                )));
+            }
         }
         taken.push(fd);
         // SAFETY: systemd hands this process the descriptor `fd` among its listen fds,
@@ -259,7 +267,14 @@ impl UnixSocket {
 fn check_passed_socket(bound: &Path) -> Result<(), ListenError> {
     let euid = nix::unistd::geteuid().as_raw();
     let what = format!("the socket systemd passed, {}", bound.display());
-    if let Some(replaceable) = crate::config::untrusted_on_the_way([bound], euid, false) {
+    // As written and as resolved (a directory above it may be a link).
+    let resolved = bound
+        .parent()
+        .and_then(|dir| std::fs::canonicalize(dir).ok())
+        .zip(bound.file_name())
+        .map(|(dir, name)| dir.join(name));
+    let paths = [bound].into_iter().chain(resolved.as_deref());
+    if let Some(replaceable) = crate::config::untrusted_on_the_way(paths, euid, false) {
         return Err(ListenError::Replaceable {
             why: replaceable.describe(&what),
         });
