@@ -1346,6 +1346,7 @@ impl ControllerSide {
         let records = self.controller_store().list().await?;
         let listed: std::collections::HashSet<String> = records
             .iter()
+            .filter(|r| r.state != VolumeState::Created)
             .map(|r| format!("volume/{}", r.volume_id))
             .collect();
         self.forget_sightings(|key| !key.starts_with("volume/") || listed.contains(key));

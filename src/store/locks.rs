@@ -149,13 +149,16 @@ impl FileLocks {
         )?;
         // Names only an earlier build made (`<scope>-<volume_id>.lock`; this one's are
         // `<scope>.volumes.lock`).
-        let legacy = std::fs::read_dir(dir)?.flatten().any(|entry| {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            name.ends_with(".lock")
-                && [LockScope::Node, LockScope::Controller]
-                    .iter()
-                    .any(|scope| name.starts_with(&format!("{}-", scope.as_str())))
+        // A lock dir that cannot be listed keeps the probe on: safe, one open per lock.
+        let legacy = std::fs::read_dir(dir).map_or(true, |entries| {
+            entries.flatten().any(|entry| {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                name.ends_with(".lock")
+                    && [LockScope::Node, LockScope::Controller]
+                        .iter()
+                        .any(|scope| name.starts_with(&format!("{}-", scope.as_str())))
+            })
         });
         Ok(Self {
             dir: dir.to_path_buf(),

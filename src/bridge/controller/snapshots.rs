@@ -514,10 +514,8 @@ impl ControllerSide {
                     // The name is another volume's snapshot: nothing of this record's was
                     // made under it, so only the record goes (never that snapshot).
                     tracing::warn!(csi_name = %record.csi_name, "the snapshot name belongs to another volume's snapshot: only the unfinished record is removed");
-                    return match self.snapshots.delete_snapshot(&record).await {
-                        Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),
-                        Err(e) => Err(e.into()),
-                    };
+                    // A conflict is another process's change: the record stays, and says so.
+                    return Ok(self.snapshots.delete_snapshot(&record).await?);
                 }
                 info.csi_snapshot_id
             }
@@ -805,6 +803,7 @@ impl ControllerSide {
         let records = self.snapshots.list_snapshots().await?;
         let listed: std::collections::HashSet<String> = records
             .iter()
+            .filter(|r| r.state != VolumeState::Created)
             .map(|r| format!("snapshot/{}", r.snapshot_id))
             .collect();
         self.forget_sightings(|key| !key.starts_with("snapshot/") || listed.contains(key));
