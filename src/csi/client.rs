@@ -106,6 +106,28 @@ impl tower::Service<http::Request<tonic::body::Body>> for CsiChannel {
     }
 }
 
+/// The longest driver message kept in an error, in bytes.
+const DRIVER_TEXT_MAX: usize = 1024;
+
+/// A driver's message as the bridge passes it on (Cube's stored error, root's log): its
+/// control characters escaped, so that a newline cannot forge a log line, and cut to
+/// `DRIVER_TEXT_MAX` bytes with its length said (a driver may send kilobytes).
+pub(crate) fn driver_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(DRIVER_TEXT_MAX + 32));
+    for c in text.chars() {
+        if out.len() >= DRIVER_TEXT_MAX {
+            out.push_str(&format!("… ({} bytes)", text.len()));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Retries stop when less than this would be left for the next attempt.
 const MIN_ATTEMPT_TIME: std::time::Duration = std::time::Duration::from_millis(50);
 
@@ -164,7 +186,8 @@ impl CsiClient {
             status: code_name(code),
             grpc_code: code as i32,
             finality: status_finality(status),
-            message: redact.apply(status.message()),
+            // Redacted first: a cut made before could split a secret and keep its start.
+            message: driver_text(&redact.apply(status.message())),
             attempts,
             gave_up_after: None,
         }
@@ -422,6 +445,29 @@ mod tests {
                 assert_eq!(error.status, "Internal", "{error:?}");
             }
         }
+    }
+
+    /// A driver's message reaches an error with its control characters escaped and cut
+    /// to a bound, after its secrets are hidden: before, a newline in it forged a line of
+    /// root's log, and kilobytes of it went into Cube's stored error.
+    #[test]
+    fn a_drivers_message_is_escaped_and_bounded() {
+        let client = CsiClient::new(&Endpoint::Unix("/unused.sock".into()));
+        let message = format!("bad\nINFO hook succeeded\r{}", "x".repeat(12 << 10));
+        let error = client.error(
+            "CreateVolume",
+            &Status::internal(message),
+            1,
+            &Redactions::NONE,
+        );
+        assert!(!error.message.contains('\n') && !error.message.contains('\r'));
+        assert!(
+            error.message.starts_with("bad\\nINFO hook succeeded\\r"),
+            "{}",
+            error.message
+        );
+        assert!(error.message.len() < 1100, "{} bytes", error.message.len());
+        assert!(error.message.ends_with(" bytes)"), "{}", error.message);
     }
 
     /// A retry that fails finally after an attempt that may have done the work (UNAVAILABLE

@@ -638,7 +638,7 @@ impl NodeDriver for GrpcDriver {
         stats.abnormal = reply
             .volume_condition
             .filter(|c| c.abnormal)
-            .map(|c| c.message);
+            .map(|c| super::client::driver_text(&c.message));
         Ok(stats)
     }
 
