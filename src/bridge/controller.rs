@@ -119,6 +119,11 @@ pub struct ControllerSide {
 /// record written while a clock ran ahead, later fixed) must not judge a live Create
 /// abandoned, nor a dead one never abandoned. Aged by this process's own watch, a record
 /// is abandoned only once it has stayed the same for the whole grace.
+/// The key of a record of `kind` ("volume", "snapshot") in `Sightings`.
+fn sighting_key(kind: &str, id: &str) -> String {
+    format!("{kind}/{id}")
+}
+
 type Sightings =
     std::collections::HashMap<String, ((Option<String>, u64, VolumeState), std::time::Instant)>;
 
@@ -182,12 +187,16 @@ impl ControllerSide {
         seen >= grace && (aged || updated_at > now)
     }
 
-    /// Forgets the sightings of records no longer listed (`keep` says which are).
-    fn forget_sightings(&self, keep: impl Fn(&str) -> bool) {
+    /// Forgets the sightings of records of `kind` ("volume", "snapshot") that are no
+    /// longer listed unfinished (`unfinished`: the ids that are).
+    fn forget_sightings<'a>(&self, kind: &str, unfinished: impl Iterator<Item = &'a str>) {
+        let keep: std::collections::HashSet<String> =
+            unfinished.map(|id| sighting_key(kind, id)).collect();
+        let prefix = sighting_key(kind, "");
         self.sightings
             .lock()
             .expect("sightings poisoned")
-            .retain(|key, _| keep(key));
+            .retain(|key, _| !key.starts_with(&prefix) || keep.contains(key));
     }
 
     /// The core's settings this side runs with.
@@ -1344,16 +1353,17 @@ impl ControllerSide {
         self.record_key().await?;
         let mut report = SweepReport::default();
         let records = self.controller_store().list().await?;
-        let listed: std::collections::HashSet<String> = records
-            .iter()
-            .filter(|r| r.state != VolumeState::Created)
-            .map(|r| format!("volume/{}", r.volume_id))
-            .collect();
-        self.forget_sightings(|key| !key.starts_with("volume/") || listed.contains(key));
+        self.forget_sightings(
+            "volume",
+            records
+                .iter()
+                .filter(|r| r.state != VolumeState::Created)
+                .map(|r| r.volume_id.as_str()),
+        );
         for record in records {
             let abandoned = record.state != VolumeState::Created
                 && self.abandoned_after(
-                    format!("volume/{}", record.volume_id),
+                    sighting_key("volume", &record.volume_id),
                     (record.revision.clone(), record.updated_at, record.state),
                     grace,
                     watched,

@@ -175,11 +175,7 @@ impl UnixSocket {
         }
         // Again now that every directory exists (the first check passes over one not
         // made yet, which another user may have made since), as written and resolved.
-        let resolved = written
-            .parent()
-            .and_then(|dir| std::fs::canonicalize(dir).ok())
-            .zip(written.file_name())
-            .map(|(dir, name)| dir.join(name));
+        let resolved = resolved_socket_path(&written);
         check(
             &[written.as_path()]
                 .into_iter()
@@ -261,6 +257,15 @@ impl UnixSocket {
     }
 }
 
+/// `path` with its directory resolved (symlinks followed), the socket itself not: where a
+/// socket at `path` really is. None when the directory cannot be resolved.
+fn resolved_socket_path(path: &Path) -> Option<std::path::PathBuf> {
+    path.parent()
+        .and_then(|dir| std::fs::canonicalize(dir).ok())
+        .zip(path.file_name())
+        .map(|(dir, name)| dir.join(name))
+}
+
 /// Refuses a socket systemd passed, bound at `bound`, that another user could replace (a
 /// directory above it they may write, their symlink on the way), or that every user may
 /// connect to (a socket unit without `SocketMode=0660`).
@@ -268,11 +273,7 @@ fn check_passed_socket(bound: &Path) -> Result<(), ListenError> {
     let euid = nix::unistd::geteuid().as_raw();
     let what = format!("the socket systemd passed, {}", bound.display());
     // As written and as resolved (a directory above it may be a link).
-    let resolved = bound
-        .parent()
-        .and_then(|dir| std::fs::canonicalize(dir).ok())
-        .zip(bound.file_name())
-        .map(|(dir, name)| dir.join(name));
+    let resolved = resolved_socket_path(bound);
     let paths = [bound].into_iter().chain(resolved.as_deref());
     if let Some(replaceable) = crate::config::untrusted_on_the_way(paths, euid, false) {
         return Err(ListenError::Replaceable {

@@ -801,16 +801,17 @@ impl ControllerSide {
         report: &mut SweepReport,
     ) -> Result<(), BridgeError> {
         let records = self.snapshots.list_snapshots().await?;
-        let listed: std::collections::HashSet<String> = records
-            .iter()
-            .filter(|r| r.state != VolumeState::Created)
-            .map(|r| format!("snapshot/{}", r.snapshot_id))
-            .collect();
-        self.forget_sightings(|key| !key.starts_with("snapshot/") || listed.contains(key));
+        self.forget_sightings(
+            "snapshot",
+            records
+                .iter()
+                .filter(|r| r.state != VolumeState::Created)
+                .map(|r| r.snapshot_id.as_str()),
+        );
         for record in records {
             let abandoned = record.state != VolumeState::Created
                 && self.abandoned_after(
-                    format!("snapshot/{}", record.snapshot_id),
+                    sighting_key("snapshot", &record.snapshot_id),
                     (record.revision.clone(), record.updated_at, record.state),
                     grace,
                     watched,
