@@ -215,6 +215,25 @@ pub fn untrusted_on_the_way<'a>(
     None
 }
 
+/// Why users other than root or `euid` may add names to `dir` (resolved): its owner is
+/// someone else, or its group or others may write it, with the sticky bit too (that stops
+/// renames and removals of others' entries, not a new name where none is). None when only
+/// root or `euid` may, or when it cannot be read.
+pub fn others_may_add_names(dir: &Path, euid: u32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let real = std::fs::canonicalize(dir).ok()?;
+    let meta = std::fs::metadata(&real).ok()?;
+    let mode = meta.mode() & 0o7777;
+    let trusted = meta.uid() == 0 || meta.uid() == euid;
+    (!trusted || mode & 0o022 != 0).then(|| {
+        format!(
+            "{} lets another user add names to it (owner uid {}, mode {mode:o})",
+            real.display(),
+            meta.uid()
+        )
+    })
+}
+
 /// Refuses a config file that anyone but root (or `euid`, the user the bridge runs as)
 /// could change, or replace: the file must be owned by one of them and writable by no
 /// group or other user, and so must every directory above it, as written (`path`, whose

@@ -25,7 +25,7 @@ use crate::csi::Endpoint;
 use crate::k8s::names::{dns_name_chars, is_dns_label, is_dns_subdomain, is_label_value};
 pub use locate::{
     CONFIG_DIR, CONFIG_ENV, DEFAULT_CONFIG_PATH, DriverChoice, EXECUTABLE_PREFIX, Located,
-    Replaceable, check_trusted_file, locate, untrusted_on_the_way,
+    Replaceable, check_trusted_file, locate, others_may_add_names, untrusted_on_the_way,
 };
 
 /// Where Cube's node agent keeps plugin volumes when the request does not say.

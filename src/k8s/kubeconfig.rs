@@ -137,7 +137,6 @@ fn check_candidates(candidates: &[PathBuf]) -> Result<(), KubeError> {
 /// lets others add names (with the sticky bit too: it stops renames and removals, not a
 /// new name).
 fn creatable_by_others(path: &Path, euid: u32) -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
     if std::fs::symlink_metadata(path).is_ok() {
         return Some(format!(
             "{} is a link to a file that is not there",
@@ -145,18 +144,8 @@ fn creatable_by_others(path: &Path, euid: u32) -> Option<String> {
         ));
     }
     let dir = path.ancestors().skip(1).find(|d| d.exists())?;
-    let real = std::fs::canonicalize(dir).ok()?;
-    let meta = std::fs::metadata(&real).ok()?;
-    let mode = meta.mode() & 0o7777;
-    let trusted = meta.uid() == 0 || meta.uid() == euid;
-    (!trusted || mode & 0o022 != 0).then(|| {
-        format!(
-            "{}, the nearest directory of it there is, lets another user add names to it \
-             (owner uid {}, mode {mode:o})",
-            real.display(),
-            meta.uid()
-        )
-    })
+    crate::config::others_may_add_names(dir, euid)
+        .map(|why| format!("the nearest directory of it there is, {why}"))
 }
 
 /// Makes the client run the kubeconfig's programs exactly as they were checked: a bare

@@ -76,36 +76,24 @@ impl Owner<'_> {
 /// win. A dir claimed before claims named the endpoint gets its endpoint file from the
 /// first bridge of this version to start.
 pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
-    let made = claim_file(dir, OWNER_FILE, &owner.render(), || {
-        crate::mount::ops::ensure_dir(dir, 0o700)?;
-        // Checked again now that it exists: the caller judged a missing dir by the ones
-        // above it, and in a sticky directory such as /tmp another user could make it first.
-        super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)
-    });
-    made?;
-    claim_file(
-        dir,
-        owner.keeper.endpoint_file(),
-        &owner.render_endpoint(),
-        || Ok(()),
-    )
+    crate::mount::ops::ensure_dir(dir, 0o700)?;
+    // Checked again now that it exists, whatever it holds: the caller judged a missing
+    // dir by the ones above it, and in a sticky directory such as /tmp another user could
+    // make it first, with an owner file saying just what this bridge would write.
+    super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
+    claim_file(dir, OWNER_FILE, &owner.render())?;
+    claim_file(dir, owner.keeper.endpoint_file(), &owner.render_endpoint())
 }
 
-/// Checks that `dir/name` says `wanted`, or, when there is no such file, runs `prepare`
-/// and places one that does (refusing one another bridge placed meanwhile).
-fn claim_file(
-    dir: &Path,
-    name: &str,
-    wanted: &str,
-    prepare: impl FnOnce() -> io::Result<()>,
-) -> io::Result<()> {
+/// Checks that `dir/name` says `wanted`, or, when there is no such file, places one that
+/// does (refusing one another bridge placed meanwhile).
+fn claim_file(dir: &Path, name: &str, wanted: &str) -> io::Result<()> {
     let path = dir.join(name);
     match read_claim(&path)? {
         Some(found) if found == wanted.as_bytes() => return Ok(()),
         Some(found) => return Err(foreign(dir, name, &found, wanted)),
         None => {}
     }
-    prepare()?;
     match place_claim(dir, name, wanted) {
         Ok(()) => confirm_claim(dir, name, wanted),
         // Another bridge claimed it between the read and the link: whose is it?
@@ -387,6 +375,29 @@ mod tests {
             std::fs::read_dir(&dir).unwrap().next().is_none(),
             "written into it"
         );
+    }
+
+    #[test]
+    fn a_state_dir_another_user_made_with_a_matching_claim_is_refused() {
+        if !crate::testing::as_root("give a directory to another user") {
+            return;
+        }
+        // The claim's bytes are predictable (driver and lock dir): one another user wrote
+        // into a dir of theirs must not make it this bridge's.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        let owner = owner("nfs", tmp.path());
+        std::fs::write(dir.join(OWNER_FILE), owner.render()).unwrap();
+        std::fs::write(
+            dir.join(owner.keeper.endpoint_file()),
+            owner.render_endpoint(),
+        )
+        .unwrap();
+        std::os::unix::fs::chown(&dir, Some(1000), Some(1000)).unwrap();
+        let err = claim(&dir, &owner).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        assert!(err.to_string().contains("uid 1000"), "{err}");
     }
 
     #[test]

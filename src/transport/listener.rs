@@ -182,6 +182,9 @@ impl UnixSocket {
                 .chain(resolved.as_deref())
                 .collect::<Vec<_>>(),
         )?;
+        check_socket_dir(path, euid).map_err(|why| ListenError::Replaceable {
+            why: format!("serve.socket {}: {why}", path.display()),
+        })?;
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
                 // Stale only when nobody listens (ECONNREFUSED). Any other failure may be
@@ -266,6 +269,29 @@ fn resolved_socket_path(path: &Path) -> Option<std::path::PathBuf> {
         .map(|(dir, name)| dir.join(name))
 }
 
+/// Refuses a socket whose directory lets other users add names, the sticky bit or not
+/// (/tmp): whenever the name is free (before the first start, after a stop, between a
+/// stale socket's removal and the bind) they could listen there themselves, and Cube
+/// would send its hooks to them.
+fn check_socket_dir(socket: &Path, euid: u32) -> Result<(), String> {
+    let Some(dir) = socket.parent() else {
+        return Ok(());
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    match crate::config::others_may_add_names(dir, euid) {
+        Some(why) => Err(format!(
+            "its directory {why}, so another user could listen at this path whenever no \
+             bridge does and answer Cube's hooks; put the socket in a directory only root \
+             can write (the default /run/cube-csi-bridge)"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a socket systemd passed, bound at `bound`, that another user could replace (a
 /// directory above it they may write, their symlink on the way), or that every user may
 /// connect to (a socket unit without `SocketMode=0660`).
@@ -280,6 +306,9 @@ fn check_passed_socket(bound: &Path) -> Result<(), ListenError> {
             why: replaceable.describe(&what),
         });
     }
+    check_socket_dir(bound, euid).map_err(|why| ListenError::Replaceable {
+        why: format!("{what}: {why}"),
+    })?;
     let meta = std::fs::symlink_metadata(bound).map_err(io(what.clone()))?;
     if meta.mode() & 0o002 != 0 {
         return Err(io(what)(std::io::Error::other(format!(
@@ -811,9 +840,15 @@ mod tests {
             );
         };
         assert!(why.contains(&open.display().to_string()), "{why}");
-        // Sticky (as /tmp): nobody else may rename over the bridge's socket.
+        // Sticky (as /tmp): nobody else may rename over the bridge's socket, but anyone
+        // may listen at its name while it is free, and Cube would talk to them.
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        UnixSocket::bind(&open.join("b.sock"), None).await.unwrap();
+        let refused = UnixSocket::bind(&open.join("b.sock"), None).await;
+        let Err(ListenError::Replaceable { why }) = &refused else {
+            panic!("a socket in a sticky directory others may write was bound: {refused:?}");
+        };
+        assert!(why.contains("mode 1777"), "{why}");
+        assert!(!open.join("b.sock").exists());
         if !crate::testing::as_root("give a link to another user (the symlink part)") {
             return;
         }
