@@ -1513,6 +1513,13 @@ impl NodeSide {
         // down anyway.)
         record.holders.clear();
         record.holders_unknown = false;
+        // The same write says a ControllerPublish made is no longer sure to stand: a
+        // teardown cut short after its ControllerUnpublish (a kill, an uncertain answer)
+        // must have the next Attach publish again, not stage a volume the backend is
+        // detaching from this node.
+        if record.controller_publish == Step::Done {
+            record.controller_publish = Step::Uncertain;
+        }
         self.save_progress(hook, record).await;
         self.undo_steps(hook, record, UndoSteps::ALL, deadline)
             .await?;
@@ -1641,6 +1648,9 @@ impl NodeSide {
         }
 
         if which.controller_publish && record.controller_publish.needs_undo() {
+            // Once ControllerUnpublish is asked for, whatever its answer, the publish may
+            // be gone: a failure leaves it uncertain, so that an Attach publishes again.
+            record.controller_publish = Step::Uncertain;
             let secrets = self.settings.secrets(SecretUse::ControllerPublish).await?;
             faults::point(hook, When::Before, "ControllerUnpublishVolume");
             let reply = self

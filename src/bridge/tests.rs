@@ -1744,6 +1744,65 @@ async fn a_final_error_on_a_retried_controller_publish_keeps_it_uncertain() {
 }
 
 #[tokio::test]
+async fn an_attach_after_a_failed_controller_unpublish_publishes_again() {
+    let w = World::new(Fake::new(true, true));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    // The last Detach's ControllerUnpublish may or may not have detached the backend.
+    w.fake.script("ControllerUnpublishVolume", Fault::Uncertain);
+    w.detach("v", "ns1", "s1", 0).await.unwrap_err();
+    assert_eq!(w.record("v").unwrap().controller_publish, Step::Uncertain);
+    // A new sandbox's Attach comes before Cube's retried Detach: the volume must be
+    // published to this node again before it is staged.
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    let calls = w.fake.mutating_calls();
+    let published = calls.iter().position(|c| c == "ControllerPublishVolume");
+    let staged = calls.iter().position(|c| c == "NodeStageVolume");
+    assert!(
+        matches!((published, staged), (Some(p), Some(s)) if p < s),
+        "staged without publishing again: {calls:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_teardown_killed_during_controller_unpublish_leaves_it_uncertain_on_disk() {
+    let w = World::new(Fake::new(true, true));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.script(
+        "ControllerUnpublishVolume",
+        Fault::Slow(Duration::from_secs(30)),
+    );
+    let in_flight = async {
+        while !w
+            .fake
+            .calls()
+            .iter()
+            .any(|c| c == "ControllerUnpublishVolume")
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    // Killed here (the call may have detached the backend): the record on disk must not
+    // say the publish stands.
+    tokio::select! {
+        result = w.detach("v", "ns1", "s1", 0) => panic!("the Detach ended: {result:?}"),
+        () = in_flight => {}
+    }
+    let record = w.record("v").unwrap();
+    assert_eq!(record.controller_publish, Step::Uncertain);
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    assert!(
+        w.fake
+            .mutating_calls()
+            .iter()
+            .any(|c| c == "ControllerPublishVolume"),
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+}
+
+#[tokio::test]
 async fn with_mount_checks_off_the_last_detach_still_succeeds() {
     let mut fake = Fake::new(true, false);
     fake.unchecked = true;
@@ -4543,8 +4602,8 @@ async fn a_last_detach_saves_its_record_once_before_undoing() {
             saved[0].stage,
             saved[0].controller_publish
         ),
-        (Step::Done, Step::Done, Step::Done),
-        "written before anything was undone"
+        (Step::Done, Step::Done, Step::Uncertain),
+        "written before anything was undone (the publish no longer sure to stand)"
     );
     w.assert_clean("v");
 }
@@ -4561,7 +4620,7 @@ async fn a_teardown_that_stops_records_the_steps_it_undid() {
     let left = w.record("v").expect("kept for the retry");
     assert_eq!(
         (left.publish, left.stage, left.controller_publish),
-        (Step::Absent, Step::Absent, Step::Done)
+        (Step::Absent, Step::Absent, Step::Uncertain)
     );
     assert!(left.holders.is_empty());
     assert_eq!(journal.saved.lock().unwrap().last(), Some(&left));
