@@ -161,9 +161,9 @@ impl Bridge {
         side.attach(req, caller).await
     }
 
-    pub async fn detach(&self, req: DetachVolume) -> Result<(), HookError> {
+    pub async fn detach(&self, req: DetachVolume, caller: &Caller) -> Result<(), HookError> {
         let side = self.side(HookKind::Detach, &req.volume_id, self.node())?;
-        side.detach(req).await
+        side.detach(req, caller).await
     }
 
     /// A hot Attach (see `NodeSide::attach_if_hot`); `None` when it is not one, or when

@@ -611,6 +611,15 @@ impl NodeSide {
                     first: req.ref_count == 0,
                     at: self.clock.now_secs(),
                 };
+                if caller.is_gone() {
+                    // The caller left before this began (a forked front Cube killed while
+                    // its worker waited for the lock). Cube released the sandbox, and may
+                    // since have sent the namespace's next hook, which may have run first:
+                    // this ref_count is out of date, and the namespace it would drop may
+                    // hold a sandbox Cube counts. Only this sandbox is released.
+                    self.release_sandbox(&req, &change).await;
+                    return Err(BridgeError::CallerGone);
+                }
                 let mut held_before = None;
                 let result = self
                     .attach_locked(&req, caller, &change, &deadline, &mut held_before)
@@ -858,6 +867,34 @@ impl NodeSide {
         }
     }
 
+    /// Releases this Attach's sandbox alone, as Cube did when its caller left before the
+    /// Attach began (see `attach_with_lock`), and its namespace when it was the only one
+    /// recorded there; the volume is torn down if nobody is left.
+    async fn release_sandbox(&self, req: &AttachVolume, change: &HolderChange) {
+        let Ok(Some(mut record)) = self.node_journal().load(&req.volume_id) else {
+            return;
+        };
+        if !change.sandbox_held_in(&record.holders) {
+            return;
+        }
+        // The namespace goes with it only when nothing else of it is recorded: a sandbox
+        // a newer hook added is there.
+        let alone = record.holders[&req.namespace].len() == 1;
+        let release = HolderChange::Detach {
+            namespace: req.namespace.clone(),
+            sandbox: req.sandbox_id.clone(),
+            last: alone,
+            at: self.clock.now_secs(),
+        };
+        if let Err(error) = self.withdraw(&mut record, &release).await {
+            tracing::warn!(
+                %error,
+                "could not release the sandbox of this Attach, whose caller left before it \
+                 began; `holders release` (or the namespace's last Detach) does"
+            );
+        }
+    }
+
     /// The record Attach starts from and its paths: the journal's, or a new one at the
     /// current form's paths. A record of this volume at the legacy form's paths in this
     /// base dir keeps them (Cube holds that host_path). A record of another CSI volume or
@@ -988,14 +1025,27 @@ impl NodeSide {
         let Some(release) = change.released_after_failure(ref_count, held_before) else {
             return Ok(());
         };
+        tracing::debug!(
+            ref_count,
+            held_before,
+            "withdrawing by the Attach's ref_count"
+        );
+        self.withdraw(record, &release).await
+    }
+
+    /// Applies `release` (a holder Cube released) to `record`, and tears the volume down
+    /// when no holder is left and none is unknown.
+    async fn withdraw(
+        &self,
+        record: &mut NodeRecord,
+        release: &HolderChange,
+    ) -> Result<(), BridgeError> {
         let mut holders = record.holders.clone();
         release.apply(&mut holders);
         if holders == record.holders {
             return Ok(());
         }
         tracing::warn!(
-            ref_count,
-            held_before,
             "Cube counts this Attach failed (its answer never reached Cube, or it failed) \
              and releases the sandbox; withdrawing its holder"
         );
@@ -1003,7 +1053,7 @@ impl NodeSide {
             let rollback = Deadline::after(self.config.timeouts.rollback);
             return self.teardown(HookKind::Attach, record, &rollback).await;
         }
-        self.record_holder_change(record, &release)
+        self.record_holder_change(record, release)
     }
 
     /// Undoes what one failed or abandoned Attach did. When no other namespace held the
@@ -1376,7 +1426,7 @@ impl NodeSide {
 
     /// Cube Detach. Runs to the end even if the caller leaves: Cube retries a failed
     /// Detach with the same metadata, and finishing is what that retry would do.
-    pub async fn detach(&self, req: DetachVolume) -> Result<(), HookError> {
+    pub async fn detach(&self, req: DetachVolume, caller: &Caller) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(
             self.recorder.as_ref(),
@@ -1388,6 +1438,11 @@ impl NodeSide {
                     .locks
                     .acquire(LockScope::Node, &req.volume_id, &deadline)
                     .await?;
+                // A caller that left while this waited for the lock saw the Detach fail:
+                // Cube took its reference back and repeats the Detach later, and its
+                // namespace's next Attach may have run first, which this ref_count does
+                // not count (its `last` would drop that holder). It changes nothing.
+                check_caller(caller)?;
                 let change = HolderChange::Detach {
                     namespace: req.namespace.clone(),
                     sandbox: req.sandbox_id.clone(),

@@ -1162,13 +1162,16 @@ impl World {
             staged: self.fake.stage,
         };
         self.bridge
-            .detach(DetachVolume {
-                sandbox_id: sandbox.into(),
-                namespace: ns.into(),
-                volume_id: volume.into(),
-                ref_count,
-                recorded: Some(meta),
-            })
+            .detach(
+                DetachVolume {
+                    sandbox_id: sandbox.into(),
+                    namespace: ns.into(),
+                    volume_id: volume.into(),
+                    ref_count,
+                    recorded: Some(meta),
+                },
+                &Caller::waiting(),
+            )
             .await
     }
 
@@ -1911,13 +1914,16 @@ async fn a_legacy_record_is_torn_down_at_its_own_paths_without_metadata() {
     w.attach("v", "ns1", "s1", 0).await.unwrap();
     let legacy = w.as_legacy_attachment("v");
     w.bridge
-        .detach(DetachVolume {
-            sandbox_id: "s1".into(),
-            namespace: "ns1".into(),
-            volume_id: "v".into(),
-            ref_count: 0,
-            recorded: None,
-        })
+        .detach(
+            DetachVolume {
+                sandbox_id: "s1".into(),
+                namespace: "ns1".into(),
+                volume_id: "v".into(),
+                ref_count: 0,
+                recorded: None,
+            },
+            &Caller::waiting(),
+        )
         .await
         .unwrap();
     for path in [&legacy.target, &legacy.staging] {
@@ -2929,6 +2935,84 @@ async fn a_cancelled_hot_attachs_release_comes_before_the_next_attach() {
     assert_eq!(
         holders.get("ns1"),
         Some(&BTreeSet::from(["s2".to_string()])),
+        "{holders:?}"
+    );
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
+/// Another process (a forked worker) holds `v`'s lock; `other` stands in for a second
+/// worker, with its own lock table, as a second process has.
+fn second_process(w: &World) -> (Bridge, crate::store::locks::VolumeGuard) {
+    let config = world_config(w.dir.path(), "");
+    let other = sides(&config, &w.fake, w.store.clone(), Roles::BOTH);
+    let locks = crate::store::FileLocks::new(&config.state.lock_dir).unwrap();
+    let held = locks.try_lock(LockScope::Node, "v").unwrap().unwrap();
+    (other, held)
+}
+
+/// A forked Attach whose front Cube killed while its worker waited for the lock: Cube
+/// released it and sent the namespace's next Attach, whose worker took the lock first.
+/// The first worker's ref_count (0) is out of date by then: releasing by it would drop
+/// the namespace, the newer holder with it, and tear the volume down under it.
+#[tokio::test]
+async fn an_attach_whose_caller_left_while_it_waited_for_the_lock_changes_nothing() {
+    let w = World::new(Fake::new(true, false));
+    let (other, held) = second_process(&w);
+    let caller = Caller::waiting();
+    let first = other.attach(w.attach_req("v", "ns1", "s1", 0), &caller);
+    let next = async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        caller.leave();
+        drop(held);
+        // Takes the lock at its first poll, before the waiting worker polls again.
+        w.attach("v", "ns1", "s2", 0).await.unwrap();
+    };
+    let (first, ()) = tokio::join!(first, next);
+    assert!(matches!(first.unwrap_err().error, BridgeError::CallerGone));
+    let holders = w.record("v").expect("torn down").holders;
+    assert_eq!(
+        holders.get("ns1"),
+        Some(&BTreeSet::from(["s2".to_string()])),
+        "{holders:?}"
+    );
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
+/// The same for a Detach: Cube saw it fail (its caller left while it waited), took the
+/// reference back, and the namespace's next Attach (ref_count 1) ran first.
+#[tokio::test]
+async fn a_detach_whose_caller_left_while_it_waited_for_the_lock_changes_nothing() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let (other, held) = second_process(&w);
+    let caller = Caller::waiting();
+    let meta = AttachMetadata {
+        paths: super::naming::VolumePaths::new(&w.base(), "fk", "v"),
+        csi_volume_id: "h1".into(),
+        staged: true,
+    };
+    let first = other.detach(
+        DetachVolume {
+            sandbox_id: "s1".into(),
+            namespace: "ns1".into(),
+            volume_id: "v".into(),
+            ref_count: 0,
+            recorded: Some(meta),
+        },
+        &caller,
+    );
+    let next = async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        caller.leave();
+        drop(held);
+        w.attach("v", "ns1", "s2", 1).await.unwrap();
+    };
+    let (first, ()) = tokio::join!(first, next);
+    assert!(matches!(first.unwrap_err().error, BridgeError::CallerGone));
+    let holders = w.record("v").expect("torn down").holders;
+    assert_eq!(
+        holders.get("ns1"),
+        Some(&BTreeSet::from(["s1".to_string(), "s2".to_string()])),
         "{holders:?}"
     );
     assert!(w.fake.is_mounted(&w.target("v")));

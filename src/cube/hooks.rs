@@ -286,9 +286,9 @@ impl Hook for Detach {
     async fn run(
         bridge: &Bridge,
         checked: Self::Checked,
-        _caller: &Caller,
+        caller: &Caller,
     ) -> Result<Self::Reply, HookError> {
-        bridge.detach(checked).await?;
+        bridge.detach(checked, caller).await?;
         Ok(pb::DetachResponse {})
     }
 
