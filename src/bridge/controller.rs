@@ -1080,6 +1080,25 @@ impl ControllerSide {
                     .await?;
                 return Ok(Undo::Deleted);
             }
+            // A record that fails its check is never signed here: the claim below would
+            // give a forged handle (another volume's) a valid MAC, for the sweep to
+            // delete. The volume this call made is deleted by its own handle, and the
+            // record is left, unsigned by us, for the operator.
+            match self.check_integrity(&record).await {
+                Ok(()) => {}
+                Err(BridgeError::Precondition(why)) => {
+                    tracing::warn!(
+                        csi_volume_id,
+                        %why,
+                        "undoing the unanswered Create without claiming its record"
+                    );
+                    let secrets = self.settings.secrets(SecretUse::Provisioner).await?;
+                    self.delete_volume(HookKind::Create, csi_volume_id, &secrets, &deadline)
+                        .await?;
+                    return Ok(Undo::Deleted);
+                }
+                Err(error) => return Err(error),
+            }
             let others = record
                 .answering_creates
                 .iter()
@@ -1579,7 +1598,12 @@ impl ControllerSide {
                 Err(e) => return Err(e),
             }
             match self.controller_store().get(&record.volume_id).await? {
-                Some(current) if current.csi_volume_id == record.csi_volume_id => record = current,
+                Some(current) if current.csi_volume_id == record.csi_volume_id => {
+                    // Signed again below: only as the bridge wrote it.
+                    self.check_integrity_before(&current, "record a new capacity")
+                        .await?;
+                    record = current;
+                }
                 _ => {
                     return Err(BridgeError::Precondition(format!(
                         "the record of volume {:?} was deleted or replaced while it was being \

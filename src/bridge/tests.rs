@@ -2486,6 +2486,39 @@ async fn an_undelivered_create_leaves_the_volume_another_replica_delivered() {
     assert!(w.stored("v").is_none() && w.backend_volumes().is_empty());
 }
 
+/// A CubeVolume writer points the record of a Create in progress at another volume's
+/// handle: the Create refuses the record (its MAC fails) and undoes its own volume, but
+/// must not sign the forged record while claiming it, or the sweep deletes the victim.
+#[tokio::test]
+async fn an_undone_create_never_signs_a_record_pointed_at_another_volume() {
+    let w = World::new(Fake::new(false, false));
+    w.create("victim").await.unwrap();
+    let victim = w.stored("victim").unwrap().csi_volume_id.unwrap();
+    w.fake
+        .script("CreateVolume", Fault::Slow(Duration::from_millis(300)));
+    w.fake.script("DeleteVolume", Fault::Final);
+    let forge = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        w.edit_record("v", |r| {
+            r.csi_volume_id = Some(victim.clone());
+            r.revision = Some("9999".into());
+        });
+    };
+    let (created, ()) = tokio::join!(w.create("v"), forge);
+    created.unwrap_err();
+    // Whatever is left of v's record is not signed naming the victim's volume.
+    w.edit_record("v", |r| r.updated_at -= 3600);
+    let _ = w
+        .controller()
+        .sweep_abandoned_creates(Duration::from_secs(600))
+        .await;
+    assert!(
+        w.backend_volumes().values().any(|h| *h == victim),
+        "the victim's volume was deleted: {:?}",
+        w.fake.mutating_calls()
+    );
+}
+
 /// The same race, the other answers lost. When A records the volume first and its answer
 /// arrives, B's lost answer leaves the volume (listed as A's alone); when neither answer
 /// arrives, the volume is deleted (nobody holds it, and Cube never Destroys a failed
@@ -5390,6 +5423,28 @@ async fn bad_snapshot_input_is_refused_before_any_call_or_record() {
     assert_eq!(w.controller_state(), before_other);
     assert!(w.fake.mutating_calls().is_empty(), "{:?}", w.fake.calls());
     assert_ne!(before, before_other);
+}
+
+/// A snapshot record edited while CreateSnapshot runs (its source pointed at another
+/// volume): the conflicting write re-reads it, and must not sign it as the bridge's.
+#[tokio::test]
+async fn a_snapshot_never_signs_a_record_edited_while_it_was_taken() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.fake
+        .script("CreateSnapshot", Fault::Slow(Duration::from_millis(300)));
+    let forge = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut snapshots = w.fake.snapshot_records.snapshots.lock().unwrap();
+        let record = snapshots.get_mut("s1").unwrap();
+        record.source_csi_volume_id = "someone-elses".into();
+        record.revision = Some("9999".into());
+    };
+    let (taken, ()) = tokio::join!(w.controller().create_snapshot("v", "s1"), forge);
+    let error = taken.unwrap_err().to_string();
+    assert!(error.contains("integrity"), "{error}");
+    let refused = w.controller().delete_snapshot("s1").await.unwrap_err();
+    assert!(refused.to_string().contains("integrity"), "{refused}");
 }
 
 #[tokio::test]

@@ -254,7 +254,8 @@ impl ControllerSide {
                 Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
                 Err(e) => return Err(e),
             }
-            match self.snapshots.get_snapshot(snapshot_id).await? {
+            // Signed again below: only a record as the bridge wrote it is adopted.
+            match self.verified_snapshot(snapshot_id).await? {
                 Some(current) if current.state == VolumeState::Deleting => {
                     return Err(being_reclaimed(snapshot_id));
                 }

@@ -437,3 +437,28 @@ async fn an_edited_capacity_does_not_stop_later_growth_on_the_node() {
     assert_eq!(calls.last().map(|c| c.3), Some(2 * GI), "{calls:?}");
     assert_eq!(w.record("v").unwrap().expanded_bytes, (2 * GI) as i64);
 }
+
+/// A CubeVolume writer edits the record while ControllerExpandVolume runs: the expand's
+/// write conflicts, and the copy it re-reads must not be signed as the bridge's.
+#[tokio::test]
+async fn an_expand_never_signs_a_record_edited_while_it_ran() {
+    let w = world(online(), 10);
+    w.create("v").await.unwrap();
+    w.fake.script(
+        "ControllerExpandVolume",
+        Fault::Slow(Duration::from_millis(300)),
+    );
+    let forge = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        w.edit_record("v", |r| {
+            r.csi_name = "pvc-someone-elses".into();
+            r.revision = Some("9999".into());
+        });
+    };
+    let (expanded, ()) = tokio::join!(w.expand("v", 2 * GI), forge);
+    let error = expanded.unwrap_err().to_string();
+    assert!(error.contains("integrity"), "{error}");
+    // Still refused: nothing signed the edit.
+    let refused = w.destroy("v").await.unwrap_err();
+    assert!(refused.to_string().contains("integrity"), "{refused}");
+}
