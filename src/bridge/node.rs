@@ -1518,6 +1518,14 @@ impl NodeSide {
                     }
                     (None, Some(meta)) => {
                         let mut record = self.record_from_metadata(&req.volume_id, meta);
+                        // With mount checks off nothing says the stage is gone: Cube's
+                        // metadata says it was made, so it is undone (NodeUnstage is
+                        // idempotent), before any ControllerUnpublish under it.
+                        if let Some(staging) = &record.staging_path
+                            && self.visibility(staging, &deadline).await? == Visibility::Unchecked
+                        {
+                            record.stage = Step::Uncertain;
+                        }
                         self.may_be_controller_published(&mut record, &deadline)
                             .await?;
                         record

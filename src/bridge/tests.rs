@@ -1815,6 +1815,28 @@ async fn with_mount_checks_off_the_last_detach_still_succeeds() {
     assert!(w.record("v").is_none());
 }
 
+/// With mount checks off, a Detach whose record was lost works from Cube's metadata,
+/// which says the volume was staged: the stage is undone before ControllerUnpublish.
+#[tokio::test]
+async fn with_mount_checks_off_a_detach_from_metadata_unstages() {
+    let mut fake = Fake::new(true, true);
+    fake.unchecked = true;
+    let w = World::with_config(fake, "mount_view = \"none\"\n");
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.bridge.node().unwrap().node_journal().remove("v").unwrap();
+    w.fake.clear_calls();
+    w.detach("v", "ns1", "s1", 0).await.unwrap();
+    assert_eq!(
+        w.fake.mutating_calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]
+    );
+    assert!(!w.fake.is_mounted(&w.staging("v")));
+}
+
 // ---------------------------------------------------------------- legacy path leaves
 
 impl World {
