@@ -940,7 +940,8 @@ impl NodeSide {
                     "tearing down an attachment from an earlier boot first (its sandboxes died with it)"
                 );
                 self.teardown(HookKind::Attach, &mut old, deadline).await?;
-                Ok(fresh())
+                self.fresh_checked(&paths, deadline).await?;
+                Ok((fresh().0, paths.clone(), true))
             }
             Some(record)
                 if recorded_paths
@@ -952,8 +953,9 @@ impl NodeSide {
             }
             Some(mut stale) => {
                 // Unknown (no mount check) counts as mounted: never tear down what may be
-                // in use.
-                if stale.publish == Step::Done
+                // in use. Nor what holders use, whatever the record says of its publish
+                // (a repair cut short, or a record rebuilt, says uncertain).
+                if (stale.publish.needs_undo() || stale.is_held())
                     && self.visibility(&stale.target_path, deadline).await?
                         != Visibility::NotMounted
                 {
@@ -972,17 +974,28 @@ impl NodeSide {
                 );
                 self.teardown(HookKind::Attach, &mut stale, deadline)
                     .await?;
-                Ok(fresh())
+                self.fresh_checked(&paths, deadline).await?;
+                Ok((fresh().0, paths.clone(), true))
             }
             None => {
-                // A symlink below the base dir is named as such, not taken for a mount of
-                // another instance's that the mount check would find through it.
-                self.check_attach_paths(&paths, deadline).await?;
-                self.refuse_foreign_mounts(&paths, deadline).await?;
+                self.fresh_checked(&paths, deadline).await?;
                 let (record, paths, _) = fresh();
                 Ok((record, paths, true))
             }
         }
+    }
+
+    /// The checks of a first Attach's paths with no record of this volume left: a
+    /// symlink below the base dir is named as such (not taken for a mount of another
+    /// instance's that the mount check would find through it), and a mount already there
+    /// is refused.
+    async fn fresh_checked(
+        &self,
+        paths: &VolumePaths,
+        deadline: &Deadline,
+    ) -> Result<(), BridgeError> {
+        self.check_attach_paths(paths, deadline).await?;
+        self.refuse_foreign_mounts(paths, deadline).await
     }
 
     /// Refuses a first Attach whose host_path or staging path is already a mount point:

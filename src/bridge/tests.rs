@@ -1837,6 +1837,33 @@ async fn with_mount_checks_off_a_detach_from_metadata_unstages() {
     assert!(!w.fake.is_mounted(&w.staging("v")));
 }
 
+/// A record that no longer matches the Attach (another CSI id for the volume id) but
+/// whose volume is mounted and held is never torn down, whatever it says of its publish
+/// (a repair cut short leaves it uncertain).
+#[tokio::test]
+async fn a_mismatched_attach_never_tears_down_a_held_mount_whose_publish_is_uncertain() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let journal = w.bridge.node().unwrap().node_journal();
+    let mut record = journal.load("v").unwrap().unwrap();
+    record.publish = Step::Uncertain;
+    journal.save(&record, true).unwrap();
+    w.fake.clear_calls();
+    let mut req = w.attach_req("v", "ns2", "s2", 0);
+    req.handle.csi_volume_id = "h2".into();
+    w.bridge.attach(req, &Caller::waiting()).await.unwrap_err();
+    assert!(w.fake.is_mounted(&w.target("v")));
+    assert!(
+        w.fake.mutating_calls().is_empty(),
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+    assert_eq!(
+        w.record("v").unwrap().holders["ns1"],
+        BTreeSet::from(["s1".to_string()])
+    );
+}
+
 // ---------------------------------------------------------------- legacy path leaves
 
 impl World {
