@@ -256,8 +256,8 @@ impl NodeSide {
     }
 
     /// Takes down a dead mount before it is mounted again: NodeUnpublish and, when
-    /// staged, NodeUnstage (the stage is the dead filesystem too, when the target is a
-    /// bind of it). Holders stay in the record; a ControllerPublish stays (the volume is
+    /// staged, NodeUnstage unless the stage still answers (the stage is the dead
+    /// filesystem too, when the target is a bind of it). Holders stay in the record; a ControllerPublish stays (the volume is
     /// still this node's). A failure names the path, the error it answered and the step.
     async fn take_down_dead_mount(
         &self,
@@ -265,10 +265,20 @@ impl NodeSide {
         dead: DeadMount,
         deadline: &Deadline,
     ) -> Result<(), BridgeError> {
+        // A stage that is mounted and answers is not the dead filesystem (the driver
+        // mounted the target on its own, not as a bind of it): it stays, for the holders
+        // whose binds sit on it, and NodeStage is asked again (idempotent).
+        let stage_answers = match record.staging_path.clone() {
+            Some(staging) => {
+                self.visibility(&staging, deadline).await? == Visibility::Mounted
+                    && self.dead_mount(&staging, deadline).await?.is_none()
+            }
+            None => false,
+        };
         let steps = UndoSteps {
             publish: true,
             controller_publish: false,
-            stage: true,
+            stage: !stage_answers,
         };
         self.undo_steps(HookKind::Attach, record, steps, deadline)
             .await

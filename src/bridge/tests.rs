@@ -5115,6 +5115,21 @@ async fn a_key_that_made_none_of_the_snapshot_records_is_refused_at_start() {
 /// restarted) is still a mount point; a hot Attach must not hand it out. It is repaired
 /// first (unpublish, unstage, stage, publish), for every errno a dead mount answers, and
 /// the holders it had stay.
+/// Only the target's filesystem stopped answering (a driver that mounts the target on its
+/// own); the stage the holders' mounts sit on still answers, and is kept.
+#[tokio::test]
+async fn a_dead_target_over_a_stage_that_answers_keeps_the_stage() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    w.fake.kill_filesystem(&w.target("v"), nix::libc::EIO);
+    w.fake.clear_calls();
+    w.attach("v", "ns2", "s2", 0).await.unwrap();
+    let calls = w.fake.mutating_calls();
+    assert!(!calls.iter().any(|c| c == "NodeUnstageVolume"), "{calls:?}");
+    assert!(calls.iter().any(|c| c == "NodePublishVolume"), "{calls:?}");
+    assert!(w.fake.is_mounted(&w.staging("v")));
+}
+
 #[tokio::test]
 async fn a_hot_attach_repairs_a_dead_mount_before_it_answers() {
     for errno in [nix::libc::ENOTCONN, nix::libc::ESTALE, nix::libc::EIO] {
@@ -5177,6 +5192,8 @@ async fn a_hot_attach_repairs_a_dead_mount_before_it_answers() {
 async fn a_first_attach_repairs_a_dead_mount_left_by_an_earlier_session() {
     let w = World::new(Fake::counting(true));
     w.attach("v", "nsA", "a", 0).await.unwrap();
+    // The staged filesystem went stale, and the target (a bind of it) with it.
+    w.fake.kill_filesystem(&w.staging("v"), nix::libc::ESTALE);
     w.fake.kill_filesystem(&w.target("v"), nix::libc::ESTALE);
     w.fake.clear_calls();
     w.attach("v", "nsB", "b", 0).await.unwrap();
