@@ -317,6 +317,11 @@ pub async fn release_holders(
 /// judged for age and staleness.
 async fn judged_volumes(config: &Config) -> anyhow::Result<Vec<NodeVolume>> {
     use crate::bridge::ports::NodeJournal;
+    // Checked as `serve` checks it before anything in it is opened (opening the journal
+    // recovers its intent log, which writes), and read only if it is this bridge's.
+    if !crate::app::check_state_dir_to_read(config, crate::store::owner::Keeper::Node)? {
+        return Ok(Vec::new());
+    }
     let journal = FileJournal::open(&config.state.journal_dir())?;
     let mounts = MountView::new(&config.node.mount_view, false);
     let mut volumes = node_volumes(&journal, &mounts).await?;
@@ -699,6 +704,68 @@ mod tests {
     use crate::config::MountViewSetting;
     use crate::mount::{BaseDirPolicy, HostDirs};
     use std::os::unix::fs::{PermissionsExt, symlink};
+
+    fn node_config(tmp: &Path, driver: &str) -> Config {
+        let d = tmp.display();
+        Config::parse(
+            &format!(
+                "driver = \"{driver}\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n[node]\n\
+                 default_volume_base_dir = \"{d}/vol\"\nmount_view = \"none\"\n"
+            ),
+            Path::new("/test.toml"),
+        )
+        .unwrap()
+    }
+
+    /// `list` reads the node journal only from a state dir `serve` would accept, and only
+    /// if it is this bridge's: before, it opened (and recovered, which writes) whatever
+    /// was there.
+    #[tokio::test]
+    async fn listing_checks_the_state_dir_as_serve_does_and_writes_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = node_config(tmp.path(), "fk");
+        // None yet: nothing recorded, and nothing made.
+        assert!(list(&config, Output::Json).await.is_ok());
+        assert!(!tmp.path().join("state").exists());
+        // One others may write.
+        std::fs::create_dir(tmp.path().join("state")).unwrap();
+        std::fs::set_permissions(
+            tmp.path().join("state"),
+            std::fs::Permissions::from_mode(0o777),
+        )
+        .unwrap();
+        let refused = list(&config, Output::Text).await.unwrap_err().to_string();
+        assert!(refused.contains("state.dir"), "{refused}");
+        assert!(
+            !tmp.path().join("state/node").exists(),
+            "opened the journal"
+        );
+        // Another bridge's.
+        std::fs::set_permissions(
+            tmp.path().join("state"),
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
+        let mounts = std::sync::Arc::new(MountView::new(&MountViewSetting::Unchecked, false));
+        crate::app::open_hot_node(&node_config(tmp.path(), "other"), mounts).unwrap();
+        let refused = list(&config, Output::Text).await.unwrap_err().to_string();
+        assert!(refused.contains("another bridge"), "{refused}");
+    }
+
+    /// A link planted at the intent log is never followed: recovery would truncate what
+    /// it leads to.
+    #[test]
+    fn the_intent_log_is_never_opened_through_a_link() {
+        let tmp = tempfile::tempdir().unwrap();
+        let records = tmp.path().join("node");
+        std::fs::create_dir_all(records.join("intents")).unwrap();
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, "precious\n").unwrap();
+        symlink(&victim, records.join("intents/log")).unwrap();
+        assert!(crate::store::FileJournal::open(&records).is_err());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+    }
 
     /// `list --controller` shows whether each record's MAC holds, and a stored value with
     /// control characters (written by whoever may write CubeVolumes) quoted and escaped:

@@ -333,18 +333,49 @@ pub fn controller_store(
 /// `keeper` records before any record is read or written there (`store::owner`): a bridge
 /// of another config file that named the same dir is refused, with the fix.
 fn claim_state_dir(config: &Config, keeper: Keeper) -> Result<(), BridgeError> {
-    let csi_endpoint = match keeper {
+    let csi_endpoint = keeper_endpoint(config, keeper);
+    crate::store::owner::claim(
+        &config.state.dir,
+        &state_owner(config, keeper, &csi_endpoint),
+    )
+    .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))
+}
+
+/// For a command that only reads the state dir: it is checked as `serve` checks it (a
+/// dir another user could write or replace is refused) and must not be another bridge's;
+/// nothing is written. `Ok(false)`: there is no state dir, so nothing is recorded.
+pub fn check_state_dir_to_read(config: &Config, keeper: Keeper) -> Result<bool, BridgeError> {
+    let dir = &config.state.dir;
+    let in_dir = |e| BridgeError::io(format!("state dir {}", dir.display()), e);
+    crate::store::fsutil::check_private_dir(dir, "state.dir", crate::store::owner::STATE_DIR_RISK)
+        .map_err(in_dir)?;
+    if !dir.exists() {
+        return Ok(false);
+    }
+    let csi_endpoint = keeper_endpoint(config, keeper);
+    crate::store::owner::check_claimed(dir, &state_owner(config, keeper, &csi_endpoint))
+        .map_err(in_dir)?;
+    Ok(true)
+}
+
+fn keeper_endpoint(config: &Config, keeper: Keeper) -> String {
+    match keeper {
         Keeper::Node => config.csi.endpoint.to_string(),
         Keeper::Controller => config.csi.controller().to_string(),
-    };
-    let owner = crate::store::owner::Owner {
+    }
+}
+
+fn state_owner<'a>(
+    config: &'a Config,
+    keeper: Keeper,
+    csi_endpoint: &'a str,
+) -> crate::store::owner::Owner<'a> {
+    crate::store::owner::Owner {
         driver: &config.driver,
         lock_dir: &config.state.lock_dir,
         keeper,
-        csi_endpoint: &csi_endpoint,
-    };
-    crate::store::owner::claim(&config.state.dir, &owner)
-        .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))
+        csi_endpoint,
+    }
 }
 
 #[cfg(test)]

@@ -122,9 +122,12 @@ impl IntentLog {
             checkpoints_tried: Default::default(),
         };
         let path = log.log_path();
+        // Never through a link: whoever planted one (in a state dir that failed its
+        // check, or before it was made) would have root's recovery truncate its target.
         let file = match std::fs::OpenOptions::new()
             .read(true)
             .append(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&path)
         {
             Ok(file) => file,
@@ -338,6 +341,7 @@ impl IntentLog {
             .append(true)
             .create(true)
             .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| (path.clone(), e))?;
         let size = file.metadata().map_err(|e| (path.clone(), e))?.len();

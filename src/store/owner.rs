@@ -85,6 +85,23 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     claim_file(dir, owner.keeper.endpoint_file(), &owner.render_endpoint())
 }
 
+/// Checks, writing nothing, that no other owner claimed `dir` (a dir not claimed yet
+/// passes): what a command that only reads the state checks.
+pub fn check_claimed(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
+    for (name, wanted) in [
+        (OWNER_FILE, owner.render()),
+        (owner.keeper.endpoint_file(), owner.render_endpoint()),
+    ] {
+        match read_claim(&dir.join(name))? {
+            Some(found) if found != wanted.as_bytes() => {
+                return Err(foreign(dir, name, &found, &wanted));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Checks that `dir/name` says `wanted`, or, when there is no such file, places one that
 /// does (refusing one another bridge placed meanwhile).
 fn claim_file(dir: &Path, name: &str, wanted: &str) -> io::Result<()> {
