@@ -321,6 +321,35 @@ async fn a_restart_under_socket_activation_fails_no_call() {
     assert!(w.mounts().is_empty(), "{:?}", w.mounts());
 }
 
+/// systemd passes the only socket bound somewhere else than serve.socket (a unit instance
+/// named unlike the driver): `register` and `probe` would point Cube at serve.socket,
+/// where nobody listens. Before, the daemon served the passed socket and logged it at
+/// info; now it refuses to start, naming both paths and the fix.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_passed_socket_bound_elsewhere_than_serve_socket_is_refused() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let elsewhere = w.dir.path().join("elsewhere.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&elsewhere).unwrap();
+    let mut daemon = start_activated(&w, &listener);
+    let status = (0..300)
+        .find_map(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            daemon.try_wait().unwrap()
+        })
+        .unwrap_or_else(|| {
+            let _ = daemon.kill();
+            panic!("the daemon serves a socket Cube is not pointed at")
+        });
+    assert_eq!(status.code(), Some(78), "{status}");
+    let log = std::fs::read_to_string(w.daemon_log_path()).unwrap();
+    assert!(
+        log.contains(&elsewhere.display().to_string())
+            && log.contains(&w.socket().display().to_string()),
+        "{log}"
+    );
+}
+
 async fn rpc_call_create(w: &World) -> String {
     use cube_csi_bridge::proto::cube::v1 as pb;
     let channel =

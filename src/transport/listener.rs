@@ -42,6 +42,26 @@ pub enum ListenError {
          write, reached through no other user's symlink (chown root and chmod go-w it)"
     )]
     Replaceable { why: String },
+    /// Another user may add names where the socket is (a sticky /tmp too): whenever the
+    /// path is free, they could listen there themselves.
+    #[error(
+        "{what}: its directory {why}, so another user could listen at this path whenever \
+         no bridge does (before the first start, after a stop) and answer Cube's hooks; put \
+         the socket in a directory only root can write (the default /run/cube-csi-bridge)"
+    )]
+    DirOpenToOthers { what: String, why: String },
+    /// systemd passed the only socket bound somewhere else than serve.socket.
+    #[error(
+        "systemd passed one socket, bound at {passed}, but serve.socket is {configured}: \
+         `register` and `probe` use serve.socket, so Cube would dial a path nobody serves. \
+         Set serve.socket = \"{passed}\" in the config, or name the socket unit's instance \
+         after the driver (cube-csi-bridge@<driver>.socket listens at \
+         /run/cube-csi-bridge/<driver>.sock)"
+    )]
+    PassedElsewhere {
+        passed: PathBuf,
+        configured: PathBuf,
+    },
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -74,8 +94,9 @@ impl UnixSocket {
     /// Takes the socket systemd passed (`LISTEN_FDS`/`LISTEN_PID`) for `path`, if any, so
     /// calls queue in the kernel while the daemon restarts instead of failing. A daemon
     /// serving several drivers is passed one socket each and takes the one bound at its
-    /// path; a `sole` socket also takes the only one passed, wherever it is bound (the
-    /// socket unit, not the config, says where then). No descriptor is taken twice.
+    /// path. A `sole` driver passed one socket bound elsewhere is refused: Cube is pointed
+    /// at serve.socket (`register`), and would dial a path nobody serves. No descriptor is
+    /// taken twice.
     pub fn inherited(path: &Path, sole: bool) -> Result<Option<Self>, ListenError> {
         static TAKEN: std::sync::Mutex<Vec<RawFd>> = std::sync::Mutex::new(Vec::new());
         let ours = std::env::var("LISTEN_PID")
@@ -98,12 +119,19 @@ impl UnixSocket {
         };
         let chosen = fds
             .clone()
-            .find(|fd| !taken.contains(fd) && bound_at(*fd).as_deref() == Some(path))
-            .or_else(|| {
-                (sole && count == 1 && !taken.contains(&SD_LISTEN_FDS_START))
-                    .then_some(SD_LISTEN_FDS_START)
-            });
+            .find(|fd| !taken.contains(fd) && bound_at(*fd).as_deref() == Some(path));
         let Some(fd) = chosen else {
+            // The only socket passed, bound elsewhere: serving it would leave `register`
+            // and `probe` (and so Cube) at serve.socket, where nobody listens.
+            if sole
+                && count == 1
+                && let Some(bound) = bound_at(SD_LISTEN_FDS_START)
+            {
+                return Err(ListenError::PassedElsewhere {
+                    passed: bound,
+                    configured: path.to_path_buf(),
+                });
+            }
             return Ok(None);
         };
         // Held to the rules a socket this process binds is held to: systemd binds where its
@@ -182,9 +210,7 @@ impl UnixSocket {
                 .chain(resolved.as_deref())
                 .collect::<Vec<_>>(),
         )?;
-        check_socket_dir(path, euid).map_err(|why| ListenError::Replaceable {
-            why: format!("serve.socket {}: {why}", path.display()),
-        })?;
+        check_socket_dir(path, euid, &format!("serve.socket {}", path.display()))?;
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
                 // Stale only when nobody listens (ECONNREFUSED). Any other failure may be
@@ -273,7 +299,7 @@ fn resolved_socket_path(path: &Path) -> Option<std::path::PathBuf> {
 /// (/tmp): whenever the name is free (before the first start, after a stop, between a
 /// stale socket's removal and the bind) they could listen there themselves, and Cube
 /// would send its hooks to them.
-fn check_socket_dir(socket: &Path, euid: u32) -> Result<(), String> {
+fn check_socket_dir(socket: &Path, euid: u32, what: &str) -> Result<(), ListenError> {
     let Some(dir) = socket.parent() else {
         return Ok(());
     };
@@ -283,11 +309,10 @@ fn check_socket_dir(socket: &Path, euid: u32) -> Result<(), String> {
         dir
     };
     match crate::config::others_may_add_names(dir, euid) {
-        Some(why) => Err(format!(
-            "its directory {why}, so another user could listen at this path whenever no \
-             bridge does and answer Cube's hooks; put the socket in a directory only root \
-             can write (the default /run/cube-csi-bridge)"
-        )),
+        Some(why) => Err(ListenError::DirOpenToOthers {
+            what: what.to_string(),
+            why,
+        }),
         None => Ok(()),
     }
 }
@@ -306,9 +331,7 @@ fn check_passed_socket(bound: &Path) -> Result<(), ListenError> {
             why: replaceable.describe(&what),
         });
     }
-    check_socket_dir(bound, euid).map_err(|why| ListenError::Replaceable {
-        why: format!("{what}: {why}"),
-    })?;
+    check_socket_dir(bound, euid, &what)?;
     let meta = std::fs::symlink_metadata(bound).map_err(io(what.clone()))?;
     if meta.mode() & 0o002 != 0 {
         return Err(io(what)(std::io::Error::other(format!(
@@ -844,7 +867,7 @@ mod tests {
         // may listen at its name while it is free, and Cube would talk to them.
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
         let refused = UnixSocket::bind(&open.join("b.sock"), None).await;
-        let Err(ListenError::Replaceable { why }) = &refused else {
+        let Err(ListenError::DirOpenToOthers { why, .. }) = &refused else {
             panic!("a socket in a sticky directory others may write was bound: {refused:?}");
         };
         assert!(why.contains("mode 1777"), "{why}");

@@ -54,7 +54,9 @@ impl ServeError {
             ServeError::Listen(
                 ListenError::InUse { .. }
                 | ListenError::NotASocket { .. }
-                | ListenError::Replaceable { .. },
+                | ListenError::Replaceable { .. }
+                | ListenError::DirOpenToOthers { .. }
+                | ListenError::PassedElsewhere { .. },
             ) => 78,
             _ => 1,
         }
