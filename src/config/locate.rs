@@ -33,8 +33,9 @@ pub struct Located {
 
 /// Finds the config file of a binary hook, whose argv Cube fixes and which names no
 /// config, and the driver it serves. The rule, first match wins:
-/// 1. `$CUBE_CSI_BRIDGE_CONFIG` (in a file listing `[[drivers]]`, the executable's name
-///    `cube-csi-bridge-<name>` picks the driver);
+/// 1. `$CUBE_CSI_BRIDGE_CONFIG` (the executable's name `cube-csi-bridge-<name>` picks
+///    the driver, which a one-driver file must configure: the variable reaches every
+///    plugin Cube forks, each bridge hook under its own name);
 /// 2. the executable's own name `cube-csi-bridge-<name>` (a symlink per driver) selects
 ///    `/etc/cube-csi-bridge/<name>.toml` when it exists, else driver `<name>` of
 ///    `/etc/cube-csi-bridge/config.toml`;
@@ -52,9 +53,12 @@ pub fn locate(
         .and_then(|n| n.strip_prefix(EXECUTABLE_PREFIX))
         .filter(|n| !n.is_empty());
     if let Some(value) = env_value.filter(|v| !v.trim().is_empty()) {
+        // The variable is in the environment of every plugin Cube forks: a hook invoked
+        // as another driver's (cube-csi-bridge-ceph) must not serve the one driver of a
+        // file written for another (nfs), or Cube's ceph volumes are made on NFS.
         return Located {
             path: PathBuf::from(value.trim()),
-            driver: name.map_or(DriverChoice::Any, |n| DriverChoice::IfListed(n.to_string())),
+            driver: name.map_or(DriverChoice::Any, |n| DriverChoice::Named(n.to_string())),
         };
     }
     if let Some(name) = name {
@@ -303,7 +307,8 @@ mod tests {
         let if_listed = |n: &str| DriverChoice::IfListed(n.to_string());
         assert_eq!(
             locate(Some("/x.toml"), Some("cube-csi-bridge-nfs"), nfs_file),
-            located("/x.toml", if_listed("nfs"))
+            located("/x.toml", named("nfs")),
+            "the executable's driver, in a one-driver file too"
         );
         assert_eq!(
             locate(Some("/x.toml"), Some("cube-csi-bridge"), nfs_file),
