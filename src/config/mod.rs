@@ -1149,6 +1149,30 @@ impl Checker<'_> {
                 }
             }
         }
+        // Settings nothing reads unless something uses Kubernetes: given alone, they
+        // say the operator meant the CubeVolume store (shared by every CubeMaster host)
+        // and gets a store of this host's own, where another host's Destroy finds no
+        // record and the volume leaks.
+        if !config.uses_kubernetes() {
+            for (given, field) in [
+                (k.kubeconfig.is_some(), "kubernetes.kubeconfig"),
+                (k.namespace.is_some(), "kubernetes.namespace"),
+                (
+                    k.record_key_secret.is_some(),
+                    "kubernetes.record_key_secret",
+                ),
+            ] {
+                if given {
+                    return Err(self.invalid(
+                        field,
+                        "is read only with state.controller_store = \"kubernetes\" or \
+                         kubernetes.storage_class, neither of which is set: set \
+                         state.controller_store = \"kubernetes\" to keep Create's records \
+                         in the API server (shared by every CubeMaster host), or remove it",
+                    ));
+                }
+            }
+        }
         if config.state.controller_store == ControllerStoreKind::Kubernetes
             && !is_label_value(&config.driver)
         {
@@ -1713,6 +1737,21 @@ access_mode = "single_node_writer"
             .unwrap_err()
             .to_string();
         assert!(err.contains("kubernetes.namespace"), "{err}");
+        // Given with nothing that uses Kubernetes: the store meant was surely the
+        // CubeVolume one, and the embedded one would be used instead, in silence.
+        for setting in [
+            "namespace = \"cube\"",
+            "kubeconfig = \"/etc/kube.conf\"",
+            "record_key_secret = \"key\"",
+        ] {
+            let err = parse(&format!("{MINIMAL}[kubernetes]\n{setting}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("state.controller_store") && err.contains("kubernetes."),
+                "{setting}: {err}"
+            );
+        }
         let err = parse(&format!(
             "{}[state]\ncontroller_store = \"kubernetes\"\n",
             MINIMAL.replace("\"nfs\"", "\"nfs-\"")
@@ -1876,7 +1915,7 @@ access_mode = "single_node_writer"
         let c = parse(&MINIMAL.replace("\"nfs\"", "\"Nfs_A.b\"")).unwrap();
         assert_eq!(c.record_key_secret(), "cube-csi-bridge-nfs-a-b-record-key");
         let c = parse(&format!(
-            "{MINIMAL}[kubernetes]\nrecord_key_secret = \"k\"\n"
+            "{MINIMAL}[state]\ncontroller_store = \"kubernetes\"\n[kubernetes]\nrecord_key_secret = \"k\"\n"
         ))
         .unwrap();
         assert_eq!(c.record_key_secret(), "k");
