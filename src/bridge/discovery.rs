@@ -16,6 +16,8 @@ struct Discovered {
     node_caps: Option<NodeCaps>,
     controller: Option<(DriverIdentity, Option<ControllerCaps>)>,
     node_id: Option<String>,
+    /// The driver's NodeGetInfo agreed with `node_id_override`.
+    override_agreed: bool,
     /// NodeGetInfo's accessible_topology.
     node_topology: Option<Segments>,
 }
@@ -148,7 +150,7 @@ impl DriverView {
 
     pub async fn node_id(&self, deadline: &Deadline) -> Result<String, BridgeError> {
         if let Some(id) = &self.node_id_override {
-            return Ok(id.clone());
+            return self.checked_override(id, deadline).await;
         }
         if let Some(id) = &self.discovered.lock().await.node_id {
             return Ok(id.clone());
@@ -156,6 +158,34 @@ impl DriverView {
         let id = self.driver(self.node.node_id(deadline).await).await?;
         self.discovered.lock().await.node_id = Some(id.clone());
         Ok(id)
+    }
+
+    /// `csi.node_id`, once the driver's NodeGetInfo does not contradict it: a config
+    /// copied to every node with one node's id would have ControllerPublish attach the
+    /// volume to that node, and a rollback's ControllerUnpublish detach it from under the
+    /// sandbox there. A driver that cannot answer NodeGetInfo (the reason to set it)
+    /// leaves it unchecked, and is asked again next time.
+    async fn checked_override(&self, id: &str, deadline: &Deadline) -> Result<String, BridgeError> {
+        if self.discovered.lock().await.override_agreed {
+            return Ok(id.to_string());
+        }
+        match self.node.node_id(deadline).await {
+            Ok(said) if said != id => Err(BridgeError::Precondition(format!(
+                "csi.node_id is {id:?}, but the driver at {} says this node is {said:?} \
+                 (NodeGetInfo): ControllerPublishVolume for {id:?} would attach volumes to \
+                 another node. Remove csi.node_id (NodeGetInfo's id is used then) or set it \
+                 to this node's",
+                self.node.endpoint()
+            ))),
+            Ok(_) => {
+                self.discovered.lock().await.override_agreed = true;
+                Ok(id.to_string())
+            }
+            Err(error) => {
+                tracing::warn!(%error, node_id = id, "NodeGetInfo failed: csi.node_id is used unchecked");
+                Ok(id.to_string())
+            }
+        }
     }
 
     /// Where this node sits: NodeGetInfo's accessible_topology (empty when the driver

@@ -1499,6 +1499,43 @@ async fn a_hot_attach_whose_caller_left_records_no_holder() {
     assert!(!w.record("v").unwrap().holders.contains_key("ns2"));
 }
 
+/// csi.node_id copied from another node: ControllerPublish would attach the volume there
+/// (and a rollback detach it from under that node's sandbox). Refused before any call
+/// that changes anything; an id the driver agrees with is used.
+#[tokio::test]
+async fn a_node_id_setting_the_driver_contradicts_is_refused() {
+    for (setting, refused) in [("node-2", true), ("node-1", false)] {
+        let fake = Fake::new(true, true);
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = world_config(dir.path(), "");
+        config.csi.node_id = Some(setting.into());
+        let store = Arc::new(MemoryStore::default());
+        let bridge = sides(&config, &fake, store.clone(), Roles::BOTH);
+        let w = World {
+            dir,
+            fake,
+            store,
+            bridge,
+        };
+        let attached = w.attach("v", "ns", "s", 0).await;
+        if !refused {
+            attached.unwrap();
+            assert_eq!(w.fake.state.lock().unwrap().node_ids, ["node-1"]);
+            continue;
+        }
+        let error = attached.unwrap_err().to_string();
+        assert!(
+            error.contains("csi.node_id") && error.contains("node-2") && error.contains("node-1"),
+            "{error}"
+        );
+        assert!(
+            w.fake.mutating_calls().is_empty(),
+            "{:?}",
+            w.fake.mutating_calls()
+        );
+    }
+}
+
 #[tokio::test]
 async fn controller_publish_feeds_node_id_and_publish_context_and_is_undone_last() {
     let w = World::new(Fake::new(true, true));
