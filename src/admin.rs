@@ -51,8 +51,11 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Findi
     let base = config.node.default_volume_base_dir.clone();
     let mounts = Arc::new(MountView::new(&config.node.mount_view, false));
     let dirs = crate::app::host_dirs(&config);
-    let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts.clone())?;
     if reachable {
+        // Opened (which claims the state dir for this driver, endpoint and lock dir) only
+        // for a driver that answers: a check of a config with a mistyped endpoint must not
+        // claim the dir for it, locking out the corrected one.
+        let bridge = crate::app::open_bridge(Arc::new(config), roles, mounts.clone())?;
         match bridge.check(&deadline).await {
             Ok(()) => report(
                 true,
@@ -62,6 +65,14 @@ pub async fn check(config: Config, budget: Duration) -> anyhow::Result<Vec<Findi
                 ),
             ),
             Err(e) => report(false, e.to_string()),
+        }
+    } else {
+        let keeper = match roles.node {
+            true => crate::store::owner::Keeper::Node,
+            false => crate::store::owner::Keeper::Controller,
+        };
+        if let Err(e) = crate::app::check_state_dir_to_read(&config, keeper) {
+            report(false, e.to_string());
         }
     }
     if roles.node {
@@ -518,6 +529,20 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
     let kube = config
         .uses_kubernetes()
         .then(|| Arc::new(crate::k8s::Kube::new(&config.kubernetes)));
+    // An embedded store is opened (and its dir claimed) only where one is, and this
+    // bridge's: a listing changes nothing.
+    if config.state.controller_store == crate::config::ControllerStoreKind::Embedded
+        && (!crate::app::check_state_dir_to_read(config, crate::store::owner::Keeper::Controller)?
+            || !config.state.store_path().exists())
+    {
+        return Ok(match output {
+            Output::Json => "[]\n".to_string(),
+            Output::Text => format!(
+                "no controller store at {}: nothing recorded\n",
+                config.state.store_path().display()
+            ),
+        });
+    }
     let store = crate::app::controller_store(config, kube.as_ref())?;
     // Read, never made here: a listing changes nothing. A key that cannot be read (a
     // pinned key missing or replaced, no right to read it) is when the listing is needed
@@ -751,6 +776,30 @@ mod tests {
         crate::app::open_hot_node(&node_config(tmp.path(), "other"), mounts).unwrap();
         let refused = list(&config, Output::Text).await.unwrap_err().to_string();
         assert!(refused.contains("another bridge"), "{refused}");
+    }
+
+    /// A check of a config whose driver does not answer (a mistyped endpoint) claims no
+    /// state dir for it: before, the claim locked the corrected config out ("belongs to
+    /// another bridge"). A listing of a controller store makes none.
+    #[tokio::test]
+    async fn a_check_or_listing_on_bad_input_claims_and_makes_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir(tmp.path().join("state")).unwrap();
+        let config = node_config(tmp.path(), "fk");
+        let findings = check(config.clone(), Duration::from_millis(200))
+            .await
+            .unwrap();
+        assert!(findings.iter().any(|f| !f.ok), "{findings:?}");
+        let left = || -> Vec<_> {
+            std::fs::read_dir(tmp.path().join("state"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect()
+        };
+        assert!(left().is_empty(), "check: {:?}", left());
+        let listed = list_controller(&config, Output::Text).await.unwrap();
+        assert!(listed.contains("nothing recorded"), "{listed}");
+        assert!(left().is_empty(), "list --controller: {:?}", left());
     }
 
     /// A link planted at the intent log is never followed: recovery would truncate what
