@@ -236,20 +236,8 @@ impl UnixSocket {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(format!("checking {}", path.display()))(e)),
         }
-        let listener = {
-            // bind(2) creates the file with the process umask applied: 0117 leaves 0660.
-            // The umask is process-wide, so it is restored at once, and two binds (a
-            // daemon opening several drivers at once) take turns: interleaved, one would
-            // bind under the other's restored umask and leave 0117 behind for good.
-            static UMASK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-            let _turn = UMASK
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o117));
-            let bound = UnixListener::bind(path);
-            nix::sys::stat::umask(old);
-            bound.map_err(io(format!("binding {}", path.display())))?
-        };
+        let listener =
+            bind_with_umask(path, 0o117).map_err(io(format!("binding {}", path.display())))?;
         if let Some(gid) = gid {
             nix::unistd::fchownat(
                 nix::fcntl::AT_FDCWD,
@@ -284,6 +272,25 @@ impl UnixSocket {
             },
         })
     }
+}
+
+/// Binds `path` under `umask` (bind(2) creates the file with the umask applied: 0117
+/// leaves 0660, from the first instant). On a thread of its own that stops sharing the
+/// process's umask first (`unshare(CLONE_FS)`): set process-wide, the umask reached every
+/// directory other threads made meanwhile (a daemon opening several drivers at once made
+/// their state dirs 0600, with no search bit).
+fn bind_with_umask(path: &Path, umask: u32) -> std::io::Result<UnixListener> {
+    let path = path.to_path_buf();
+    let bound = std::thread::spawn(move || {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS).map_err(std::io::Error::from)?;
+        nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(umask));
+        let listener = std::os::unix::net::UnixListener::bind(&path)?;
+        listener.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(listener)
+    })
+    .join()
+    .map_err(|_| std::io::Error::other("the thread binding the socket panicked"))??;
+    UnixListener::from_std(bound)
 }
 
 /// `path` with its directory resolved (symlinks followed), the socket itself not: where a
@@ -893,6 +900,50 @@ mod tests {
         };
         assert!(why.contains("uid 65534"), "{why}");
         assert!(!private.join("b.sock").exists());
+    }
+
+    /// The socket's umask must not reach other threads: a daemon opening several drivers
+    /// binds one driver's socket while another makes its state dirs, which came out with
+    /// the bind's umask (0600 for a 0700 dir: no search bit, so EACCES for good without
+    /// DAC override).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bind_leaves_other_threads_umask_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let maker = {
+            let (dir, stop) = (tmp.path().join("dirs"), stop.clone());
+            std::fs::create_dir(&dir).unwrap();
+            std::thread::spawn(move || {
+                let mut wrong = Vec::new();
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let made = dir.join(n.to_string());
+                    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+                        .create(&made)
+                        .unwrap();
+                    let mode = std::fs::metadata(&made).unwrap().permissions().mode() & 0o777;
+                    if mode != 0o700 {
+                        wrong.push((n, mode));
+                    }
+                    n += 1;
+                }
+                (n, wrong)
+            })
+        };
+        for i in 0..3000 {
+            let path = tmp.path().join(format!("s{i}.sock"));
+            let socket = UnixSocket::bind(&path, None).await.unwrap();
+            drop(socket);
+            let _ = std::fs::remove_file(&path);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (made, wrong) = maker.join().unwrap();
+        assert!(
+            wrong.is_empty(),
+            "{} of {made} dirs made with the bind's umask: {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
     }
 
     #[test]
