@@ -1318,6 +1318,58 @@ fn recorded_created(w: &World, volume_id: &str) -> bool {
         })
 }
 
+/// A stop of Cubelet's service (systemd's control-group kill) sends SIGTERM to the front
+/// and its worker at once, after the worker saved its holder and before it answered: the
+/// front dies before it can take the holder back. Before, the worker died too, and the
+/// holder Cube never learned of stayed, with the volume mounted for nobody; now the
+/// worker takes its work back as when its front alone is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forked_attach_whose_front_and_worker_are_terminated_together_leaves_no_holder() {
+    require_root!();
+    let w = World::start(Mode::Binary, Caps::staging(), "").await;
+    let made = w.create("stopped").await.expect("create");
+    let journal = FileJournal::open(&w.dir.path().join("state/node")).unwrap();
+    let holds = |sandbox: &str| {
+        journal.load("stopped").ok().flatten().is_some_and(|r| {
+            r.holders
+                .get("default")
+                .is_some_and(|s| s.contains(sandbox))
+        })
+    };
+    let request = attach_request(
+        "default",
+        &w.base_dir,
+        "sb-stopped",
+        "stopped",
+        0,
+        &made.private_data,
+    );
+    let front = w
+        .binary_caller()
+        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "2000")
+        .spawn(&Hook::Attach(request));
+    common::wait_until("the worker saved the holder", SETTLE, || {
+        holds("sb-stopped")
+    })
+    .await;
+    let front_pid = front.id().expect("the front runs");
+    let worker = *common::children(front_pid)
+        .first()
+        .expect("the hook runs in a worker");
+    for pid in [front_pid, worker] {
+        kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
+    }
+    let out = front.wait_with_output().await.unwrap();
+    assert!(!out.status.success(), "Cube sees the Attach fail");
+    common::wait_until(
+        "the worker took back the holder Cube never learned of, and unmounted the volume",
+        SETTLE,
+        || !holds("sb-stopped") && w.mounts().is_empty(),
+    )
+    .await;
+    assert_eq!(w.journal_records(), 0);
+}
+
 /// A forked Create's worker that dies (the OOM killer, a crash) after its volume was
 /// recorded created but before it handed the answer over: CubeMaster counts the Create
 /// failed, deletes its row, and never Destroys the volume. Before the fix the CSI volume

@@ -246,6 +246,28 @@ fn worker(
                 let _ = front_tx.send(Some(outcome));
             })
         };
+        // A stop of Cubelet's service signals every process of its group at once, this
+        // worker with its front: the front dies before it can take back what the worker
+        // did, so the worker does, as when the front alone is gone (systemd's SIGKILL
+        // after its stop timeout still bounds it).
+        let stopped = {
+            let caller = caller.clone();
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut term = signal(SignalKind::terminate()).ok();
+            let mut int = signal(SignalKind::interrupt()).ok();
+            let mut hup = signal(SignalKind::hangup()).ok();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = received(&mut term) => {}
+                    () = received(&mut int) => {}
+                    () = received(&mut hup) => {}
+                }
+                tracing::warn!(
+                    "stopped by a signal; undoing this hook's work unless it was answered"
+                );
+                caller.leave();
+            })
+        };
         binary::run(
             config,
             request,
@@ -257,8 +279,19 @@ fn worker(
         )
         .await;
         watcher.abort();
+        stopped.abort();
     });
     std::process::exit(0)
+}
+
+/// The next delivery of a signal whose handler could be installed; never otherwise.
+async fn received(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// Where the worker logs once it has answered: `state.worker_log`, and the state dir.
