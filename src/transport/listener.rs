@@ -11,7 +11,7 @@
 //! netlink sock_diag) and strangers are dropped, logged at most once per 10 s per listener.
 
 use std::net::SocketAddr;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -117,9 +117,9 @@ impl UnixSocket {
                 .ok()
                 .and_then(|addr| addr.path().map(Path::to_path_buf))
         };
-        let chosen = fds
-            .clone()
-            .find(|fd| !taken.contains(fd) && bound_at(*fd).as_deref() == Some(path));
+        let chosen = fds.clone().find(|fd| {
+            !taken.contains(fd) && bound_at(*fd).is_some_and(|bound| same_socket(&bound, path))
+        });
         let Some(fd) = chosen else {
             // The only socket passed, bound elsewhere: serving it would leave `register`
             // and `probe` (and so Cube) at serve.socket, where nobody listens.
@@ -236,20 +236,7 @@ impl UnixSocket {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(format!("checking {}", path.display()))(e)),
         }
-        let listener =
-            bind_with_umask(path, 0o117).map_err(io(format!("binding {}", path.display())))?;
-        if let Some(gid) = gid {
-            nix::unistd::fchownat(
-                nix::fcntl::AT_FDCWD,
-                path,
-                None,
-                Some(nix::unistd::Gid::from_raw(gid)),
-                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-            )
-            .map_err(|e| io(format!("chgrp {gid} {}", path.display()))(e.into()))?;
-        }
-        // No chmod: the umask made it 0660, and a chmod by path would follow whatever
-        // lies there by then.
+        let listener = bind_privately(path, gid)?;
         let meta = std::fs::symlink_metadata(path).map_err(io(path.display().to_string()))?;
         if !meta.file_type().is_socket() {
             return Err(ListenError::NotASocket {
@@ -274,23 +261,88 @@ impl UnixSocket {
     }
 }
 
-/// Binds `path` under `umask` (bind(2) creates the file with the umask applied: 0117
-/// leaves 0660, from the first instant). On a thread of its own that stops sharing the
-/// process's umask first (`unshare(CLONE_FS)`): set process-wide, the umask reached every
-/// directory other threads made meanwhile (a daemon opening several drivers at once made
-/// their state dirs 0600, with no search bit).
-fn bind_with_umask(path: &Path, umask: u32) -> std::io::Result<UnixListener> {
-    let path = path.to_path_buf();
-    let bound = std::thread::spawn(move || {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS).map_err(std::io::Error::from)?;
-        nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(umask));
-        let listener = std::os::unix::net::UnixListener::bind(&path)?;
+/// Whether the socket file at `bound` is the one `path` names: the same path, or the
+/// same file through another spelling (systemd writes /var/run/… as /run/…; a directory
+/// on the way may be a link).
+fn same_socket(bound: &Path, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    bound == path
+        || std::fs::metadata(bound)
+            .ok()
+            .zip(std::fs::metadata(path).ok())
+            .is_some_and(|(a, b)| (a.dev(), a.ino()) == (b.dev(), b.ino()))
+}
+
+/// Binds a socket and puts it at `path` with mode 0660 (group `gid` when given) from the
+/// first instant anyone can reach it: bound in a fresh 0700 directory beside `path`, made
+/// 0660 and chgrp'd there (nobody else can reach it, so the chmod by path cannot be
+/// steered), then renamed into place unless something is there by then. The umask is
+/// never touched: it is the process's, and set for a bind it reached every directory other
+/// threads made meanwhile (a daemon opening several drivers made their state dirs 0600).
+fn bind_privately(path: &Path, gid: Option<u32>) -> Result<UnixListener, ListenError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let binding = || io(format!("binding {}", path.display()));
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let private = (0..8)
+        .map(|_| {
+            let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            dir.join(format!(".cube-csi-bridge-bind-{}-{n}", std::process::id()))
+        })
+        .find(|candidate| {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(candidate)
+                .is_ok()
+        })
+        .ok_or_else(|| {
+            binding()(std::io::Error::other(format!(
+                "could not make a private directory in {} to bind in",
+                dir.display()
+            )))
+        })?;
+    let inner = private.join("s");
+    let placed = (|| {
+        // Through the directory's descriptor: the socket's path length is then never
+        // longer than the one configured.
+        let handle = std::fs::File::open(&private)?;
+        let at = format!("/proc/self/fd/{}/s", handle.as_raw_fd());
+        let listener = std::os::unix::net::UnixListener::bind(&at)?;
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o660))?;
+        if let Some(gid) = gid {
+            nix::unistd::fchownat(
+                nix::fcntl::AT_FDCWD,
+                &inner,
+                None,
+                Some(nix::unistd::Gid::from_raw(gid)),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .map_err(|e| std::io::Error::other(format!("chgrp {gid}: {e}")))?;
+        }
+        nix::fcntl::renameat2(
+            nix::fcntl::AT_FDCWD,
+            &inner,
+            nix::fcntl::AT_FDCWD,
+            path,
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        )
+        .map_err(std::io::Error::from)?;
         listener.set_nonblocking(true)?;
         Ok::<_, std::io::Error>(listener)
-    })
-    .join()
-    .map_err(|_| std::io::Error::other("the thread binding the socket panicked"))??;
-    UnixListener::from_std(bound)
+    })();
+    let _ = std::fs::remove_file(&inner);
+    let _ = std::fs::remove_dir(&private);
+    match placed {
+        Ok(listener) => UnixListener::from_std(listener).map_err(binding()),
+        // Another instance bound the path since it was found free.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(ListenError::InUse {
+            path: path.to_path_buf(),
+        }),
+        Err(e) => Err(binding()(e)),
+    }
 }
 
 /// `path` with its directory resolved (symlinks followed), the socket itself not: where a
@@ -761,11 +813,7 @@ mod tests {
             None,
         )
         .unwrap();
-        nix::sys::socket::bind(
-            std::os::fd::AsRawFd::as_raw_fd(&server),
-            &UnixAddr::new(&path).unwrap(),
-        )
-        .unwrap();
+        nix::sys::socket::bind(server.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
         nix::sys::socket::listen(&server, Backlog::new(0).unwrap()).unwrap();
         // Fill its queue: nobody accepts.
         let mut queued = Vec::new();
@@ -902,6 +950,18 @@ mod tests {
         assert!(!private.join("b.sock").exists());
     }
 
+    #[test]
+    fn a_socket_is_the_same_through_another_spelling_of_its_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().join("run");
+        std::fs::create_dir(&real).unwrap();
+        std::os::unix::fs::symlink(&real, tmp.path().join("var-run")).unwrap();
+        let socket = real.join("x.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        assert!(same_socket(&socket, &tmp.path().join("var-run/x.sock")));
+        assert!(!same_socket(&socket, &real.join("y.sock")));
+    }
+
     /// The socket's umask must not reach other threads: a daemon opening several drivers
     /// binds one driver's socket while another makes its state dirs, which came out with
     /// the bind's umask (0600 for a 0700 dir: no search bit, so EACCES for good without
@@ -916,7 +976,7 @@ mod tests {
             std::thread::spawn(move || {
                 let mut wrong = Vec::new();
                 let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 5000 {
                     let made = dir.join(n.to_string());
                     std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
                         .create(&made)
@@ -930,7 +990,7 @@ mod tests {
                 (n, wrong)
             })
         };
-        for i in 0..3000 {
+        for i in 0..2000 {
             let path = tmp.path().join(format!("s{i}.sock"));
             let socket = UnixSocket::bind(&path, None).await.unwrap();
             drop(socket);
