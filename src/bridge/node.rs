@@ -607,6 +607,7 @@ impl NodeSide {
             &volume_id,
             async {
                 let deadline = Deadline::after(self.config.timeouts.attach);
+                let holding = held.is_some();
                 let _guard = match held {
                     Some(guard) => guard,
                     None => {
@@ -621,12 +622,14 @@ impl NodeSide {
                     first: req.ref_count == 0,
                     at: self.clock.now_secs(),
                 };
-                if caller.is_gone() {
+                if caller.is_gone() && !holding {
                     // The caller left before this began (a forked front Cube killed while
                     // its worker waited for the lock). Cube released the sandbox, and may
                     // since have sent the namespace's next hook, which may have run first:
                     // this ref_count is out of date, and the namespace it would drop may
-                    // hold a sandbox Cube counts. Only this sandbox is released.
+                    // hold a sandbox Cube counts. Only this sandbox is released. (A hot
+                    // check's rest, `held`, kept the lock since its caller's request: its
+                    // ref_count is current, and its release is Cube's.)
                     self.release_sandbox(&req, &change).await;
                     return Err(BridgeError::CallerGone);
                 }
@@ -1447,8 +1450,10 @@ impl NodeSide {
         })
     }
 
-    /// Cube Detach. Runs to the end even if the caller leaves: Cube retries a failed
-    /// Detach with the same metadata, and finishing is what that retry would do.
+    /// Cube Detach. Once it holds the volume's lock it runs to the end even if the caller
+    /// leaves: Cube retries a failed Detach with the same metadata, and finishing is what
+    /// that retry would do. A caller gone before the lock was taken changes nothing (its
+    /// ref_count may be out of date by then).
     pub async fn detach(&self, req: DetachVolume, caller: &Caller) -> Result<(), HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(

@@ -3097,6 +3097,31 @@ async fn an_attach_whose_caller_left_while_it_waited_for_the_lock_changes_nothin
     assert!(w.fake.is_mounted(&w.target("v")));
 }
 
+/// The rest of a cancelled hot Attach keeps the lock its check held since its request:
+/// its ref_count is current, so its release is Cube's, whole namespace and all (here
+/// Cube counts nobody in ns1, its s1 a stale holder): the volume is torn down. (The
+/// lock-wait check above must not catch it.)
+#[tokio::test]
+async fn the_rest_of_a_cancelled_hot_attach_releases_as_cube_did() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let kept = w
+        .bridge
+        .node()
+        .unwrap()
+        .locks
+        .try_acquire(LockScope::Node, "v")
+        .unwrap()
+        .unwrap();
+    let caller = Caller::waiting();
+    caller.leave();
+    w.bridge
+        .attach_holding(w.attach_req("v", "ns1", "s2", 0), &caller, kept)
+        .await
+        .unwrap_err();
+    w.assert_clean("v");
+}
+
 /// The same for a Detach: Cube saw it fail (its caller left while it waited), took the
 /// reference back, and the namespace's next Attach (ref_count 1) ran first.
 #[tokio::test]

@@ -193,8 +193,9 @@ impl Drop for InlineHook {
 /// A hot Attach whose caller went away while it checked the mount (a hung filesystem's
 /// stat outlasting Cube's deadline): Cube counts the Attach failed and releases the
 /// sandbox, also one that held the volume before, and never Detaches it. Dropped armed,
-/// it runs the full Attach in a task with its caller gone, which takes the volume's lock
-/// and releases the sandbox as Cube did (`NodeSide::attach`). Other hooks need nothing:
+/// it runs the full Attach in a task with its caller gone, which takes over the volume's
+/// lock the check kept and releases the sandbox as Cube did (`NodeSide::attach_holding`;
+/// a check cancelled before it took the lock releases only its own sandbox). Other hooks need nothing:
 /// nothing is awaited after a hot hook's one write, and a failed Detach Cube retries.
 ///
 /// The hot check leaves the volume's lock in `kept` while it awaits, and the full Attach
