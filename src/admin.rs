@@ -544,7 +544,7 @@ pub async fn list_controller(config: &Config, output: Output) -> anyhow::Result<
         });
     }
     let store = crate::app::controller_store(config, kube.as_ref())?;
-    // Read, never made here: a listing changes nothing. A key that cannot be read (a
+    // The key is read, never made here. A key that cannot be read (a
     // pinned key missing or replaced, no right to read it) is when the listing is needed
     // most: the records are listed all the same, their integrity unknown, and why said.
     let (key, key_error) = match crate::app::record_key_source(config, kube.as_ref())
@@ -785,6 +785,11 @@ mod tests {
     async fn a_check_or_listing_on_bad_input_claims_and_makes_nothing() {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::create_dir(tmp.path().join("state")).unwrap();
+        std::fs::set_permissions(
+            tmp.path().join("state"),
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
         let config = node_config(tmp.path(), "fk");
         let findings = check(config.clone(), Duration::from_millis(200))
             .await

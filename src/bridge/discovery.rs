@@ -10,13 +10,16 @@ use super::ports::{
 };
 use super::{BridgeError, Deadline};
 
+/// How long NodeGetInfo may take when it only checks `csi.node_id`.
+const NODE_ID_CHECK_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// What has been learned about the driver.
 #[derive(Debug, Default)]
 struct Discovered {
     node_caps: Option<NodeCaps>,
     controller: Option<(DriverIdentity, Option<ControllerCaps>)>,
     node_id: Option<String>,
-    /// The driver's NodeGetInfo agreed with `node_id_override`.
+    /// The driver's NodeGetInfo agreed with `node_id_override`, or could not answer.
     override_agreed: bool,
     /// NodeGetInfo's accessible_topology.
     node_topology: Option<Segments>,
@@ -164,12 +167,14 @@ impl DriverView {
     /// copied to every node with one node's id would have ControllerPublish attach the
     /// volume to that node, and a rollback's ControllerUnpublish detach it from under the
     /// sandbox there. A driver that cannot answer NodeGetInfo (the reason to set it)
-    /// leaves it unchecked, and is asked again next time.
+    /// leaves it unchecked.
     async fn checked_override(&self, id: &str, deadline: &Deadline) -> Result<String, BridgeError> {
         if self.discovered.lock().await.override_agreed {
             return Ok(id.to_string());
         }
-        match self.node.node_id(deadline).await {
+        // Briefly: a driver whose NodeGetInfo hangs must not spend the Attach's budget.
+        let brief = Deadline::after(deadline.remaining().min(NODE_ID_CHECK_BUDGET));
+        match self.node.node_id(&brief).await {
             Ok(said) if said != id => Err(BridgeError::Precondition(format!(
                 "csi.node_id is {id:?}, but the driver at {} says this node is {said:?} \
                  (NodeGetInfo): ControllerPublishVolume for {id:?} would attach volumes to \
@@ -182,7 +187,10 @@ impl DriverView {
                 Ok(id.to_string())
             }
             Err(error) => {
+                // Not asked again until the driver restarts (what it learned is forgotten
+                // then): every first Attach would wait for it otherwise.
                 tracing::warn!(%error, node_id = id, "NodeGetInfo failed: csi.node_id is used unchecked");
+                self.discovered.lock().await.override_agreed = true;
                 Ok(id.to_string())
             }
         }
