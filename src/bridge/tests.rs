@@ -2581,10 +2581,19 @@ async fn an_undone_create_never_signs_a_record_pointed_at_another_volume() {
     w.create("victim").await.unwrap();
     let victim = w.stored("victim").unwrap().csi_volume_id.unwrap();
     w.fake
-        .script("CreateVolume", Fault::Slow(Duration::from_millis(300)));
+        .script("CreateVolume", Fault::Slow(Duration::from_secs(1)));
     w.fake.script("DeleteVolume", Fault::Final);
     let forge = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        while w
+            .fake
+            .calls()
+            .iter()
+            .filter(|c| *c == "CreateVolume")
+            .count()
+            < 2
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         w.edit_record("v", |r| {
             r.csi_volume_id = Some(victim.clone());
             r.revision = Some("9999".into());
@@ -5173,10 +5182,6 @@ async fn a_key_that_made_none_of_the_snapshot_records_is_refused_at_start() {
 
 // ---------------------------------------------------------------- dead mounts (issue 19, defect 8)
 
-/// Issue 19, defect 8: a mount whose filesystem is gone (a FUSE daemon or NFS server that
-/// restarted) is still a mount point; a hot Attach must not hand it out. It is repaired
-/// first (unpublish, unstage, stage, publish), for every errno a dead mount answers, and
-/// the holders it had stay.
 /// Only the target's filesystem stopped answering (a driver that mounts the target on its
 /// own); the stage the holders' mounts sit on still answers, and is kept.
 #[tokio::test]
@@ -5192,6 +5197,10 @@ async fn a_dead_target_over_a_stage_that_answers_keeps_the_stage() {
     assert!(w.fake.is_mounted(&w.staging("v")));
 }
 
+/// Issue 19, defect 8: a mount whose filesystem is gone (a FUSE daemon or NFS server that
+/// restarted) is still a mount point; a hot Attach must not hand it out. It is repaired
+/// first (unpublish, unstage, stage, publish), for every errno a dead mount answers, and
+/// the holders it had stay.
 #[tokio::test]
 async fn a_hot_attach_repairs_a_dead_mount_before_it_answers() {
     for errno in [nix::libc::ENOTCONN, nix::libc::ESTALE, nix::libc::EIO] {
@@ -5560,9 +5569,11 @@ async fn a_snapshot_never_signs_a_record_edited_while_it_was_taken() {
     let w = World::new(Fake::new(false, false));
     w.create("v").await.unwrap();
     w.fake
-        .script("CreateSnapshot", Fault::Slow(Duration::from_millis(300)));
+        .script("CreateSnapshot", Fault::Slow(Duration::from_secs(1)));
     let forge = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        while !w.fake.calls().iter().any(|c| c == "CreateSnapshot") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let mut snapshots = w.fake.snapshot_records.snapshots.lock().unwrap();
         let record = snapshots.get_mut("s1").unwrap();
         record.source_csi_volume_id = "someone-elses".into();

@@ -870,11 +870,14 @@ impl NodeJournal for FileJournal {
                 let dir = self.kept_hooks_dir();
                 crate::mount::ops::ensure_dir(&dir, 0o700).map_err(Self::io(&dir))?;
             }
+            // Never through a link (one fails `is_file` above): the truncate would empty
+            // whatever it leads to.
             let file = std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
                 .open(&path)
                 .map_err(Self::io(&path))?;
             use std::io::Write as _;
@@ -1108,6 +1111,21 @@ mod tests {
 
     use super::*;
     use crate::bridge::records::Step;
+
+    /// A link planted where a namespace's last hook is kept is never followed: the
+    /// rewrite truncates what it opens.
+    #[test]
+    fn a_kept_hook_is_never_written_through_a_link() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let kept = journal.kept_hook_file("ns1");
+        std::fs::create_dir_all(kept.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&victim, &kept).unwrap();
+        let _ = journal.keep_last_hooks(&BTreeMap::from([("ns1".to_string(), 1)]));
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    }
 
     /// A change at an unknown time, as builds before times were kept logged it.
     fn attach(ns: &str, sb: &str, first: bool) -> HolderChange {

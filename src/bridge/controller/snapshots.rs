@@ -254,8 +254,16 @@ impl ControllerSide {
                 Err(BridgeError::Store(StoreError::Conflict { .. })) => {}
                 Err(e) => return Err(e),
             }
-            // Signed again below: only a record as the bridge wrote it is adopted.
-            match self.verified_snapshot(snapshot_id).await? {
+            // Signed again below: only a record as the bridge wrote it is adopted. One that
+            // fails its check is left; the snapshot just made is named for the operator.
+            let current = self.verified_snapshot(snapshot_id).await.map_err(|error| {
+                BridgeError::Precondition(format!(
+                    "{error}; CSI snapshot {:?} was made by this call and is recorded \
+                     nowhere: delete it by hand once the record is dealt with",
+                    info.csi_snapshot_id
+                ))
+            })?;
+            match current {
                 Some(current) if current.state == VolumeState::Deleting => {
                     return Err(being_reclaimed(snapshot_id));
                 }

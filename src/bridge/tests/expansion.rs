@@ -446,10 +446,12 @@ async fn an_expand_never_signs_a_record_edited_while_it_ran() {
     w.create("v").await.unwrap();
     w.fake.script(
         "ControllerExpandVolume",
-        Fault::Slow(Duration::from_millis(300)),
+        Fault::Slow(Duration::from_secs(1)),
     );
     let forge = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        while !w.fake.calls().iter().any(|c| c == "ControllerExpandVolume") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         w.edit_record("v", |r| {
             r.csi_name = "pvc-someone-elses".into();
             r.revision = Some("9999".into());
