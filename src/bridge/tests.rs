@@ -1901,6 +1901,31 @@ async fn a_mismatched_attach_never_tears_down_a_held_mount_whose_publish_is_unce
     );
 }
 
+/// After a stale record (another CSI id, at other paths) is torn down, the Attach's own
+/// paths get the check a first Attach's get: a mount already there (another instance's)
+/// is refused, not published over.
+#[tokio::test]
+async fn after_a_stale_record_is_torn_down_a_foreign_mount_at_the_fresh_paths_is_refused() {
+    let w = World::new(Fake::new(true, false));
+    w.attach("v", "ns1", "s1", 0).await.unwrap();
+    let legacy = w.as_legacy_attachment("v");
+    w.fake.unmounted(&legacy.target);
+    w.fake.unmounted(&legacy.staging);
+    std::fs::create_dir_all(w.target("v")).unwrap();
+    w.fake.mounted.lock().unwrap().insert(w.target("v"));
+    w.fake.clear_calls();
+    let mut req = w.attach_req("v", "ns2", "s2", 0);
+    req.handle.csi_volume_id = "h2".into();
+    w.bridge.attach(req, &Caller::waiting()).await.unwrap_err();
+    let calls = w.fake.mutating_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c == "NodeStageVolume" || c == "NodePublishVolume"),
+        "{calls:?}"
+    );
+}
+
 // ---------------------------------------------------------------- legacy path leaves
 
 impl World {
