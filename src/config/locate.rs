@@ -173,10 +173,14 @@ impl Replaceable {
 }
 
 /// The first thing on the way to any of `paths` through which someone other than root or
-/// `euid` could replace what lies there: a symlink such a user owns (the path itself or
-/// any component of it, as written), or a directory above that one owns, or that its group
-/// or others may write without the sticky bit (a sticky one still must be owned by root or
-/// `euid`). With `read_only_passes`, anything on a read-only mount passes.
+/// `euid` could replace what lies there: a symlink such a user owns, or a directory that
+/// one owns, or that its group or others may write without the sticky bit (a sticky one
+/// still must be owned by root or `euid`). Every path is walked as the kernel resolves it,
+/// component by component, following each link to wherever it leads: every link met and
+/// every directory a name is looked up in counts, also those only a link's target passes
+/// through (a root link to `/opt/deploy/current`, itself a link in a directory a deploy
+/// group may write, puts that directory on the way). With `read_only_passes`, anything
+/// on a read-only mount passes.
 pub fn untrusted_on_the_way<'a>(
     paths: impl IntoIterator<Item = &'a Path>,
     euid: u32,
@@ -188,19 +192,16 @@ pub fn untrusted_on_the_way<'a>(
         nix::sys::statvfs::statvfs(p)
             .is_ok_and(|fs| fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
     };
-    let paths: Vec<&Path> = paths.into_iter().collect();
-    // Links first: a link another user owns decides where everything below it leads, so
+    let walks: Vec<Walked> = paths.into_iter().map(walk).collect();
+    // Links first: a link another user owns decides where everything after it leads, so
     // the directories found through it say nothing.
-    for on_the_way in paths.iter().flat_map(|path| path.ancestors()) {
-        if let Ok(link) = std::fs::symlink_metadata(on_the_way)
-            && link.file_type().is_symlink()
-            && !trusted(link.uid())
-            && !(read_only_passes && on_the_way.parent().is_some_and(read_only))
-        {
-            return Some(Replaceable::Link(on_the_way.to_path_buf(), link.uid()));
+    for (link, uid) in walks.iter().flat_map(|w| &w.links) {
+        let passes = trusted(*uid) || (read_only_passes && link.parent().is_some_and(read_only));
+        if !passes {
+            return Some(Replaceable::Link(link.clone(), *uid));
         }
     }
-    for dir in paths.iter().flat_map(|path| path.ancestors().skip(1)) {
+    for dir in walks.iter().flat_map(|w| &w.dirs) {
         let Ok(meta) = std::fs::metadata(dir) else {
             continue;
         };
@@ -214,9 +215,75 @@ pub fn untrusted_on_the_way<'a>(
         } else {
             format!("is owned by uid {}", meta.uid())
         };
-        return Some(Replaceable::Dir(dir.to_path_buf(), why));
+        return Some(Replaceable::Dir(dir.clone(), why));
     }
     None
+}
+
+/// What resolving a path meets: each symlink (with its owner), and each directory a name
+/// is looked up in.
+#[derive(Debug, Default)]
+struct Walked {
+    links: Vec<(PathBuf, u32)>,
+    dirs: Vec<PathBuf>,
+}
+
+/// Resolves `path` as the kernel would (from `/`, or the working directory), recording
+/// what `Walked` holds, up to the first component that does not exist (nothing beyond it
+/// is on the way yet). At most 40 links are followed, as the kernel does.
+fn walk(path: &Path) -> Walked {
+    use std::collections::VecDeque;
+    use std::os::unix::fs::MetadataExt;
+    use std::path::Component;
+    let mut walked = Walked::default();
+    let start = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut left: VecDeque<std::ffi::OsString> = VecDeque::new();
+    let push_front = |left: &mut VecDeque<std::ffi::OsString>, p: &Path| {
+        let parts: Vec<_> = p
+            .components()
+            .filter_map(|c| match c {
+                Component::Normal(n) => Some(n.to_os_string()),
+                Component::ParentDir => Some("..".into()),
+                _ => None,
+            })
+            .collect();
+        for part in parts.into_iter().rev() {
+            left.push_front(part);
+        }
+    };
+    push_front(&mut left, &start);
+    let mut at = PathBuf::from("/");
+    let mut hops = 0;
+    while let Some(name) = left.pop_front() {
+        if name == ".." {
+            at.pop();
+            continue;
+        }
+        if !walked.dirs.contains(&at) {
+            walked.dirs.push(at.clone());
+        }
+        let next = at.join(&name);
+        let Ok(meta) = std::fs::symlink_metadata(&next) else {
+            break;
+        };
+        if meta.file_type().is_symlink() {
+            walked.links.push((next.clone(), meta.uid()));
+            hops += 1;
+            let Ok(target) = std::fs::read_link(&next) else {
+                break;
+            };
+            if hops > 40 {
+                break;
+            }
+            if target.is_absolute() {
+                at = PathBuf::from("/");
+            }
+            push_front(&mut left, &target);
+            continue;
+        }
+        at = next;
+    }
+    walked
 }
 
 /// Why users other than root or `euid` may add names to `dir` (resolved): its owner is
@@ -295,6 +362,37 @@ fn check_owners(path: &Path, real: &Path, euid: u32) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A root link whose target goes through another link, kept in a directory others
+    /// may write: that directory is on the way (its writers can re-point the second link),
+    /// though neither the path as written nor as finally resolved passes through it.
+    #[test]
+    fn a_writable_directory_a_link_passes_through_is_on_the_way() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let hop = tmp.path().join("hop");
+        let real = tmp.path().join("real");
+        std::fs::create_dir(&hop).unwrap();
+        std::fs::create_dir(&real).unwrap();
+        std::fs::set_permissions(&hop, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(&real, hop.join("current")).unwrap();
+        std::os::unix::fs::symlink(hop.join("current"), tmp.path().join("state")).unwrap();
+        let euid = nix::unistd::geteuid().as_raw();
+        let written = tmp.path().join("state/nfs");
+        let resolved = real.join("nfs");
+        let found = untrusted_on_the_way([written.as_path(), resolved.as_path()], euid, false);
+        assert_eq!(
+            found,
+            Some(Replaceable::Dir(
+                hop.clone(),
+                "is writable by its group or by others (mode 777)".into()
+            ))
+        );
+        // Without the writable hop, nothing is.
+        std::fs::set_permissions(&hop, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(untrusted_on_the_way([written.as_path()], euid, false), None);
+    }
 
     #[test]
     fn locate_follows_the_documented_order() {
