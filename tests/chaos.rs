@@ -1346,7 +1346,7 @@ async fn a_forked_attach_whose_front_and_worker_are_terminated_together_leaves_n
     );
     let front = w
         .binary_caller()
-        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "2000")
+        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "10000")
         .spawn(&Hook::Attach(request));
     common::wait_until("the worker saved the holder", SETTLE, || {
         holds("sb-stopped")

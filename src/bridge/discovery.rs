@@ -19,7 +19,8 @@ struct Discovered {
     node_caps: Option<NodeCaps>,
     controller: Option<(DriverIdentity, Option<ControllerCaps>)>,
     node_id: Option<String>,
-    /// The driver's NodeGetInfo agreed with `node_id_override`, or could not answer.
+    /// The driver's NodeGetInfo agreed with `node_id_override`, or finally could not
+    /// answer.
     override_agreed: bool,
     /// NodeGetInfo's accessible_topology.
     node_topology: Option<Segments>,
@@ -187,10 +188,13 @@ impl DriverView {
                 Ok(id.to_string())
             }
             Err(error) => {
-                // Not asked again until the driver restarts (what it learned is forgotten
-                // then): every first Attach would wait for it otherwise.
+                // A final answer (UNIMPLEMENTED, a driver that cannot say) is not asked
+                // again until the driver restarts (what it learned is forgotten then); a
+                // timeout or an unavailable driver is, at the next first Attach.
                 tracing::warn!(%error, node_id = id, "NodeGetInfo failed: csi.node_id is used unchecked");
-                self.discovered.lock().await.override_agreed = true;
+                if !error.is_uncertain() {
+                    self.discovered.lock().await.override_agreed = true;
+                }
                 Ok(id.to_string())
             }
         }

@@ -1157,10 +1157,6 @@ impl Checker<'_> {
             for (given, field) in [
                 (k.kubeconfig.is_some(), "kubernetes.kubeconfig"),
                 (k.namespace.is_some(), "kubernetes.namespace"),
-                (
-                    k.record_key_secret.is_some(),
-                    "kubernetes.record_key_secret",
-                ),
             ] {
                 if given {
                     return Err(self.invalid(
@@ -1172,6 +1168,17 @@ impl Checker<'_> {
                     ));
                 }
             }
+        }
+        if k.record_key_secret.is_some()
+            && config.state.controller_store != ControllerStoreKind::Kubernetes
+        {
+            return Err(self.invalid(
+                "kubernetes.record_key_secret",
+                "names the CubeVolume store's key, read only with state.controller_store = \
+                 \"kubernetes\" (the embedded store keeps its key in state.dir): set that to \
+                 keep Create's records in the API server (shared by every CubeMaster host), or \
+                 remove it",
+            ));
         }
         if config.state.controller_store == ControllerStoreKind::Kubernetes
             && !is_label_value(&config.driver)
@@ -1743,6 +1750,7 @@ access_mode = "single_node_writer"
             "namespace = \"cube\"",
             "kubeconfig = \"/etc/kube.conf\"",
             "record_key_secret = \"key\"",
+            "record_key_secret = \"key\"\nstorage_class = \"nfs-csi\"",
         ] {
             let err = parse(&format!("{MINIMAL}[kubernetes]\n{setting}\n"))
                 .unwrap_err()

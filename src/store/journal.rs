@@ -872,14 +872,24 @@ impl NodeJournal for FileJournal {
             }
             // Never through a link (one fails `is_file` above): the truncate would empty
             // whatever it leads to.
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&path)
-                .map_err(Self::io(&path))?;
+            let open = || {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .custom_flags(nix::libc::O_NOFOLLOW)
+                    .open(&path)
+            };
+            // A link found there is removed (the directory is the bridge's own; nothing
+            // of its puts one there), and the file written in its place.
+            let file = match open() {
+                Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => {
+                    std::fs::remove_file(&path).and_then(|()| open())
+                }
+                other => other,
+            }
+            .map_err(Self::io(&path))?;
             use std::io::Write as _;
             (&file)
                 .write_all(namespace.as_bytes())
@@ -1123,8 +1133,11 @@ mod tests {
         let kept = journal.kept_hook_file("ns1");
         std::fs::create_dir_all(kept.parent().unwrap()).unwrap();
         std::os::unix::fs::symlink(&victim, &kept).unwrap();
-        let _ = journal.keep_last_hooks(&BTreeMap::from([("ns1".to_string(), 1)]));
+        journal
+            .keep_last_hooks(&BTreeMap::from([("ns1".to_string(), 1)]))
+            .unwrap();
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert_eq!(journal.kept_last_hooks().unwrap()["ns1"], 1);
     }
 
     /// A change at an unknown time, as builds before times were kept logged it.

@@ -1,9 +1,10 @@
 //! The daemon's listeners: the Unix socket Cube dials (bound here, or inherited from
 //! systemd socket activation), the optional loopback TCP port, and who may connect.
 //!
-//! The socket is refused where another user could replace it once bound; it is created
-//! under a umask so it is never wider than 0660, even for an instant; its group can be set
-//! so a non-root Cubelet in that group can dial it; an existing path is replaced only if
+//! The socket is refused where another user could replace it once bound; it is bound in
+//! a private directory and made 0660 (and given its group, so a non-root Cubelet in that
+//! group can dial it) before it is renamed to its path, so it is never wider even for an
+//! instant; an existing path is replaced only if
 //! it is a stale socket (never followed if it is a symlink); and it is removed on shutdown
 //! only if it is still the one this process made.
 //! With `serve.allowed_uids`, every connection's peer uid is checked (SO_PEERCRED on the
@@ -69,6 +70,9 @@ pub enum ListenError {
         source: std::io::Error,
     },
 }
+
+/// The longest path a Unix socket address holds (sun_path's 108 bytes, one for the NUL).
+const MAX_SOCKET_PATH: usize = 107;
 
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ListenError {
     let context = context.into();
@@ -168,7 +172,7 @@ impl UnixSocket {
             Some(bound) if bound != path => tracing::info!(
                 socket = %bound.display(),
                 config = %path.display(),
-                "serving on the socket systemd passed (bound where its socket unit says, not at serve.socket)"
+                "serving on the socket systemd passed (serve.socket, by another name)"
             ),
             _ => tracing::info!(socket = %path.display(), "serving on the socket systemd passed"),
         }
@@ -185,6 +189,17 @@ impl UnixSocket {
     /// write, their symlink on the way), parent created, a stale socket replaced, a live
     /// one refused, mode 0660 from the first instant, group `gid` when given.
     pub async fn bind(path: &Path, gid: Option<u32>) -> Result<Self, ListenError> {
+        // A Unix socket's address holds at most 107 bytes: a longer path could be bound
+        // (through the private directory's descriptor) but never dialled.
+        if path.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(io(format!("serve.socket {}", path.display()))(
+                std::io::Error::other(format!(
+                    "is {} bytes long; a Unix socket path may have at most {MAX_SOCKET_PATH}, \
+                     so Cube could not dial it: choose a shorter one",
+                    path.as_os_str().len()
+                )),
+            ));
+        }
         let written = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         let euid = nix::unistd::geteuid().as_raw();
         let check = |paths: &[&Path]| match crate::config::untrusted_on_the_way(
@@ -287,20 +302,22 @@ fn bind_privately(path: &Path, gid: Option<u32>) -> Result<UnixListener, ListenE
     };
     let binding = || io(format!("binding {}", path.display()));
     static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut last = None;
     let private = (0..8)
         .map(|_| {
             let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             dir.join(format!(".cube-csi-bridge-bind-{}-{n}", std::process::id()))
         })
         .find(|candidate| {
-            std::fs::DirBuilder::new()
-                .mode(0o700)
-                .create(candidate)
-                .is_ok()
+            let made = std::fs::DirBuilder::new().mode(0o700).create(candidate);
+            let ok = made.is_ok();
+            last = made.err();
+            ok
         })
         .ok_or_else(|| {
+            let why = last.map_or_else(|| "no name left".to_string(), |e| e.to_string());
             binding()(std::io::Error::other(format!(
-                "could not make a private directory in {} to bind in",
+                "could not make a private directory in {} to bind in: {why}",
                 dir.display()
             )))
         })?;
@@ -322,14 +339,19 @@ fn bind_privately(path: &Path, gid: Option<u32>) -> Result<UnixListener, ListenE
             )
             .map_err(|e| std::io::Error::other(format!("chgrp {gid}: {e}")))?;
         }
-        nix::fcntl::renameat2(
+        match nix::fcntl::renameat2(
             nix::fcntl::AT_FDCWD,
             &inner,
             nix::fcntl::AT_FDCWD,
             path,
             nix::fcntl::RenameFlags::RENAME_NOREPLACE,
-        )
-        .map_err(std::io::Error::from)?;
+        ) {
+            Ok(()) => {}
+            // A filesystem without RENAME_NOREPLACE (NFS, some FUSE): a hard link never
+            // replaces either.
+            Err(nix::errno::Errno::EINVAL) => std::fs::hard_link(&inner, path)?,
+            Err(e) => return Err(e.into()),
+        }
         listener.set_nonblocking(true)?;
         Ok::<_, std::io::Error>(listener)
     })();
@@ -948,6 +970,31 @@ mod tests {
         };
         assert!(why.contains("uid 65534"), "{why}");
         assert!(!private.join("b.sock").exists());
+    }
+
+    /// A path too long for a Unix socket address is refused, as a bind of it was before
+    /// the socket was bound through its private directory's descriptor; nothing is left.
+    #[tokio::test]
+    async fn a_socket_path_too_long_to_dial_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let long = tmp.path().join(format!("{}.sock", "x".repeat(120)));
+        let refused = UnixSocket::bind(&long, None).await.unwrap_err().to_string();
+        assert!(refused.contains("at most 107"), "{refused}");
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    /// The bind leaves no private directory behind.
+    #[tokio::test]
+    async fn a_bind_leaves_nothing_behind() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("b.sock");
+        let socket = UnixSocket::bind(&path, None).await.unwrap();
+        let names: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["b.sock"]);
+        drop(socket);
     }
 
     #[test]

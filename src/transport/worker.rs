@@ -248,10 +248,12 @@ fn worker(
         };
         // A stop of Cubelet's service signals every process of its group at once, this
         // worker with its front: the front dies before it can take back what the worker
-        // did, so the worker does, as when the front alone is gone (systemd's SIGKILL
-        // after its stop timeout still bounds it).
+        // did, so the worker does, as when the front alone is gone, and then ends (the
+        // handler replaces the signal's default; systemd's SIGKILL after its stop timeout
+        // still bounds the undo).
         let stopped = {
             let caller = caller.clone();
+            let answer = answer.clone();
             use tokio::signal::unix::{SignalKind, signal};
             let mut term = signal(SignalKind::terminate()).ok();
             let mut int = signal(SignalKind::interrupt()).ok();
@@ -262,10 +264,19 @@ fn worker(
                     () = received(&mut int) => {}
                     () = received(&mut hup) => {}
                 }
-                tracing::warn!(
-                    "stopped by a signal; undoing this hook's work unless it was answered"
-                );
-                caller.leave();
+                // Stopped: nothing after the answer (the abandoned-work pass) is run. Work
+                // not answered yet is undone first, and its failure handed over, as when
+                // the front alone is gone; then the process ends, as the signal asked.
+                if answer.lock().expect("poisoned").is_some() {
+                    tracing::warn!(
+                        "stopped by a signal before answering; undoing this hook's work"
+                    );
+                    caller.leave();
+                    while answer.lock().expect("poisoned").is_some() {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                }
+                std::process::exit(0);
             })
         };
         binary::run(
