@@ -328,6 +328,11 @@ fn schema_refuses_bad_values_naming_the_field() {
             "driver",
         ),
         (
+            "a driver name unfit to label the CubeVolume objects a node follows",
+            "driver=nfs-,controller.enabled=false",
+            "node.followExpansions",
+        ),
+        (
             "volume parameters beside a StorageClass",
             "volume.parameters.server=10.0.0.5",
             "volume.parameters",

@@ -252,6 +252,8 @@ struct FakeExpansion {
     node_calls: Vec<(String, PathBuf, Option<PathBuf>, u64)>,
     /// The secrets each expand call carried, by call name.
     secrets: Vec<(&'static str, Secrets)>,
+    /// What NodeExpandVolume reports it reached, when not the size asked.
+    node_reports: Option<i64>,
 }
 
 impl Fake {
@@ -794,7 +796,7 @@ impl NodeDriver for Fake {
             call.staging_path.clone(),
             call.required_bytes,
         ));
-        Ok(call.required_bytes as i64)
+        Ok(expansion.node_reports.unwrap_or(call.required_bytes as i64))
     }
 }
 
@@ -5521,6 +5523,29 @@ async fn an_unanswered_create_snapshot_is_retried_by_name_and_otherwise_swept() 
     assert!(w.snapshot_record("s2").is_none());
     assert_eq!(w.backend_snapshots().len(), 1);
     assert!(w.snapshot_record("s1").is_some());
+}
+
+/// An unfinished snapshot whose source volume was destroyed since: CreateSnapshot, asked
+/// again to resolve the name, answers NOT_FOUND for good. Before, every sweep failed on it
+/// and its name stayed taken; now the record goes (with a warning naming what may be left).
+#[tokio::test]
+async fn an_unfinished_snapshot_whose_source_is_gone_is_swept() {
+    let w = World::new(Fake::new(false, false));
+    w.create("v").await.unwrap();
+    w.fake.script("CreateSnapshot", Fault::Uncertain);
+    w.controller().create_snapshot("v", "s2").await.unwrap_err();
+    assert_eq!(
+        w.snapshot_record("s2").unwrap().state,
+        VolumeState::Creating
+    );
+    w.destroy("v").await.unwrap();
+    let report = w
+        .controller()
+        .sweep_abandoned_creates(Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!((report.reclaimed, report.failed), (1, 0), "{report:?}");
+    assert!(w.snapshot_record("s2").is_none());
 }
 
 #[tokio::test]

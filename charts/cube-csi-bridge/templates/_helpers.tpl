@@ -101,6 +101,9 @@ Checks across values that the schema cannot express; included by every workload 
 {{- if and (or .Values.controller.enabled (include "cube-csi-bridge.nodeServesController" .)) (not (regexMatch "[A-Za-z0-9]$" .Values.driver)) }}
 {{- fail (printf "driver %q must end with a letter or digit: it labels the CubeVolume objects of the controller side" .Values.driver) }}
 {{- end }}
+{{- if and (include "cube-csi-bridge.nodeFollowsExpansions" .) (not (regexMatch "[A-Za-z0-9]$" .Values.driver)) }}
+{{- fail (printf "driver %q must end with a letter or digit: the node side reads the CubeVolume objects it labels to follow expansions (node.followExpansions); rename the driver or set node.followExpansions=false" .Values.driver) }}
+{{- end }}
 {{- if .Values.kubernetes.storageClass }}
 {{- with .Values.volume }}
 {{- if or .parameters .mountFlags .fsType }}

@@ -518,7 +518,25 @@ impl ControllerSide {
             (VolumeState::Created, Some(id)) => id.clone(),
             _ => {
                 tracing::info!(csi_name = %record.csi_name, "resolving an unfinished snapshot before deleting");
-                let info = self.take_snapshot(&record, deadline).await?;
+                let info = match self.take_snapshot(&record, deadline).await {
+                    Ok(info) => info,
+                    // NOT_FOUND: the source volume is gone (CSI), so the name can never be
+                    // resolved again. Kept, the record would fail every sweep and hold its
+                    // name for good; what the driver may have made under it before the
+                    // source went is named for the operator instead.
+                    Err(BridgeError::Driver(e)) if e.grpc_code == tonic_code::NOT_FOUND => {
+                        tracing::warn!(
+                            csi_name = %record.csi_name,
+                            source_csi_volume_id = %record.source_csi_volume_id,
+                            "the unfinished snapshot's source volume is gone, so whether the \
+                             driver made a snapshot under this name cannot be asked again: the \
+                             record is removed; if the driver lists a snapshot of that source \
+                             (ListSnapshots), delete it by hand"
+                        );
+                        return Ok(self.snapshots.delete_snapshot(&record).await?);
+                    }
+                    Err(error) => return Err(error),
+                };
                 if is_of_another_source(&record, &info) {
                     // The name is another volume's snapshot: nothing of this record's was
                     // made under it, so only the record goes (never that snapshot).
@@ -885,6 +903,8 @@ impl ControllerSide {
 
 /// The gRPC codes the core compares driver errors with.
 mod tonic_code {
+    /// NOT_FOUND: what a driver answers CreateSnapshot of a source volume that is gone.
+    pub const NOT_FOUND: i32 = 5;
     /// FAILED_PRECONDITION: what a driver answers DeleteSnapshot of a snapshot in use.
     pub const FAILED_PRECONDITION: i32 = 9;
 }
