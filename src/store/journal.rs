@@ -68,6 +68,10 @@ const IDLE_PRUNE_STAMP: &str = ".pruned";
 const IDLE_MARKER_KEEP: Duration = Duration::from_secs(3600);
 /// How often a clear prunes idle markers, at most (across processes).
 const IDLE_PRUNE_EVERY: Duration = Duration::from_secs(600);
+/// How long a namespace's kept last hook outlives its last hook: far past any staleness
+/// limit in use (a day by default), so that losing one only risks a false stale report,
+/// and a host that saw many namespaces does not keep (and read every 10 s) a file for each.
+const KEPT_HOOK_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// The journal directory.
 #[derive(Debug, Clone)]
@@ -284,6 +288,20 @@ impl FileJournal {
                     .is_some_and(|name| !name.contains('.') && self.path(name).exists())
             };
             if stale && !held() {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        // The kept last hooks of namespaces not seen for long (their time is the hook's).
+        for entry in std::fs::read_dir(self.kept_hooks_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let old = entry.metadata().and_then(|m| m.modified()).is_ok_and(|at| {
+                now.duration_since(at)
+                    .is_ok_and(|age| age >= KEPT_HOOK_KEEP)
+            });
+            if old {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -1138,6 +1156,30 @@ mod tests {
             .unwrap();
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
         assert_eq!(journal.kept_last_hooks().unwrap()["ns1"], 1);
+    }
+
+    /// The kept last hooks of namespaces not seen for a month are pruned with the idle
+    /// markers: before, one file per namespace ever torn down stayed, and was read every
+    /// 10 s.
+    #[test]
+    fn kept_hooks_of_namespaces_long_gone_are_pruned() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = FileJournal::open(tmp.path()).unwrap();
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let month = 31 * 24 * 3600;
+        journal
+            .keep_last_hooks(&BTreeMap::from([
+                ("gone".to_string(), now - month),
+                ("alive".to_string(), now - 60),
+            ]))
+            .unwrap();
+        std::fs::create_dir_all(&journal.idle).unwrap();
+        journal.prune_idle_markers(IDLE_MARKER_KEEP, IDLE_PRUNE_EVERY);
+        let kept = journal.kept_last_hooks().unwrap();
+        assert_eq!(kept.keys().collect::<Vec<_>>(), ["alive"]);
     }
 
     /// A change at an unknown time, as builds before times were kept logged it.

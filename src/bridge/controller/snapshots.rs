@@ -639,8 +639,14 @@ impl ControllerSide {
             snapshot_id: snapshot_id.to_string(),
             csi_snapshot_id,
         };
-        self.make_copy(as_volume_id, &identity, source, &deadline)
-            .await
+        self.make_copy(
+            as_volume_id,
+            &identity,
+            source,
+            snapshot.size_bytes,
+            &deadline,
+        )
+        .await
     }
 
     /// `clone VOLUME_ID --as NEW_ID`: a CSI volume made from another (CLONE_VOLUME),
@@ -668,12 +674,13 @@ impl ControllerSide {
             )));
         }
         let _locks = self.lock_pair(volume_id, as_volume_id, &deadline).await?;
-        let (_, csi_volume_id) = self.copyable_volume(volume_id, &identity.name).await?;
+        let (original, csi_volume_id) = self.copyable_volume(volume_id, &identity.name).await?;
         let source = ContentSource::Volume {
             volume_id: volume_id.to_string(),
             csi_volume_id,
         };
-        self.make_copy(as_volume_id, &identity, source, &deadline)
+        let source_bytes = original.capacity_bytes;
+        self.make_copy(as_volume_id, &identity, source, source_bytes, &deadline)
             .await
     }
 
@@ -685,8 +692,12 @@ impl ControllerSide {
         as_volume_id: &str,
         identity: &DriverIdentity,
         source: ContentSource,
+        source_bytes: i64,
         deadline: &Deadline,
     ) -> Result<VolumeRecord, BridgeError> {
+        // At least the source's size (an expanded volume, a larger snapshot): drivers
+        // refuse a copy smaller than what it copies (CSI: OUT_OF_RANGE).
+        let copy_bytes = (self.config.capacity_bytes as i64).max(source_bytes);
         // Resolved before anything is written: a bad StorageClass changes nothing.
         let spec = self.settings.spec(&identity.name).await?;
         let fresh_name = fresh_csi_volume_name(&self.config.name_prefix, as_volume_id);
@@ -725,7 +736,7 @@ impl ControllerSide {
                         csi_volume_id: None,
                         volume_context: Default::default(),
                         // What CreateVolume asks for, so that a repeat asks the same.
-                        capacity_bytes: self.config.capacity_bytes as i64,
+                        capacity_bytes: copy_bytes,
                         updated_at: self.now_secs(),
                         deletion: spec.deletion.clone(),
                         revision: None,

@@ -490,3 +490,18 @@ async fn a_node_expansion_that_reached_less_is_recorded_as_reached() {
         "{again:?}"
     );
 }
+
+/// A clone of an expanded volume asks for the size the volume has now, not the size
+/// configured: drivers refuse a copy smaller than its source. Before, it asked the
+/// configured size and every clone of an expanded volume failed.
+#[tokio::test]
+async fn a_clone_of_an_expanded_volume_asks_for_its_size() {
+    let w = world(online(), 30);
+    w.create("v").await.unwrap();
+    w.expand("v", 4 * GI).await.unwrap();
+    w.fake.state.lock().unwrap().asked_sizes = Some(BTreeMap::new());
+    let copy = w.controller().clone_volume("v", "c").await.unwrap();
+    assert_eq!(copy.capacity_bytes, (4 * GI) as i64);
+    let asked = w.fake.state.lock().unwrap().asked_sizes.clone().unwrap();
+    assert_eq!(asked.get(&copy.csi_name), Some(&(4 * GI)), "{asked:?}");
+}
