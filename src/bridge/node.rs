@@ -91,6 +91,9 @@ pub struct NodeSide {
     /// Each published volume's condition at the last periodic check, to log changes only.
     pub(super) conditions:
         std::sync::Mutex<std::collections::BTreeMap<String, super::inventory::Condition>>,
+    /// Volumes whose abandoned work failed in a scan of this process: when to try each
+    /// again, and the pause after that (`reconcile::Backoff`).
+    pub(super) retry_after: std::sync::Mutex<super::reconcile::Backoff>,
 }
 
 impl std::fmt::Debug for NodeSide {
@@ -117,6 +120,7 @@ impl NodeSide {
             boot_id: ports.boot_id,
             clock: ports.clock,
             conditions: Default::default(),
+            retry_after: Default::default(),
         }
     }
 

@@ -57,6 +57,36 @@ impl ReconcileReport {
     }
 }
 
+/// When a scan of abandoned work tries a volume whose work failed there again: after 30 s,
+/// doubling to 10 min while it keeps failing. Without it, the volumes of a hung backend
+/// (sorted first) took each pass's whole budget, every 30 s, before any other volume's
+/// work was looked at, and the hung driver got a new call each time. Only the scans of
+/// abandoned work wait; a full pass (start-up, periodic) and Cube's own retries do not.
+#[derive(Debug, Default)]
+pub struct Backoff(std::collections::HashMap<String, (std::time::Instant, std::time::Duration)>);
+
+const BACKOFF_FIRST: std::time::Duration = std::time::Duration::from_secs(30);
+const BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(600);
+
+impl Backoff {
+    fn waiting(&self, volume_id: &str, now: std::time::Instant) -> bool {
+        self.0.get(volume_id).is_some_and(|(next, _)| *next > now)
+    }
+
+    fn failed(&mut self, volume_id: &str, now: std::time::Instant) {
+        let pause = self
+            .0
+            .get(volume_id)
+            .map_or(BACKOFF_FIRST, |(_, last)| (*last * 2).min(BACKOFF_MAX));
+        self.0.insert(volume_id.to_string(), (now + pause, pause));
+    }
+
+    /// Forgets volumes that succeeded, or are no longer pending.
+    fn keep_only(&mut self, failing: &std::collections::HashSet<&str>) {
+        self.0.retain(|id, _| failing.contains(id.as_str()));
+    }
+}
+
 /// What happened to one volume.
 enum Outcome {
     Healthy,
@@ -87,13 +117,34 @@ impl NodeSide {
             ids.retain(|id| id != left_for_cube);
         }
         let mut report = ReconcileReport::default();
-        for volume_id in ids {
+        let abandoned_only = scope != Scope::All;
+        let mut failing = std::collections::HashSet::new();
+        for volume_id in &ids {
+            let volume_id = volume_id.as_str();
             let span = tracing::info_span!("reconcile", %volume_id);
-            match self
-                .reconcile_volume(&volume_id, scope)
-                .instrument(span.clone())
-                .await
+            if abandoned_only
+                && self
+                    .retry_after
+                    .lock()
+                    .expect("poisoned")
+                    .waiting(volume_id, std::time::Instant::now())
             {
+                failing.insert(volume_id);
+                report.skipped += 1;
+                continue;
+            }
+            let outcome = self
+                .reconcile_volume(volume_id, scope)
+                .instrument(span.clone())
+                .await;
+            if abandoned_only && outcome.is_err() {
+                failing.insert(volume_id);
+                self.retry_after
+                    .lock()
+                    .expect("poisoned")
+                    .failed(volume_id, std::time::Instant::now());
+            }
+            match outcome {
                 Ok(Outcome::Healthy) => report.healthy += 1,
                 Ok(Outcome::RolledBack) => report.rolled_back += 1,
                 Ok(Outcome::EarlierBoot) => report.earlier_boot += 1,
@@ -108,6 +159,12 @@ impl NodeSide {
                     report.failed += 1;
                 }
             }
+        }
+        if abandoned_only {
+            self.retry_after
+                .lock()
+                .expect("poisoned")
+                .keep_only(&failing);
         }
         for (finding, count) in [
             ("rolled_back", report.rolled_back),

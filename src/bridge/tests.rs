@@ -2114,6 +2114,48 @@ async fn reconcile_rolls_back_the_unheld_tears_down_earlier_boots_and_repairs_th
     w.assert_clean("old");
 }
 
+/// A volume whose abandoned work fails (its backend hangs or refuses) is not tried again
+/// by every scan, ahead of every other volume's: it waits, longer each time. Before, each
+/// 30 s scan began with it again, and its driver got a new call each time.
+#[tokio::test]
+async fn abandoned_work_that_fails_is_not_retried_by_every_scan() {
+    let w = World::new(Fake::new(false, false));
+    for volume in ["-a", "b"] {
+        w.attach(volume, "ns", "s", 0).await.unwrap();
+        w.abandon(volume);
+    }
+    w.fake.script("NodeUnpublishVolume", Fault::Final);
+    let scan = || async {
+        w.bridge
+            .node()
+            .unwrap()
+            .reconcile_node(reconcile::Scope::Abandoned)
+            .await
+            .unwrap()
+    };
+    let first = scan().await;
+    assert_eq!((first.failed, first.rolled_back), (1, 1), "{first:?}");
+    w.assert_clean("b");
+    w.fake.clear_calls();
+    let second = scan().await;
+    assert_eq!(second.skipped, 1, "{second:?}");
+    assert!(
+        w.fake.mutating_calls().is_empty(),
+        "{:?}",
+        w.fake.mutating_calls()
+    );
+    // A full pass (start-up, periodic) does not wait.
+    let all = w
+        .bridge
+        .node()
+        .unwrap()
+        .reconcile_node(reconcile::Scope::All)
+        .await
+        .unwrap();
+    assert_eq!(all.rolled_back, 1, "{all:?}");
+    w.assert_clean("-a");
+}
+
 #[tokio::test]
 async fn abandoned_scan_leaves_volumes_whose_lock_is_held() {
     let w = World::new(Fake::new(false, false));
