@@ -12,6 +12,9 @@ use super::{BridgeError, Deadline};
 
 /// How long NodeGetInfo may take when it only checks `csi.node_id`.
 const NODE_ID_CHECK_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long after a NodeGetInfo that failed for the moment it is asked again (each time
+/// at the cost of a first Attach's wait).
+const NODE_ID_CHECK_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// What has been learned about the driver.
 #[derive(Debug, Default)]
@@ -22,6 +25,8 @@ struct Discovered {
     /// The driver's NodeGetInfo agreed with `node_id_override`, or finally could not
     /// answer.
     override_agreed: bool,
+    /// Not before then is a NodeGetInfo that failed for the moment asked again.
+    override_retry_at: Option<std::time::Instant>,
     /// NodeGetInfo's accessible_topology.
     node_topology: Option<Segments>,
 }
@@ -170,8 +175,14 @@ impl DriverView {
     /// sandbox there. A driver that cannot answer NodeGetInfo (the reason to set it)
     /// leaves it unchecked.
     async fn checked_override(&self, id: &str, deadline: &Deadline) -> Result<String, BridgeError> {
-        if self.discovered.lock().await.override_agreed {
-            return Ok(id.to_string());
+        {
+            let discovered = self.discovered.lock().await;
+            let waiting = discovered
+                .override_retry_at
+                .is_some_and(|at| std::time::Instant::now() < at);
+            if discovered.override_agreed || waiting {
+                return Ok(id.to_string());
+            }
         }
         // Briefly: a driver whose NodeGetInfo hangs must not spend the Attach's budget.
         let brief = Deadline::after(deadline.remaining().min(NODE_ID_CHECK_BUDGET));
@@ -190,10 +201,14 @@ impl DriverView {
             Err(error) => {
                 // A final answer (UNIMPLEMENTED, a driver that cannot say) is not asked
                 // again until the driver restarts (what it learned is forgotten then); a
-                // timeout or an unavailable driver is, at the next first Attach.
+                // timeout or an unavailable driver is, a minute later at the earliest.
                 tracing::warn!(%error, node_id = id, "NodeGetInfo failed: csi.node_id is used unchecked");
-                if !error.is_uncertain() {
-                    self.discovered.lock().await.override_agreed = true;
+                let mut discovered = self.discovered.lock().await;
+                if error.is_uncertain() {
+                    discovered.override_retry_at =
+                        Some(std::time::Instant::now() + NODE_ID_CHECK_RETRY);
+                } else {
+                    discovered.override_agreed = true;
                 }
                 Ok(id.to_string())
             }

@@ -208,27 +208,13 @@ impl NodeSide {
         let reported = self.driver.driver(reply).await?;
         // The size asked for, not a larger one the driver reports (rounded up): a record
         // asking for exactly what was asked here is then done, never "above" the record.
-        // A smaller one is what was reached (a filesystem grown before its device was,
-        // the controller's expand not done yet): recorded as it is, so that the next
-        // expand asks again instead of finding it done.
-        let reached = if reported > 0 && reported < size {
-            tracing::warn!(
-                volume_id,
-                size,
-                reported,
-                "the driver grew the volume on this node to less than asked (its controller expand not done yet?); run the expand again once it is"
-            );
-            reported
-        } else {
-            size
-        };
-        record.expanded_bytes = reached;
+        record.expanded_bytes = size;
         let journal = self.journal.clone();
         let saved = record.clone();
         blocking(move || journal.save(&saved, true).map_err(BridgeError::from)).await?;
         Ok(NodeExpansion::Expanded {
             volume_path,
-            capacity_bytes: reached.max(reported),
+            capacity_bytes: size.max(reported),
         })
     }
 }

@@ -49,11 +49,17 @@ pub struct ReconcileReport {
     pub failed: usize,
     /// Busy with a live hook (Abandoned scope only).
     pub skipped: usize,
+    /// Failed in an earlier scan of this process, and waiting before it is tried again
+    /// (`Backoff`; Abandoned scope only). Not a finding of this pass.
+    pub deferred: usize,
 }
 
 impl ReconcileReport {
     pub fn is_empty(&self) -> bool {
-        *self == Self::default()
+        Self {
+            deferred: 0,
+            ..self.clone()
+        } == Self::default()
     }
 }
 
@@ -61,7 +67,7 @@ impl ReconcileReport {
 /// doubling to 10 min while it keeps failing. Without it, the volumes of a hung backend
 /// (sorted first) took each pass's whole budget, every 30 s, before any other volume's
 /// work was looked at, and the hung driver got a new call each time. Only the scans of
-/// abandoned work wait; a full pass (start-up, periodic) and Cube's own retries do not.
+/// abandoned work wait; the full pass at start-up and Cube's own retries do not.
 #[derive(Debug, Default)]
 pub struct Backoff(std::collections::HashMap<String, (std::time::Instant, std::time::Duration)>);
 
@@ -130,7 +136,7 @@ impl NodeSide {
                     .waiting(volume_id, std::time::Instant::now())
             {
                 failing.insert(volume_id);
-                report.skipped += 1;
+                report.deferred += 1;
                 continue;
             }
             let outcome = self

@@ -187,6 +187,14 @@ fn pending_work_blocks(
     })
 }
 
+/// Set when the process was asked to stop (a signal): no abandoned-work pass is begun.
+static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks the hook running in this process to begin nothing after its answer.
+pub(crate) fn stop_after_answer() {
+    STOPPING.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// What a forked hook does once its answer is known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterAnswer {
@@ -243,7 +251,7 @@ pub async fn run(
     };
     let failed_detach = kind == HookKind::Detach && !output.success;
     answered(output);
-    if after == AfterAnswer::Return {
+    if after == AfterAnswer::Return || STOPPING.load(std::sync::atomic::Ordering::SeqCst) {
         return;
     }
     if let Ok(controller) = &bridge.controller {

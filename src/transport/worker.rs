@@ -248,12 +248,10 @@ fn worker(
         };
         // A stop of Cubelet's service signals every process of its group at once, this
         // worker with its front: the front dies before it can take back what the worker
-        // did, so the worker does, as when the front alone is gone, and then ends (the
-        // handler replaces the signal's default; systemd's SIGKILL after its stop timeout
-        // still bounds the undo).
+        // did, so the worker does, as when the front alone is gone, and then ends without
+        // the abandoned-work pass (the handler replaces the signal's default).
         let stopped = {
             let caller = caller.clone();
-            let answer = answer.clone();
             use tokio::signal::unix::{SignalKind, signal};
             let mut term = signal(SignalKind::terminate()).ok();
             let mut int = signal(SignalKind::interrupt()).ok();
@@ -264,19 +262,14 @@ fn worker(
                     () = received(&mut int) => {}
                     () = received(&mut hup) => {}
                 }
-                // Stopped: nothing after the answer (the abandoned-work pass) is run. Work
-                // not answered yet is undone first, and its failure handed over, as when
-                // the front alone is gone; then the process ends, as the signal asked.
-                if answer.lock().expect("poisoned").is_some() {
-                    tracing::warn!(
-                        "stopped by a signal before answering; undoing this hook's work"
-                    );
-                    caller.leave();
-                    while answer.lock().expect("poisoned").is_some() {
-                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                    }
-                }
-                std::process::exit(0);
+                // Stopped: work not answered yet is undone (an answer handed over but not
+                // acknowledged too: the front that dies with us never printed it), as when
+                // the front alone is gone, and nothing after the answer (the abandoned-work
+                // pass) is begun; the worker then ends as it would have. systemd's SIGKILL
+                // after its stop timeout bounds what is left.
+                tracing::warn!("stopped by a signal; undoing this hook's unanswered work, and finishing no abandoned work");
+                crate::transport::forked::stop_after_answer();
+                caller.leave();
             })
         };
         binary::run(

@@ -524,7 +524,10 @@ impl ControllerSide {
                     // resolved again. Kept, the record would fail every sweep and hold its
                     // name for good; what the driver may have made under it before the
                     // source went is named for the operator instead.
-                    Err(BridgeError::Driver(e)) if e.grpc_code == tonic_code::NOT_FOUND => {
+                    Err(BridgeError::Driver(e))
+                        if e.grpc_code == tonic_code::NOT_FOUND
+                            && self.source_is_gone(&record).await? =>
+                    {
                         tracing::warn!(
                             csi_name = %record.csi_name,
                             source_csi_volume_id = %record.source_csi_volume_id,
@@ -909,6 +912,21 @@ impl ControllerSide {
         let deadline = Deadline::after(self.config.timeouts.destroy);
         self.delete_snapshot_recorded(claimed, &deadline).await?;
         Ok(true)
+    }
+}
+
+impl ControllerSide {
+    /// Whether the volume `record` was taken of is gone by this bridge's own records: no
+    /// record of it, or one of another CSI volume (a NOT_FOUND from CreateSnapshot is
+    /// then the source's absence, not a driver's passing trouble).
+    async fn source_is_gone(&self, record: &SnapshotRecord) -> Result<bool, BridgeError> {
+        let source = self
+            .controller_store()
+            .get(&record.source_volume_id)
+            .await?;
+        Ok(source.is_none_or(|v| {
+            v.csi_volume_id.as_deref() != Some(record.source_csi_volume_id.as_str())
+        }))
     }
 }
 

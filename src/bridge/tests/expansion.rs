@@ -465,32 +465,6 @@ async fn an_expand_never_signs_a_record_edited_while_it_ran() {
     assert!(refused.to_string().contains("integrity"), "{refused}");
 }
 
-/// NodeExpandVolume reached less than asked (the controller's expand not done yet): the
-/// journal records what was reached, so that the next expand asks the node again. Before,
-/// it recorded the size asked, and every later expand answered "already grown".
-#[tokio::test]
-async fn a_node_expansion_that_reached_less_is_recorded_as_reached() {
-    let w = world(online(), 10);
-    let created = w.create("v").await.unwrap();
-    w.attach_created("v", &created).await;
-    w.fake.expansion.lock().unwrap().node_reports = Some(GI as i64);
-    let report = w.expand("v", 2 * GI).await.unwrap();
-    assert_eq!(
-        report.node,
-        Some(NodeExpansion::Expanded {
-            volume_path: w.target("v"),
-            capacity_bytes: GI as i64
-        })
-    );
-    assert_eq!(w.record("v").unwrap().expanded_bytes, GI as i64);
-    w.fake.expansion.lock().unwrap().node_reports = None;
-    let again = w.expand("v", 2 * GI).await.unwrap();
-    assert!(
-        matches!(again.node, Some(NodeExpansion::Expanded { capacity_bytes, .. }) if capacity_bytes == (2 * GI) as i64),
-        "{again:?}"
-    );
-}
-
 /// A clone of an expanded volume asks for the size the volume has now, not the size
 /// configured: drivers refuse a copy smaller than its source. Before, it asked the
 /// configured size and every clone of an expanded volume failed.
