@@ -1318,6 +1318,61 @@ fn recorded_created(w: &World, volume_id: &str) -> bool {
         })
 }
 
+/// Whether the node journal of a test's World records a sandbox as a holder of `volume`
+/// in the namespace "default".
+struct Holders {
+    journal: FileJournal,
+    volume: String,
+}
+
+impl Holders {
+    fn holds(&self, sandbox: &str) -> bool {
+        self.journal
+            .load(&self.volume)
+            .ok()
+            .flatten()
+            .is_some_and(|r| {
+                r.holders
+                    .get("default")
+                    .is_some_and(|s| s.contains(sandbox))
+            })
+    }
+}
+
+/// A forked Attach of a fresh `volume` by `sandbox`, its worker held for `pause_ms`
+/// between its holder's save and the delivery of its answer
+/// (`CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS`); returned once the holder is saved.
+struct PausedAttach {
+    front: tokio::process::Child,
+    made: pb::CreateResponse,
+    holds: Holders,
+}
+
+async fn paused_attach(w: &World, volume: &str, sandbox: &str, pause_ms: &str) -> PausedAttach {
+    let made = w.create(volume).await.expect("create");
+    let holds = Holders {
+        journal: FileJournal::open(&w.dir.path().join("state/node")).unwrap(),
+        volume: volume.to_string(),
+    };
+    let request = attach_request(
+        "default",
+        &w.base_dir,
+        sandbox,
+        volume,
+        0,
+        &made.private_data,
+    );
+    let front = w
+        .binary_caller()
+        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", pause_ms)
+        .spawn(&Hook::Attach(request));
+    common::wait_until("the worker saved the holder", SETTLE, || {
+        holds.holds(sandbox)
+    })
+    .await;
+    PausedAttach { front, made, holds }
+}
+
 /// A stop of Cubelet's service (systemd's control-group kill) sends SIGTERM to the front
 /// and its worker at once, after the worker saved its holder and before it answered: the
 /// front dies before it can take the holder back. Before, the worker died too, and the
@@ -1327,31 +1382,8 @@ fn recorded_created(w: &World, volume_id: &str) -> bool {
 async fn a_forked_attach_whose_front_and_worker_are_terminated_together_leaves_no_holder() {
     require_root!();
     let w = World::start(Mode::Binary, Caps::staging(), "").await;
-    let made = w.create("stopped").await.expect("create");
-    let journal = FileJournal::open(&w.dir.path().join("state/node")).unwrap();
-    let holds = |sandbox: &str| {
-        journal.load("stopped").ok().flatten().is_some_and(|r| {
-            r.holders
-                .get("default")
-                .is_some_and(|s| s.contains(sandbox))
-        })
-    };
-    let request = attach_request(
-        "default",
-        &w.base_dir,
-        "sb-stopped",
-        "stopped",
-        0,
-        &made.private_data,
-    );
-    let front = w
-        .binary_caller()
-        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "10000")
-        .spawn(&Hook::Attach(request));
-    common::wait_until("the worker saved the holder", SETTLE, || {
-        holds("sb-stopped")
-    })
-    .await;
+    let paused = paused_attach(&w, "stopped", "sb-stopped", "10000").await;
+    let (front, holds) = (paused.front, |sandbox: &str| paused.holds.holds(sandbox));
     let front_pid = front.id().expect("the front runs");
     let worker = *common::children(front_pid)
         .first()
@@ -1415,31 +1447,9 @@ async fn a_forked_create_whose_worker_dies_before_answering_leaves_no_volume() {
 async fn a_forked_attach_whose_worker_dies_after_saving_its_holder_leaves_no_holder() {
     require_root!();
     let w = World::start(Mode::Binary, Caps::staging(), "").await;
-    let made = w.create("orphaned").await.expect("create");
-    let journal = FileJournal::open(&w.dir.path().join("state/node")).unwrap();
-    let holds = |sandbox: &str| {
-        journal.load("orphaned").ok().flatten().is_some_and(|r| {
-            r.holders
-                .get("default")
-                .is_some_and(|s| s.contains(sandbox))
-        })
-    };
-    let request = attach_request(
-        "default",
-        &w.base_dir,
-        "sb-orphaned",
-        "orphaned",
-        0,
-        &made.private_data,
-    );
-    let front = w
-        .binary_caller()
-        .with_env("CUBE_CSI_BRIDGE_PAUSE_BEFORE_DELIVERY_MS", "30000")
-        .spawn(&Hook::Attach(request));
-    common::wait_until("the worker saved the holder", SETTLE, || {
-        holds("sb-orphaned")
-    })
-    .await;
+    let paused = paused_attach(&w, "orphaned", "sb-orphaned", "30000").await;
+    let (front, made) = (paused.front, paused.made);
+    let holds = |sandbox: &str| paused.holds.holds(sandbox);
     let out = kill_the_worker(front).await;
     assert!(!out.status.success(), "Cube sees the Attach fail");
     assert!(

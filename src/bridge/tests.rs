@@ -5565,19 +5565,29 @@ async fn an_unanswered_create_snapshot_is_retried_by_name_and_otherwise_swept() 
     assert!(w.snapshot_record("s1").is_some());
 }
 
+/// A world where `volume` was created and its snapshot `snapshot` left unfinished (its
+/// CreateSnapshot answer lost).
+async fn with_unfinished_snapshot(volume: &str, snapshot: &str) -> World {
+    let w = World::new(Fake::new(false, false));
+    w.create(volume).await.unwrap();
+    w.fake.script("CreateSnapshot", Fault::Uncertain);
+    w.controller()
+        .create_snapshot(volume, snapshot)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        w.snapshot_record(snapshot).unwrap().state,
+        VolumeState::Creating
+    );
+    w
+}
+
 /// An unfinished snapshot whose source volume was destroyed since: CreateSnapshot, asked
 /// again to resolve the name, answers NOT_FOUND for good. Before, every sweep failed on it
 /// and its name stayed taken; now the record goes (with a warning naming what may be left).
 #[tokio::test]
 async fn an_unfinished_snapshot_whose_source_is_gone_is_swept() {
-    let w = World::new(Fake::new(false, false));
-    w.create("v").await.unwrap();
-    w.fake.script("CreateSnapshot", Fault::Uncertain);
-    w.controller().create_snapshot("v", "s2").await.unwrap_err();
-    assert_eq!(
-        w.snapshot_record("s2").unwrap().state,
-        VolumeState::Creating
-    );
+    let w = with_unfinished_snapshot("v", "s2").await;
     w.destroy("v").await.unwrap();
     let report = w
         .controller()
@@ -5592,10 +5602,7 @@ async fn an_unfinished_snapshot_whose_source_is_gone_is_swept() {
 /// missing pool): the record of what may have been made is kept.
 #[tokio::test]
 async fn an_unfinished_snapshot_whose_source_is_there_is_kept_on_not_found() {
-    let w = World::new(Fake::new(false, false));
-    w.create("v").await.unwrap();
-    w.fake.script("CreateSnapshot", Fault::Uncertain);
-    w.controller().create_snapshot("v", "s2").await.unwrap_err();
+    let w = with_unfinished_snapshot("v", "s2").await;
     w.fake.script("CreateSnapshot", Fault::NotFound);
     let report = w
         .controller()
