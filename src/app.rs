@@ -195,13 +195,7 @@ fn shared_over(
         settings.node_id.clone(),
         settings.separate_controller_endpoint,
     ));
-    let state_dir = &config.state.dir;
-    crate::store::fsutil::check_private_dir(
-        state_dir,
-        "state.dir",
-        crate::store::owner::STATE_DIR_RISK,
-    )
-    .map_err(|e| BridgeError::io(format!("state dir {}", state_dir.display()), e))?;
+    check_state_dir(config)?;
     if let Some(keeper) = keeper {
         claim_state_dir(config, keeper)?;
     }
@@ -346,16 +340,21 @@ fn claim_state_dir(config: &Config, keeper: Keeper) -> Result<(), BridgeError> {
 /// nothing is written. `Ok(false)`: there is no state dir, so nothing is recorded.
 pub fn check_state_dir_to_read(config: &Config, keeper: Keeper) -> Result<bool, BridgeError> {
     let dir = &config.state.dir;
-    let in_dir = |e| BridgeError::io(format!("state dir {}", dir.display()), e);
-    crate::store::fsutil::check_private_dir(dir, "state.dir", crate::store::owner::STATE_DIR_RISK)
-        .map_err(in_dir)?;
+    check_state_dir(config)?;
     if !dir.exists() {
         return Ok(false);
     }
     let csi_endpoint = keeper_endpoint(config, keeper);
     crate::store::owner::check_claimed(dir, &state_owner(config, keeper, &csi_endpoint))
-        .map_err(in_dir)?;
+        .map_err(|e| BridgeError::io(format!("state dir {}", dir.display()), e))?;
     Ok(true)
+}
+
+/// Refuses a state dir another user could write or replace (`fsutil::check_private_dir`).
+fn check_state_dir(config: &Config) -> Result<(), BridgeError> {
+    let dir = &config.state.dir;
+    crate::store::fsutil::check_private_dir(dir, "state.dir", crate::store::owner::STATE_DIR_RISK)
+        .map_err(|e| BridgeError::io(format!("state dir {}", dir.display()), e))
 }
 
 fn keeper_endpoint(config: &Config, keeper: Keeper) -> String {
