@@ -50,6 +50,7 @@ if ! wait "$k8s_pid"; then
 fi
 CUBE_CSI_BRIDGE_K8S_BIN="$(tail -n 1 "$k8s_out")"
 export CUBE_CSI_BRIDGE_K8S_BIN
-cargo test --locked --features fault-injection
+# Every test binary runs even after one fails: one run names every failing test.
+cargo test --locked --features fault-injection --no-fail-fast
 # Each fuzz target (the parsers of what Cube and operators hand the bridge) for 20 s.
 bash scripts/fuzz.sh "$CUBE_CSI_BRIDGE_FUZZ_BIN"

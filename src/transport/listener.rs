@@ -251,26 +251,15 @@ impl UnixSocket {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(format!("checking {}", path.display()))(e)),
         }
-        let listener = bind_privately(path, gid)?;
-        let meta = std::fs::symlink_metadata(path).map_err(io(path.display().to_string()))?;
-        if !meta.file_type().is_socket() {
-            return Err(ListenError::NotASocket {
-                path: path.to_path_buf(),
-            });
-        }
-        if meta.mode() & 0o777 != 0o660 {
-            return Err(io(format!("socket {}", path.display()))(
-                std::io::Error::other(format!(
-                    "bound with mode {:o}, not 660 (a default ACL on its directory?)",
-                    meta.mode() & 0o777
-                )),
-            ));
-        }
+        // Nothing below looks at `path` again: from the rename on, anyone allowed in its
+        // directory may move or replace what is there, and the socket this process
+        // placed stays the one it listens on and the only one it removes.
+        let (listener, created) = bind_privately(path, gid)?;
         Ok(Self {
             listener,
             file: SocketFile {
                 path: path.to_path_buf(),
-                created: Some((meta.dev(), meta.ino())),
+                created: Some(created),
             },
         })
     }
@@ -294,7 +283,12 @@ fn same_socket(bound: &Path, path: &Path) -> bool {
 /// steered), then renamed into place unless something is there by then. The umask is
 /// never touched: it is the process's, and set for a bind it reached every directory other
 /// threads made meanwhile (a daemon opening several drivers made their state dirs 0600).
-fn bind_privately(path: &Path, gid: Option<u32>) -> Result<UnixListener, ListenError> {
+/// Returns the listener and the socket file's (device, inode), both taken before the
+/// file is placed at `path`.
+fn bind_privately(
+    path: &Path,
+    gid: Option<u32>,
+) -> Result<(UnixListener, (u64, u64)), ListenError> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
@@ -339,6 +333,16 @@ fn bind_privately(path: &Path, gid: Option<u32>) -> Result<UnixListener, ListenE
             )
             .map_err(|e| std::io::Error::other(format!("chgrp {gid}: {e}")))?;
         }
+        let meta = std::fs::symlink_metadata(&inner)?;
+        if !meta.file_type().is_socket() || meta.mode() & 0o777 != 0o660 {
+            return Err(std::io::Error::other(format!(
+                "bound with mode {:o}, not a socket with mode 660 (a default ACL on its \
+                 directory?)",
+                meta.mode() & 0o7777
+            )));
+        }
+        #[cfg(test)]
+        let placed_at = path;
         match nix::fcntl::renameat2(
             nix::fcntl::AT_FDCWD,
             &inner,
@@ -352,13 +356,18 @@ fn bind_privately(path: &Path, gid: Option<u32>) -> Result<UnixListener, ListenE
             Err(nix::errno::Errno::EINVAL) => std::fs::hard_link(&inner, path)?,
             Err(e) => return Err(e.into()),
         }
+        #[cfg(test)]
+        tests::AFTER_PLACING.with(|after| after.get().map(|after| after(placed_at)));
         listener.set_nonblocking(true)?;
-        Ok::<_, std::io::Error>(listener)
+        Ok::<_, std::io::Error>((listener, (meta.dev(), meta.ino())))
     })();
     let _ = std::fs::remove_file(&inner);
     let _ = std::fs::remove_dir(&private);
     match placed {
-        Ok(listener) => UnixListener::from_std(listener).map_err(binding()),
+        Ok((listener, created)) => Ok((
+            UnixListener::from_std(listener).map_err(binding())?,
+            created,
+        )),
         // Another instance bound the path since it was found free.
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(ListenError::InUse {
             path: path.to_path_buf(),
@@ -706,6 +715,13 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
+    thread_local! {
+        /// Runs on the binding thread just after the socket is placed at its path: what
+        /// another process may do at that instant.
+        pub(super) static AFTER_PLACING: std::cell::Cell<Option<fn(&Path)>> =
+            const { std::cell::Cell::new(None) };
+    }
+
     /// A loopback connection: (client, server end, client address, server address).
     fn loopback_pair(
         ip: &str,
@@ -995,6 +1011,30 @@ mod tests {
             .collect();
         assert_eq!(names, ["b.sock"]);
         drop(socket);
+    }
+
+    /// From the instant the socket is placed, its path may be moved or taken (a client
+    /// dials it, a successor binds it): the bind still succeeds, and shutdown removes
+    /// neither the moved socket's new name nor the successor's.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_socket_moved_the_instant_it_is_placed_still_binds() {
+        fn take_the_path(path: &Path) {
+            std::fs::rename(path, path.with_extension("moved")).unwrap();
+            std::mem::forget(std::os::unix::net::UnixListener::bind(path).unwrap());
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("m.sock");
+        AFTER_PLACING.with(|after| after.set(Some(take_the_path)));
+        let bound = UnixSocket::bind(&path, None).await;
+        AFTER_PLACING.with(|after| after.set(None));
+        let socket = bound.expect("bound although the path was taken at once");
+        let moved = std::fs::symlink_metadata(path.with_extension("moved")).unwrap();
+        assert_eq!(socket.file.created, Some((moved.dev(), moved.ino())));
+        socket.file.remove_if_ours();
+        assert!(path.exists(), "the successor's socket was removed");
+        // And the listener is the moved socket's.
+        std::os::unix::net::UnixStream::connect(path.with_extension("moved")).unwrap();
+        assert!(socket.listener.accept().await.is_ok());
     }
 
     #[test]
