@@ -295,12 +295,13 @@ fn bind_privately(
         _ => Path::new("."),
     };
     let binding = || io(format!("binding {}", path.display()));
+    remove_abandoned_bind_dirs(dir);
     static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut last = None;
     let private = (0..8)
         .map(|_| {
             let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            dir.join(format!(".cube-csi-bridge-bind-{}-{n}", std::process::id()))
+            dir.join(format!("{BIND_DIR_PREFIX}{}-{n}", std::process::id()))
         })
         .find(|candidate| {
             let made = std::fs::DirBuilder::new().mode(0o700).create(candidate);
@@ -373,6 +374,50 @@ fn bind_privately(
             path: path.to_path_buf(),
         }),
         Err(e) => Err(binding()(e)),
+    }
+}
+
+/// The name of a bind's private directory, before `<pid>-<n>`.
+const BIND_DIR_PREFIX: &str = ".cube-csi-bridge-bind-";
+
+/// How old a private bind directory must be before another process may take it for
+/// abandoned: a bind lasts microseconds; a pid seen dead may be another pid namespace's
+/// (a daemon in a container sharing the socket directory), alive and binding.
+const BIND_DIR_ABANDONED_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the private bind directories in `dir` that a process killed in the middle of
+/// its bind left behind (each restart of a crashing daemon would otherwise add one): those
+/// older than a minute whose pid no longer runs here. Only names of that form; `dir` is
+/// checked first to let nobody else add names, so everything there is ours or root's.
+fn remove_abandoned_bind_dirs(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(BIND_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, n)| n.parse::<u64>().ok().and(pid.parse::<i32>().ok()))
+        else {
+            continue;
+        };
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        let old = meta
+            .modified()
+            .ok()
+            .and_then(|at| at.elapsed().ok())
+            .is_some_and(|age| age >= BIND_DIR_ABANDONED_AFTER);
+        let dead = pid > 0
+            && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+                == Err(nix::errno::Errno::ESRCH);
+        if meta.is_dir() && old && dead {
+            let _ = std::fs::remove_file(entry.path().join("s"));
+            let _ = std::fs::remove_dir(entry.path());
+        }
     }
 }
 
@@ -1035,6 +1080,50 @@ mod tests {
         // And the listener is the moved socket's.
         std::os::unix::net::UnixStream::connect(path.with_extension("moved")).unwrap();
         assert!(socket.listener.accept().await.is_ok());
+    }
+
+    /// What a bind killed half-way left (its private directory, a socket in it) goes at
+    /// the next bind, once it is a minute old and its pid gone; a young one, a living
+    /// pid's, and names of other forms stay.
+    #[tokio::test]
+    async fn a_bind_removes_what_an_abandoned_bind_left() {
+        let tmp = tempfile::tempdir().unwrap();
+        let leave = |name: &str, age_secs: u64| {
+            let dir = tmp.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            drop(std::os::unix::net::UnixListener::bind(dir.join("s")).unwrap());
+            let then = std::time::SystemTime::now() - std::time::Duration::from_secs(age_secs);
+            std::fs::File::open(&dir)
+                .unwrap()
+                .set_modified(then)
+                .unwrap();
+        };
+        // No pid above the kernel's limit (2^22) ever runs.
+        let dead = 4_194_305;
+        let alive = std::process::id();
+        leave(&format!("{BIND_DIR_PREFIX}{dead}-0"), 3600);
+        leave(&format!("{BIND_DIR_PREFIX}{dead}-1"), 5);
+        leave(&format!("{BIND_DIR_PREFIX}{alive}-77"), 3600);
+        leave(&format!("{BIND_DIR_PREFIX}{dead}-x"), 3600);
+        leave("someone-elses", 3600);
+        let socket = UnixSocket::bind(&tmp.path().join("b.sock"), None)
+            .await
+            .unwrap();
+        let mut names: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        let mut kept = vec![
+            format!("{BIND_DIR_PREFIX}{alive}-77"),
+            format!("{BIND_DIR_PREFIX}{dead}-1"),
+            format!("{BIND_DIR_PREFIX}{dead}-x"),
+            "b.sock".to_string(),
+            "someone-elses".to_string(),
+        ];
+        kept.sort();
+        assert_eq!(names, kept);
+        drop(socket);
     }
 
     #[test]
