@@ -34,10 +34,20 @@ pub trait Delivery: Send + Sync {
     fn deliver(&self, answer: Answer) -> Pin<Box<dyn Future<Output = bool> + Send + '_>>;
 }
 
+/// Says, without waiting, whether the caller is gone now.
+pub type GoneNow = Arc<dyn Fn() -> bool + Send + Sync>;
+
 #[derive(Clone, Default)]
 pub struct Caller {
     gone: CancellationToken,
     delivery: Option<Arc<dyn Delivery>>,
+    /// Asked at every check, so that a caller gone before the task watching it first ran
+    /// (a worker that takes a free lock never yields to it) is seen anyway.
+    gone_now: Option<GoneNow>,
+    /// Cube's later hooks of the volume may take its lock before this one: a forked
+    /// worker polls the lock's byte, where the daemon's lock table serves hooks in the
+    /// order they came.
+    overtakable: bool,
 }
 
 impl std::fmt::Debug for Caller {
@@ -58,9 +68,32 @@ impl Caller {
     /// A caller that says whether each answer reached it.
     pub fn confirming(delivery: Arc<dyn Delivery>) -> Self {
         Self {
+            delivery: Some(delivery),
+            ..Self::default()
+        }
+    }
+
+    /// A forked hook's worker: the answer goes to its front (`delivery`), whose presence
+    /// `gone_now` reads without waiting, and its lock wait may be overtaken.
+    pub fn forked_worker(delivery: Arc<dyn Delivery>, gone_now: GoneNow) -> Self {
+        Self {
             gone: CancellationToken::new(),
             delivery: Some(delivery),
+            gone_now: Some(gone_now),
+            overtakable: true,
         }
+    }
+
+    /// This caller, its lock wait overtakable (what a forked worker's is).
+    #[cfg(test)]
+    pub fn overtakable(mut self) -> Self {
+        self.overtakable = true;
+        self
+    }
+
+    /// Whether Cube's later hooks of the volume may have taken its lock before this one.
+    pub fn may_be_overtaken(&self) -> bool {
+        self.overtakable
     }
 
     /// Hands over `answer`, if this caller takes answers that way; whether it reached the
@@ -84,7 +117,14 @@ impl Caller {
     }
 
     pub fn is_gone(&self) -> bool {
-        self.gone.is_cancelled()
+        if self.gone.is_cancelled() {
+            return true;
+        }
+        if self.gone_now.as_ref().is_some_and(|gone_now| gone_now()) {
+            self.gone.cancel();
+            return true;
+        }
+        false
     }
 
     /// A guard that marks the caller gone when dropped, unless disarmed: the rpc handler

@@ -631,10 +631,17 @@ impl NodeSide {
                     // its worker waited for the lock). Cube released the sandbox, and may
                     // since have sent the namespace's next hook, which may have run first:
                     // this ref_count is out of date, and the namespace it would drop may
-                    // hold a sandbox Cube counts. Only this sandbox is released. (A hot
-                    // check's rest, `held`, kept the lock since its caller's request: its
-                    // ref_count is current, and its release is Cube's.)
-                    self.release_sandbox(&req, &change).await;
+                    // hold a sandbox Cube counts. Where hooks take the lock in the order
+                    // they came (the daemon), this sandbox alone is released. Where a
+                    // later hook may have overtaken this one (forked workers), that hook
+                    // may be Cube's retry of this very sandbox, whose holder Cube counts:
+                    // nothing is changed (at worst a holder Cube released stays, until the
+                    // namespace's last Detach or `holders release`). (A hot check's rest,
+                    // `held`, kept the lock since its caller's request: its ref_count is
+                    // current, and its release is Cube's.)
+                    if !caller.may_be_overtaken() {
+                        self.release_sandbox(&req, &change).await;
+                    }
                     return Err(BridgeError::CallerGone);
                 }
                 let mut held_before = None;

@@ -3173,6 +3173,33 @@ async fn an_attach_whose_caller_left_while_it_waited_for_the_lock_changes_nothin
     assert!(w.fake.is_mounted(&w.target("v")));
 }
 
+/// The same where the later hook is Cube's retry of this very sandbox and the lock wait
+/// may be overtaken (a forked worker polls the lock's byte): the retry recorded s1 and
+/// answered, and Cube counts it. Before, the first worker released s1 by its stale
+/// request, dropped ns1 with it, and tore the volume down under the retried sandbox.
+#[tokio::test]
+async fn an_overtaken_attach_whose_caller_left_keeps_cubes_retry_of_its_sandbox() {
+    let w = World::new(Fake::new(true, false));
+    let (other, held) = second_process(&w);
+    let caller = Caller::waiting().overtakable();
+    let first = other.attach(w.attach_req("v", "ns1", "s1", 0), &caller);
+    let retry = async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        caller.leave();
+        drop(held);
+        w.attach("v", "ns1", "s1", 0).await.unwrap();
+    };
+    let (first, ()) = tokio::join!(first, retry);
+    assert!(matches!(first.unwrap_err().error, BridgeError::CallerGone));
+    let holders = w.record("v").expect("torn down").holders;
+    assert_eq!(
+        holders.get("ns1"),
+        Some(&BTreeSet::from(["s1".to_string()])),
+        "{holders:?}"
+    );
+    assert!(w.fake.is_mounted(&w.target("v")));
+}
+
 /// The rest of a cancelled hot Attach keeps the lock its check held since its request:
 /// its ref_count is current, so its release is Cube's, whole namespace and all (here
 /// Cube counts nobody in ns1, its s1 a stale holder): the volume is torn down. (The

@@ -234,11 +234,23 @@ fn worker(
             front: front_rx,
             log_to: log_to.clone(),
         });
-        let caller = Caller::confirming(delivery);
+        let front = FrontWatch::new(alive).map(Arc::new);
+        let gone_now: crate::bridge::caller::GoneNow = match &front {
+            Some(front) => {
+                let front = front.clone();
+                Arc::new(move || front.read_now() == Some(Front::Gone))
+            }
+            None => Arc::new(|| false),
+        };
+        let caller = Caller::forked_worker(delivery, gone_now);
         let watcher = {
             let caller = caller.clone();
             tokio::spawn(async move {
-                let outcome = watch_front(alive).await;
+                let outcome = match front {
+                    Some(front) => front.wait().await,
+                    // Cannot watch: behave as if the front never leaves.
+                    None => std::future::pending().await,
+                };
                 if outcome == Front::Gone {
                     tracing::warn!("the process Cube started is gone; undoing this hook's work");
                     caller.leave();
@@ -428,23 +440,59 @@ impl Delivery for FrontDelivery {
     }
 }
 
-/// Resolves when the front acknowledges (a byte on `alive`) or its end of `alive`
-/// closes without one (it exited or was killed).
-async fn watch_front(alive: OwnedFd) -> Front {
-    let Ok(pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(alive) else {
-        // Cannot watch: behave as if the front never leaves.
-        return std::future::pending().await;
-    };
-    let mut byte = [0u8; 1];
-    loop {
-        if pipe.readable().await.is_err() {
-            return Front::Gone;
+/// The worker's end of `alive`, whose other end the front holds: a byte when it has
+/// printed the answer, end of file when it exits or is killed without one.
+struct FrontWatch {
+    pipe: tokio::net::unix::pipe::Receiver,
+    /// What was read, once anything was. Read and set under this lock, by the task
+    /// waiting for the front and by the hook's own checks alike, so that neither takes
+    /// the front's byte from under the other and then reads the end of file as "gone".
+    seen: Mutex<Option<Front>>,
+}
+
+impl FrontWatch {
+    /// None when the pipe cannot be watched (then the front is taken as never leaving).
+    fn new(alive: OwnedFd) -> Option<Self> {
+        Some(Self {
+            pipe: tokio::net::unix::pipe::Receiver::from_owned_fd(alive).ok()?,
+            seen: Mutex::new(None),
+        })
+    }
+
+    /// What became of the front, without waiting: None while it is there and said nothing.
+    fn read_now(&self) -> Option<Front> {
+        let mut seen = self.seen.lock().expect("poisoned");
+        if seen.is_none() {
+            let mut byte = [0u8; 1];
+            // A read of the descriptor itself: the runtime's `try_read` answers "would
+            // block" without reading until its reactor has seen the pipe ready, which it
+            // has not when nothing has waited yet.
+            *seen = match nix::unistd::read(&self.pipe, &mut byte) {
+                Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => None,
+                Ok(1) if byte == *ACKNOWLEDGED => Some(Front::Acknowledged),
+                // End of file (or any error): the front is gone.
+                _ => Some(Front::Gone),
+            };
         }
-        match pipe.try_read(&mut byte) {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Ok(1) if byte == *ACKNOWLEDGED => return Front::Acknowledged,
-            // End of file (or any error): the front is gone.
-            _ => return Front::Gone,
+        *seen
+    }
+
+    /// Resolves when the front acknowledges or its end closes without a byte.
+    async fn wait(&self) -> Front {
+        loop {
+            if self.pipe.readable().await.is_err() {
+                let mut seen = self.seen.lock().expect("poisoned");
+                return *seen.get_or_insert(Front::Gone);
+            }
+            // Through the runtime, so that a wake-up with nothing to read clears the
+            // pipe's readiness instead of waking this again at once.
+            let read = self.pipe.try_io(|| {
+                self.read_now()
+                    .ok_or_else(|| std::io::ErrorKind::WouldBlock.into())
+            });
+            if let Ok(front) = read {
+                return front;
+            }
         }
     }
 }
@@ -452,6 +500,43 @@ async fn watch_front(alive: OwnedFd) -> Front {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A front gone before the worker's runtime ever ran the task watching it (a worker
+    /// that takes a free lock never yields to it) is seen at the hook's first check; a
+    /// front still there, or one that acknowledged and exited, is not gone.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_front_gone_before_anything_waited_is_seen_at_once() {
+        let delivery = |front: Arc<FrontWatch>| {
+            let (_, rx) = tokio::sync::watch::channel(None);
+            let delivery = Arc::new(FrontDelivery {
+                answer: Arc::new(Mutex::new(None)),
+                front: rx,
+                log_to: (WorkerLog::Auto, std::path::PathBuf::from("/nonexistent")),
+            });
+            Caller::forked_worker(
+                delivery,
+                Arc::new(move || front.read_now() == Some(Front::Gone)),
+            )
+        };
+        let (alive, front_end) = nix::unistd::pipe().unwrap();
+        drop(front_end);
+        let front = Arc::new(FrontWatch::new(alive).unwrap());
+        assert!(delivery(front.clone()).is_gone(), "killed front not seen");
+        assert_eq!(front.wait().await, Front::Gone);
+
+        let (alive, front_end) = nix::unistd::pipe().unwrap();
+        let front = Arc::new(FrontWatch::new(alive).unwrap());
+        assert!(
+            !delivery(front.clone()).is_gone(),
+            "a living front taken for gone"
+        );
+        nix::unistd::write(&front_end, ACKNOWLEDGED).unwrap();
+        drop(front_end);
+        let caller = delivery(front.clone());
+        assert!(!caller.is_gone(), "an acknowledging front taken for gone");
+        assert_eq!(front.wait().await, Front::Acknowledged);
+        assert!(!caller.is_gone(), "an acknowledged front taken for gone");
+    }
 
     #[test]
     fn answers_round_trip() {
