@@ -1133,12 +1133,108 @@ async fn the_accessible_topology_is_kept_in_the_cubevolume() {
     );
     w.destroy("vol-topo").await.expect("the record verifies");
     assert!(
-        cube_volumes(admin)
+        cube_volumes(admin.clone())
             .get_opt(&object_name(common::DRIVER, "vol-topo"))
             .await
             .unwrap()
             .is_none()
     );
+    drop(w);
+
+    // A CRD older than the bridge (Helm never upgrades one), without accessibleTopology:
+    // the API server would prune the field from every record, which then failed its MAC
+    // at Destroy, forever. A new bridge refuses the Create, naming the CRD, before any
+    // CreateVolume; once the CRD is applied it creates without a restart.
+    let saved = set_topology_in_crd(&admin, None).await;
+    let w = World::start_with_config(Mode::Rpc, caps, &volume, |text| {
+        let text = text.replacen(
+            "[state]\n",
+            "[state]\ncontroller_store = \"kubernetes\"\n",
+            1,
+        );
+        format!(
+            "{text}\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\n",
+            kubeconfig.display()
+        )
+    })
+    .await;
+    let refused = w.create("vol-topo-2").await.expect_err("the CRD prunes");
+    assert!(
+        refused.message.contains("spec.accessibleTopology")
+            && refused.message.contains("CustomResourceDefinition"),
+        "{refused:?}"
+    );
+    assert!(
+        !w.driver.calls().iter().any(|c| c.method == "CreateVolume"),
+        "{:?}",
+        w.driver.calls()
+    );
+    assert!(
+        cube_volumes(admin.clone())
+            .get_opt(&object_name(common::DRIVER, "vol-topo-2"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    set_topology_in_crd(&admin, saved).await;
+    w.create("vol-topo-2").await.expect("the CRD applied");
+    w.destroy("vol-topo-2").await.expect("the record verifies");
+}
+
+/// Sets (Some) or removes (None) `spec.accessibleTopology` in the CubeVolume CRD's schema,
+/// and waits until the API server serves the change (a dry-run create keeps the field, or
+/// prunes it); returns the schema of the field before.
+async fn set_topology_in_crd(
+    admin: &kube::Client,
+    field: Option<serde_json::Value>,
+) -> Option<serde_json::Value> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    let name = format!("{CRD_PLURAL}.{CRD_GROUP}");
+    let mut crd = serde_json::to_value(crds.get(&name).await.unwrap()).unwrap();
+    let properties = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["properties"];
+    let before = properties
+        .as_object_mut()
+        .unwrap()
+        .remove("accessibleTopology");
+    if let Some(field) = &field {
+        properties["accessibleTopology"] = field.clone();
+    }
+    crds.replace(
+        &name,
+        &PostParams::default(),
+        &serde_json::from_value(crd).unwrap(),
+    )
+    .await
+    .unwrap();
+    let volumes = cube_volumes(admin.clone());
+    let probe: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": format!("{CRD_GROUP}/{CRD_VERSION}"),
+        "kind": CRD_KIND,
+        "metadata": { "generateName": "probe-" },
+        "spec": {
+            "driver": "d", "volumeId": "v", "csiName": "n", "state": "Creating",
+            "accessibleTopology": [{ "k": "v" }],
+        },
+    }))
+    .unwrap();
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let stored = volumes.create(&dry_run, &probe).await.unwrap();
+        if stored.data["spec"].get("accessibleTopology").is_some() == field.is_some() {
+            return before;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the API server did not serve the changed CRD within 60 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// `expand` in Kubernetes mode, behind csi-mock: the controller replica grows the volume

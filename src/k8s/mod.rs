@@ -163,3 +163,17 @@ impl Kube {
         Ok((client, namespace))
     }
 }
+
+/// The top-level fields of `sent` that `stored` does not hold as sent: what an API server
+/// serving an older CRD pruned from a written object's `spec`.
+pub(crate) fn spec_fields_changed<S: serde::Serialize>(sent: &S, stored: &S) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(sent)), Ok(serde_json::Value::Object(stored))) =
+        (serde_json::to_value(sent), serde_json::to_value(stored))
+    else {
+        return Vec::new();
+    };
+    sent.iter()
+        .filter(|(field, value)| stored.get(*field) != Some(*value))
+        .map(|(field, _)| field.clone())
+        .collect()
+}

@@ -144,6 +144,8 @@ pub struct CubeVolumeStore {
     kube: Arc<Kube>,
     driver: String,
     resource: ApiResource,
+    /// Set once a dry-run create showed the API server keeps every `spec` field.
+    schema_checked: tokio::sync::OnceCell<()>,
 }
 
 impl CubeVolumeStore {
@@ -153,7 +155,60 @@ impl CubeVolumeStore {
             kube,
             driver: driver.to_string(),
             resource: ApiResource::from_gvk_with_plural(&gvk, CRD_PLURAL),
+            schema_checked: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// Checks, before the first record this store creates, that the API server keeps
+    /// every field of a CubeVolume's `spec`: Helm never upgrades a CRD, and one older
+    /// than this bridge has the fields added since pruned on write, silently. A record
+    /// without its signed topology or content source then fails its MAC forever, and its
+    /// volume can never be destroyed. One dry-run create with every field set; only a
+    /// success is remembered, so a CRD applied meanwhile needs no restart.
+    async fn check_schema(&self, api: &Api<CubeVolume>, namespace: &str) -> Result<(), StoreError> {
+        self.schema_checked
+            .get_or_try_init(|| async {
+                let probe = schema_probe(&self.driver);
+                let mut object = CubeVolume::new("", &self.resource, probe.clone());
+                object.metadata.name = None;
+                object.metadata.generate_name = Some("cube-csi-bridge-schema-probe-".into());
+                let params = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                let stored = api.create(&params, &object).await.map_err(|e| {
+                    self.failed(
+                        "checking the CubeVolume schema (a dry-run create)".into(),
+                        namespace,
+                        e,
+                    )
+                })?;
+                self.check_stored(&probe, &stored)
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Refuses a write whose object the API server stored with `spec` fields other than
+    /// `sent` (pruned by an older CRD).
+    fn check_stored(&self, sent: &CubeVolumeSpec, stored: &CubeVolume) -> Result<(), StoreError> {
+        let dropped = super::spec_fields_changed(sent, &stored.spec);
+        if dropped.is_empty() {
+            return Ok(());
+        }
+        Err(StoreError::Backend {
+            store: self.describe(),
+            action: "writing a CubeVolume".into(),
+            transient: false,
+            source: format!(
+                "the API server did not keep spec.{} as written: the CubeVolume \
+                 CustomResourceDefinition installed is older than this bridge (Helm does not \
+                 upgrade CRDs); apply the one in the chart's crds/ directory with kubectl \
+                 apply -f, then retry",
+                dropped.join(", spec.")
+            )
+            .into(),
+        })
     }
 
     async fn api(&self) -> Result<(Api<CubeVolume>, &str), StoreError> {
@@ -214,8 +269,10 @@ impl ControllerStore for CubeVolumeStore {
     /// object; on success `record.revision` is the new version.
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
         let (api, namespace) = self.api().await?;
+        self.check_schema(&api, namespace).await?;
         let name = object_name(&self.driver, &record.volume_id);
-        let mut object = CubeVolume::new(&name, &self.resource, self.to_spec(record));
+        let spec = self.to_spec(record);
+        let mut object = CubeVolume::new(&name, &self.resource, spec.clone());
         object.metadata.labels = Some(BTreeMap::from([(
             DRIVER_LABEL.to_string(),
             self.driver.clone(),
@@ -236,8 +293,10 @@ impl ControllerStore for CubeVolumeStore {
         };
         match written {
             Ok(object) => {
-                record.revision = object.metadata.resource_version;
-                Ok(())
+                record.revision = object.metadata.resource_version.clone();
+                // A CRD replaced by an older one since the check: said now, not at the
+                // volume's Destroy.
+                self.check_stored(&spec, &object)
             }
             Err(kube::Error::Api(s)) if s.is_conflict() || s.is_already_exists() => {
                 Err(StoreError::Conflict {
@@ -397,6 +456,35 @@ impl CubeVolumeStore {
 /// object in a 404's details; a 404 naming nothing ("the server could not find the
 /// requested resource") means CubeVolumes are not served (no CRD) and says nothing of
 /// the object.
+/// A CubeVolume spec with every field set (values no record has), for the schema check.
+fn schema_probe(driver: &str) -> CubeVolumeSpec {
+    let one = BTreeMap::from([("k".to_string(), "v".to_string())]);
+    CubeVolumeSpec {
+        driver: driver.to_string(),
+        volume_id: "schema-probe".into(),
+        csi_driver: Some("probe.csi".into()),
+        csi_name: "schema-probe".into(),
+        state: SpecState::Created,
+        csi_volume_id: Some("probe".into()),
+        volume_context: one.clone(),
+        capacity_bytes: 1,
+        updated_at: 1,
+        reclaim_policy: Some("Retain".into()),
+        provisioner_secret_ref: Some(SecretRef {
+            namespace: "probe".into(),
+            name: "probe".into(),
+        }),
+        integrity: Some("probe".into()),
+        accessible_topology: vec![one],
+        node_expansion_required: true,
+        content_source: Some(SpecContentSource {
+            kind: SpecContentKind::Snapshot,
+            id: "probe".into(),
+            csi_id: "probe".into(),
+        }),
+    }
+}
+
 fn object_absent(error: &kube::Error, name: &str) -> bool {
     let kube::Error::Api(status) = error else {
         return false;
