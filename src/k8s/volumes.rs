@@ -269,7 +269,11 @@ impl ControllerStore for CubeVolumeStore {
     /// object; on success `record.revision` is the new version.
     async fn put(&self, record: &mut VolumeRecord) -> Result<(), StoreError> {
         let (api, namespace) = self.api().await?;
-        self.check_schema(&api, namespace).await?;
+        // A new record only: a Destroy of a record written before goes on (its write is
+        // still checked below).
+        if record.revision.is_none() {
+            self.check_schema(&api, namespace).await?;
+        }
         let name = object_name(&self.driver, &record.volume_id);
         let spec = self.to_spec(record);
         let mut object = CubeVolume::new(&name, &self.resource, spec.clone());
