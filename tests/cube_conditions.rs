@@ -110,7 +110,7 @@ async fn an_rpc_attach_cancelled_by_its_callers_deadline_is_rolled_back() {
     assert!(answer.is_err(), "the caller's deadline must cut the call");
     // The driver finishes the publish after the caller left; the bridge undoes it.
     assert!(
-        eventually(Duration::from_secs(15), || nothing_left(&w, "cancelled")).await,
+        eventually(Duration::from_secs(60), || nothing_left(&w, "cancelled")).await,
         "left behind: mounts {:?}, calls {:?}",
         w.mounts(),
         w.driver.mutating_calls()
@@ -158,7 +158,7 @@ async fn a_binary_attach_killed_by_cube_is_rolled_back() {
     // The driver finishes the publish after the caller was killed; the bridge undoes it.
     publish.release();
     assert!(
-        eventually(Duration::from_secs(15), || nothing_left(&w, "killed")).await,
+        eventually(Duration::from_secs(60), || nothing_left(&w, "killed")).await,
         "left behind: mounts {:?}, calls {:?}",
         w.mounts(),
         w.driver.mutating_calls()
@@ -237,7 +237,7 @@ async fn after_a_reboot_attachments_of_the_earlier_boot_are_torn_down() {
     w.driver.clear_calls();
     w.start_daemon().await.unwrap();
     assert!(
-        eventually(Duration::from_secs(15), || nothing_left(&w, "old")).await,
+        eventually(Duration::from_secs(60), || nothing_left(&w, "old")).await,
         "left behind: staging {}, calls {:?}",
         staging_dir(&w, "old").exists(),
         w.driver.mutating_calls()
@@ -263,7 +263,7 @@ async fn a_held_volume_whose_mount_was_lost_is_mounted_again_at_start_up() {
     cube_csi_bridge::mount::ops::unmount(Path::new(&a.host_path)).unwrap();
     w.start_daemon().await.unwrap();
     assert!(
-        eventually(Duration::from_secs(15), || is_mounted(Path::new(
+        eventually(Duration::from_secs(60), || is_mounted(Path::new(
             &a.host_path
         )))
         .await,
@@ -283,6 +283,13 @@ async fn an_empty_journal_record_does_not_make_a_volume_unattachable() {
             .attach("s1", "torn", 0, &created.private_data)
             .await
             .unwrap();
+        // A forked Attach's worker may still be at work after its answer.
+        common::wait_until(
+            "the earlier hooks' workers to exit",
+            Duration::from_secs(30),
+            || !common::hook_processes_alive(&w.config_path),
+        )
+        .await;
         // A power loss after a non-durable save: the record is an empty file.
         std::fs::write(w.dir.path().join("state/node/torn.json"), b"").unwrap();
         let b = w

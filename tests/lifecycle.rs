@@ -712,7 +712,7 @@ async fn restart_rolls_back_an_attach_interrupted_by_a_crash() {
     w.driver.clear_calls();
 
     w.start_daemon().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while w.journal_records() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -178,10 +178,8 @@ async fn a_forked_create_whose_front_is_killed_after_its_worker_answered_leaves_
     kill(Pid::from_raw(front_pid as i32), Signal::SIGKILL).unwrap();
     assert!(!front.wait().await.unwrap().success());
     w.driver.wait_for_call("DeleteVolume", 1, WAIT).await;
-    common::wait_until("the worker exits", WAIT, || {
-        !Path::new(&format!("/proc/{worker}")).exists()
-    })
-    .await;
+    // Exited: gone, or a zombie (its parent, the front, was killed; nobody may reap it).
+    common::wait_until("the worker exits", WAIT, || exited(worker)).await;
     let listed = std::process::Command::new(env!("CARGO_BIN_EXE_cube-csi-bridge"))
         .args(["list", "--controller", "--output", "json", "--config"])
         .arg(&w.config_path)
@@ -280,6 +278,12 @@ async fn a_hook_run_in_place_answers_before_finishing_abandoned_work() {
     w.attach("sb-left", "left", 0, &left.private_data)
         .await
         .unwrap_or_else(|e| panic!("attach: {e:?}\n{}", w.logs()));
+    // That Attach's worker may still be finishing after its answer (clearing its pending
+    // marker, its abandoned-work pass): it would undo what is set up here.
+    common::wait_until("the earlier hooks' workers to exit", WAIT, || {
+        !common::hook_processes_alive(&w.config_path)
+    })
+    .await;
     w.leave_held_by_nobody("left", |_| {});
     std::fs::write(w.dir.path().join("state/node/pending/left"), "").unwrap();
     let gate = w.driver.hold("NodeUnpublishVolume");

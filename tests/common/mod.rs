@@ -220,13 +220,34 @@ impl World {
                     std::fs::read_to_string(self.daemon_log_path()).unwrap_or_default()
                 ));
             }
-            if tokio::net::UnixStream::connect(self.socket()).await.is_ok() {
+            // The kernel accepts a connection as soon as the socket listens, before the
+            // daemon serves it: an answer of its health service is what says it serves.
+            if tokio::net::UnixStream::connect(self.socket()).await.is_ok()
+                && self.health_answers(until).await
+            {
                 self.daemon = Some(child);
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         Err("daemon did not listen within 30 s".into())
+    }
+
+    /// Whether the daemon's health service answers a check (any status) before `until`.
+    async fn health_answers(&self, until: std::time::Instant) -> bool {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_client::HealthClient;
+        let channel = cube_csi_bridge::csi::client::channel(&cube_csi_bridge::csi::Endpoint::Unix(
+            self.socket(),
+        ));
+        let mut client = HealthClient::new(channel);
+        let check = client.check(HealthCheckRequest {
+            service: String::new(),
+        });
+        matches!(
+            tokio::time::timeout_at(until.into(), check).await,
+            Ok(Ok(_))
+        )
     }
 
     /// How many lines of the daemon log (every daemon this world started) contain `needle`.
