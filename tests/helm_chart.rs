@@ -337,6 +337,18 @@ fn schema_refuses_bad_values_naming_the_field() {
             "volume.parameters.server=10.0.0.5",
             "volume.parameters",
         ),
+        // Driver X's controller side is instance X-controller (socket, state and lock
+        // dirs): a release of driver X-controller would share them.
+        (
+            "a driver name another driver's controller side uses",
+            "driver=nfs-controller",
+            "-controller",
+        ),
+        (
+            "the same, node side only",
+            "driver=nfs-controller,controller.enabled=false",
+            "-controller",
+        ),
     ];
     for (what, set, field) in cases {
         let run = helm.template(&["--set", set]);

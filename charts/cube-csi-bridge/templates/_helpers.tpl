@@ -95,6 +95,9 @@ Checks across values that the schema cannot express; included by every workload 
 {{- if and (not .Values.node.enabled) (not .Values.controller.enabled) }}
 {{- fail "node.enabled and controller.enabled are both false: nothing to deploy" }}
 {{- end }}
+{{- if hasSuffix "-controller" .Values.driver }}
+{{- fail (printf "driver %q must not end with -controller: the controller side of driver %q is the instance %q (its socket, state dir and lock dir), which this release would share on a host running both" .Values.driver (trimSuffix "-controller" .Values.driver) .Values.driver) }}
+{{- end }}
 {{- if and (include "cube-csi-bridge.nodeServesController" .) .Values.controller.enabled }}
 {{- fail "node.services is \"both\": set controller.enabled=false (CubeMaster registers the node socket)" }}
 {{- end }}
