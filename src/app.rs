@@ -89,6 +89,34 @@ pub fn open_sides(
     roles: Roles,
     mounts: Arc<dyn MountCheck>,
 ) -> Result<Bridge, BridgeError> {
+    open_sides_reopenable(config, roles, mounts).map(|(bridge, _)| bridge)
+}
+
+/// What it takes to open a side again over the same driver, locks, metrics and mount
+/// view as the rest of its process: a daemon whose state dir was full or failing when it
+/// started serves that side once it is fixed, without a restart.
+pub struct Reopen {
+    config: Config,
+    shared: Shared,
+    mounts: Arc<dyn MountCheck>,
+}
+
+impl Reopen {
+    pub fn controller(&self) -> Result<Arc<ControllerSide>, BridgeError> {
+        open_controller(&self.config, &self.shared).map(Arc::new)
+    }
+
+    pub fn node(&self) -> Result<Arc<NodeSide>, BridgeError> {
+        open_node(&self.config, &self.shared, self.mounts.clone()).map(Arc::new)
+    }
+}
+
+/// `open_sides`, and what it takes to open a side that could not open again later.
+pub fn open_sides_reopenable(
+    config: &Config,
+    roles: Roles,
+    mounts: Arc<dyn MountCheck>,
+) -> Result<(Bridge, Reopen), BridgeError> {
     // Claimed for the records each role keeps: a controller-only bridge claims no node
     // endpoint (a node-only bridge of the same driver, on its own endpoint, shares the dir).
     let keeper = if roles.node {
@@ -107,13 +135,18 @@ pub fn open_sides(
         Err(Unserved::not_a_role("controller"))
     };
     let node = if roles.node {
-        open_node(config, &shared, mounts)
+        open_node(config, &shared, mounts.clone())
             .map(Arc::new)
             .map_err(|e| Unserved(e.to_string()))
     } else {
         Err(Unserved::not_a_role("node"))
     };
-    Ok(Bridge { controller, node })
+    let reopen = Reopen {
+        config: config.clone(),
+        shared,
+        mounts,
+    };
+    Ok((Bridge { controller, node }, reopen))
 }
 
 fn shared(config: &Config, keeper: Option<Keeper>) -> Result<Shared, BridgeError> {

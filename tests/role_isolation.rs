@@ -92,6 +92,41 @@ async fn a_corrupt_controller_store_leaves_attach_and_detach_serving() {
         logs.contains("this role cannot serve") && logs.contains("controller"),
         "{logs}"
     );
+
+    // The store is fixed (here: removed, so a fresh one is made; on a full disk, space
+    // freed): the role serves at Cube's next hooks, without a restart. Before, it
+    // answered UNAVAILABLE with the start-up error until someone restarted the daemon.
+    std::fs::remove_file(&store).unwrap();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let created = loop {
+        match w.create("v3").await {
+            Ok(created) => break created,
+            Err(error) => {
+                assert_eq!(error.code, Some(tonic::Code::Unavailable), "{error:?}");
+                assert!(
+                    std::time::Instant::now() < until,
+                    "the controller role did not come back: {error:?}\n{}",
+                    w.logs()
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        }
+    };
+    w.destroy("v3").await.expect("destroy");
+    assert!(!created.private_data.is_empty());
+    assert!(w.logs().contains("opened now"), "{}", w.logs());
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (code, line) = probe(&w, &["--ready"]);
+        if code == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "never ready again: {line}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
 }
 
 /// A daemon none of whose served roles can open still refuses to start, as before.

@@ -43,8 +43,13 @@ impl DaemonHealth {
     /// Starts probing the driver endpoints the served `roles` call: the node endpoint for
     /// Attach/Detach, the controller endpoint for Create/Destroy. Must run inside a Tokio
     /// runtime. Readiness is NOT_SERVING until the first probe succeeds.
-    /// `down` lists the served roles whose side could not open, with why.
-    pub fn start(config: &Config, roles: Roles, down: Vec<(&'static str, String)>) -> Self {
+    /// `down` lists the served roles whose side could not open, with why, as it changes
+    /// (a role opened later serves).
+    pub fn start(
+        config: &Config,
+        roles: Roles,
+        down: tokio::sync::watch::Receiver<crate::transport::live::DownRoles>,
+    ) -> Self {
         let reporter = HealthReporter::new();
         let server = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
         let mut endpoints = Vec::new();
@@ -82,28 +87,12 @@ impl std::fmt::Debug for DaemonHealth {
 async fn keep_readiness(
     reporter: HealthReporter,
     roles: Roles,
-    down: Vec<(&'static str, String)>,
+    mut down_roles: tokio::sync::watch::Receiver<crate::transport::live::DownRoles>,
     endpoints: Vec<Endpoint>,
     trusted: Vec<u32>,
 ) {
-    use pb::volume_controller_service_server::VolumeControllerServiceServer as Controller;
-    use pb::volume_plugin_service_server::VolumePluginServiceServer as Node;
-    // Per-service statuses, for callers that check a Cube service by name.
-    let is_down = |role| down.iter().any(|(r, _)| *r == role);
-    if roles.controller {
-        if is_down("controller") {
-            reporter.set_not_serving::<Controller<()>>().await;
-        } else {
-            reporter.set_serving::<Controller<()>>().await;
-        }
-    }
-    if roles.node {
-        if is_down("node") {
-            reporter.set_not_serving::<Node<()>>().await;
-        } else {
-            reporter.set_serving::<Node<()>>().await;
-        }
-    }
+    let mut down = down_roles.borrow_and_update().clone();
+    set_role_statuses(&reporter, roles, &down).await;
     reporter
         .set_service_status(READY_SERVICE, ServingStatus::NotServing)
         .await;
@@ -124,8 +113,11 @@ async fn keep_readiness(
     let mut was_ready = None;
     loop {
         ticker.tick().await;
+        if down_roles.has_changed().unwrap_or(false) {
+            down = down_roles.borrow_and_update().clone();
+            set_role_statuses(&reporter, roles, &down).await;
+        }
         let verdict = match down.first() {
-            // A role that cannot serve does not come back without a restart.
             Some((role, why)) => Err(format!("the {role} role is down: {why}")),
             None => probe_all(&clients).await,
         };
@@ -147,6 +139,32 @@ async fn keep_readiness(
         };
         reporter.set_service_status(READY_SERVICE, status).await;
         was_ready = Some(ready);
+    }
+}
+
+/// Each served Cube service's status under its gRPC name, for callers that check one by
+/// name: NOT_SERVING while its role is down.
+async fn set_role_statuses(
+    reporter: &HealthReporter,
+    roles: Roles,
+    down: &crate::transport::live::DownRoles,
+) {
+    use pb::volume_controller_service_server::VolumeControllerServiceServer as Controller;
+    use pb::volume_plugin_service_server::VolumePluginServiceServer as Node;
+    let is_down = |role| down.iter().any(|(r, _)| *r == role);
+    if roles.controller {
+        if is_down("controller") {
+            reporter.set_not_serving::<Controller<()>>().await;
+        } else {
+            reporter.set_serving::<Controller<()>>().await;
+        }
+    }
+    if roles.node {
+        if is_down("node") {
+            reporter.set_not_serving::<Node<()>>().await;
+        } else {
+            reporter.set_serving::<Node<()>>().await;
+        }
     }
 }
 
@@ -292,7 +310,11 @@ mod tests {
             socket.display()
         );
         let config = Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
-        let health = DaemonHealth::start(&config, Roles::NODE, Vec::new());
+        let health = DaemonHealth::start(
+            &config,
+            Roles::NODE,
+            tokio::sync::watch::channel(Vec::new()).1,
+        );
         let mut client = health_client(&health, dir.path()).await;
 
         assert_eq!(status(&mut client, "").await, Ok(Wire::Serving as i32));

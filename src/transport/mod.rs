@@ -9,6 +9,7 @@ pub mod forked;
 pub mod front;
 pub mod health;
 pub mod listener;
+pub mod live;
 pub mod server;
 pub mod service;
 pub mod worker;

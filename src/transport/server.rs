@@ -22,6 +22,7 @@ use crate::bridge::{Bridge, BridgeError, Deadline, NodeSide};
 use crate::config::Config;
 use crate::mount::MountView;
 use crate::proto::cube::v1 as pb;
+use crate::transport::live::LiveBridge;
 use pb::volume_controller_service_server::VolumeControllerServiceServer;
 use pb::volume_plugin_service_server::VolumePluginServiceServer;
 
@@ -66,7 +67,8 @@ impl ServeError {
 /// One driver's part of the daemon: its sides of the core and its listeners.
 struct Instance {
     config: Arc<Config>,
-    bridge: Arc<Bridge>,
+    bridge: Bridge,
+    reopen: crate::app::Reopen,
     unix: UnixSocket,
     tcp: Option<TcpListener>,
     policy: PeerPolicy,
@@ -143,7 +145,7 @@ impl Daemon {
             .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let mut background = Vec::new();
+        let background = Background::default();
         let mut healths = Vec::new();
         let mut socket_files = Vec::new();
         let mut servers = tokio::task::JoinSet::new();
@@ -153,46 +155,43 @@ impl Daemon {
             let Instance {
                 config,
                 bridge,
+                reopen,
                 unix,
                 tcp,
                 policy,
             } = instance;
             let roles = config.serve.roles;
-            background.push(spawn_housekeeping(bridge.clone(), &config));
-            // The inventory gauges whenever metrics are served; the driver's volume stats
-            // only when asked for.
-            // Each published volume's condition (a dead mount, the driver's
-            // VolumeCondition): a log line on each change, and a gauge.
-            if let Ok(node) = &bridge.node {
-                background.push(tokio::spawn(
-                    check_volume_conditions(node.clone()).in_current_span(),
-                ));
+            let bridge = Arc::new(bridge);
+            spawn_background(&bridge, &config, &background);
+            // A role down at start is tried again: at each hook of it (spaced), and here.
+            let bridge = Arc::new(LiveBridge::new(bridge, roles, reopen, {
+                let (config, background) = (config.clone(), background.clone());
+                let span = span.clone();
+                Box::new(move |side| {
+                    let _entered = span.enter();
+                    spawn_background(&side, &config, &background);
+                })
+            }));
+            let down_roles = bridge.down_roles();
+            if !down_roles.borrow().is_empty() {
+                let live = bridge.clone();
+                push(
+                    &background,
+                    tokio::spawn(
+                        async move {
+                            let mut down_roles = live.down_roles();
+                            while !down_roles.borrow_and_update().is_empty() {
+                                tokio::time::sleep(REOPEN_INTERVAL).await;
+                                live.reopen_if_due(Duration::ZERO).await;
+                            }
+                        }
+                        .in_current_span(),
+                    ),
+                );
             }
-            // Kubernetes mode: node daemons grow what `expand` recorded in a CubeVolume.
-            if let (Ok(node), true) = (
-                &bridge.node,
-                config.state.controller_store == crate::config::ControllerStoreKind::Kubernetes,
-            ) {
-                let kube = Arc::new(crate::k8s::Kube::new(&config.kubernetes));
-                match crate::app::controller_store(&config, Some(&kube)) {
-                    Ok(store) => background.push(tokio::spawn(
-                        follow_recorded_expansions(node.clone(), store).in_current_span(),
-                    )),
-                    Err(error) => {
-                        tracing::warn!(%error, "not following recorded expansions: no store")
-                    }
-                }
-            }
-            if let (Ok(node), true) = (&bridge.node, config.metrics.listen.is_some()) {
-                let stats_every = config.metrics.volume_stats_interval;
-                background.push(tokio::spawn(
-                    poll_volume_metrics(node.clone(), stats_every).in_current_span(),
-                ));
-            }
-            let health =
-                super::health::DaemonHealth::start(&config, roles, bridge.down_roles(roles));
+            let health = super::health::DaemonHealth::start(&config, roles, down_roles);
             let router = || {
-                let service = CubeService::new(bridge.clone(), config.clone(), hooks.clone());
+                let service = CubeService::live(bridge.clone(), config.clone(), hooks.clone());
                 let controller = roles
                     .controller
                     .then(|| VolumeControllerServiceServer::new(service.clone()));
@@ -268,6 +267,7 @@ impl Daemon {
                 }
             }
         };
+        let background = std::mem::take(&mut *background.lock().expect("poisoned"));
         for task in background.into_iter().chain(metrics) {
             task.abort();
         }
@@ -304,11 +304,11 @@ impl Instance {
         // Each served role opens on its own: a controller store that cannot be opened must
         // not take Cubelet's Attach and Detach down with it (and the other way round). The
         // role that failed answers UNAVAILABLE with its error, and readiness says it is down.
-        let bridge =
-            crate::app::open_sides(&config, roles, mounts).map_err(ServeError::Misconfigured)?;
+        let (bridge, reopen) = crate::app::open_sides_reopenable(&config, roles, mounts)
+            .map_err(ServeError::Misconfigured)?;
         let down = bridge.down_roles(roles);
         for (role, why) in &down {
-            tracing::error!(role, reason = %why, "this role cannot serve; its hooks answer UNAVAILABLE until the daemon is restarted with it fixed");
+            tracing::error!(role, reason = %why, "this role cannot serve; its hooks answer UNAVAILABLE until it opens (tried again every 30 s and at its hooks; fix what the reason names)");
         }
         if down.len() == usize::from(roles.controller) + usize::from(roles.node) {
             let (_, why) = down.into_iter().next().expect("a served role");
@@ -362,7 +362,8 @@ impl Instance {
         tracing::info!(socket = %socket_path.display(), roles = roles.as_str(), "serving Cube hooks");
         Ok(Self {
             config,
-            bridge: Arc::new(bridge),
+            bridge,
+            reopen,
             unix,
             tcp,
             policy,
@@ -380,6 +381,55 @@ fn raise_open_file_limit() {
         && let Err(error) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
     {
         tracing::warn!(%error, soft, hard, "could not raise the open-file limit");
+    }
+}
+
+/// How often the daemon tries again to open a role that could not open.
+const REOPEN_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The daemon's background tasks, aborted at shutdown; sides opened late add theirs.
+type Background = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>;
+
+fn push(background: &Background, task: tokio::task::JoinHandle<()>) {
+    background.lock().expect("poisoned").push(task);
+}
+
+/// The background work of each side `bridge` has open: housekeeping, and on the node
+/// side the volumes' conditions, recorded expansions and volume metrics.
+fn spawn_background(bridge: &Arc<Bridge>, config: &Arc<Config>, background: &Background) {
+    push(background, spawn_housekeeping(bridge.clone(), config));
+    // The inventory gauges whenever metrics are served; the driver's volume stats
+    // only when asked for.
+    // Each published volume's condition (a dead mount, the driver's
+    // VolumeCondition): a log line on each change, and a gauge.
+    if let Ok(node) = &bridge.node {
+        push(
+            background,
+            tokio::spawn(check_volume_conditions(node.clone()).in_current_span()),
+        );
+    }
+    // Kubernetes mode: node daemons grow what `expand` recorded in a CubeVolume.
+    if let (Ok(node), true) = (
+        &bridge.node,
+        config.state.controller_store == crate::config::ControllerStoreKind::Kubernetes,
+    ) {
+        let kube = Arc::new(crate::k8s::Kube::new(&config.kubernetes));
+        match crate::app::controller_store(config, Some(&kube)) {
+            Ok(store) => push(
+                background,
+                tokio::spawn(follow_recorded_expansions(node.clone(), store).in_current_span()),
+            ),
+            Err(error) => {
+                tracing::warn!(%error, "not following recorded expansions: no store")
+            }
+        }
+    }
+    if let (Ok(node), true) = (&bridge.node, config.metrics.listen.is_some()) {
+        let stats_every = config.metrics.volume_stats_interval;
+        push(
+            background,
+            tokio::spawn(poll_volume_metrics(node.clone(), stats_every).in_current_span()),
+        );
     }
 }
 

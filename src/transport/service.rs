@@ -14,16 +14,18 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
+use std::time::Duration;
 
 use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
 use tonic::{Request, Response, Status};
 
 use crate::bridge::ports::KeptLock;
-use crate::bridge::{Answer, Bridge, Caller, Delivery, HookError, LeaveOnDrop};
+use crate::bridge::{Answer, Bridge, Caller, Delivery, HookError, HookKind, LeaveOnDrop};
 use crate::config::Config;
 use crate::cube::errors::to_status;
 use crate::cube::hooks::{self, Attach, Create, Destroy, Detach, HookReply, HookRequest, Listed};
 use crate::proto::cube::v1 as pb;
+use crate::transport::live::LiveBridge;
 use pb::volume_controller_service_server::VolumeControllerService;
 use pb::volume_plugin_service_server::VolumePluginService;
 
@@ -210,14 +212,9 @@ struct ReleaseIfCancelled {
 }
 
 impl ReleaseIfCancelled {
-    fn arm(service: &CubeService, checked: &hooks::Checked) -> Self {
-        let armed = matches!(checked, hooks::Checked::Attach(_)).then(|| {
-            (
-                service.bridge.clone(),
-                checked.clone(),
-                service.tasks.clone(),
-            )
-        });
+    fn arm(service: &CubeService, bridge: &Arc<Bridge>, checked: &hooks::Checked) -> Self {
+        let armed = matches!(checked, hooks::Checked::Attach(_))
+            .then(|| (bridge.clone(), checked.clone(), service.tasks.clone()));
         Self {
             armed,
             kept: KeptLock::default(),
@@ -270,10 +267,15 @@ impl Drop for ReleaseIfCancelled {
     }
 }
 
+/// How often a hook of a role that is down may try to open it again (besides the
+/// daemon's own attempts): often enough that a fixed disk serves at Cube's next hooks,
+/// rarely enough that a burst of them does not open the state each time.
+const REOPEN_SPACING: Duration = Duration::from_secs(5);
+
 /// Both Cube services over one bridge.
 #[derive(Debug, Clone)]
 pub struct CubeService {
-    bridge: Arc<Bridge>,
+    bridge: Arc<LiveBridge>,
     config: Arc<Config>,
     tasks: TaskTracker,
 }
@@ -281,6 +283,11 @@ pub struct CubeService {
 impl CubeService {
     /// `tasks` tracks every hook, so that shutdown can wait for them.
     pub fn new(bridge: Arc<Bridge>, config: Arc<Config>, tasks: TaskTracker) -> Self {
+        Self::live(Arc::new(LiveBridge::fixed(bridge)), config, tasks)
+    }
+
+    /// Over a bridge whose roles that are down are tried again.
+    pub fn live(bridge: Arc<LiveBridge>, config: Arc<Config>, tasks: TaskTracker) -> Self {
         Self {
             bridge,
             config,
@@ -288,20 +295,36 @@ impl CubeService {
         }
     }
 
+    /// The bridge a hook of `kind` runs on: its role, if down, tried again first when due.
+    async fn bridge_for(&self, kind: HookKind) -> Arc<Bridge> {
+        let bridge = self.bridge.current();
+        let down = if kind.is_node() {
+            bridge.node.is_err()
+        } else {
+            bridge.controller.is_err()
+        };
+        if !down {
+            return bridge;
+        }
+        self.bridge.reopen_if_due(REOPEN_SPACING).await;
+        self.bridge.current()
+    }
+
     async fn run(&self, request: HookRequest) -> Result<HookReply, Status> {
+        let kind = request.kind();
         let checked = hooks::check(request, &self.config).map_err(|e| to_status(&e))?;
+        let bridge = self.bridge_for(kind).await;
         // A hot Attach or Detach is answered here, in the handler, with no task and no
         // handoff: it changes at most one line of the holder log, and nothing is awaited
         // after that line is written. A caller that goes away before then drops this
         // future before anything changed; once it is written, the answer is returned in
         // the same poll, as a handed-over answer is.
-        let mut cancelled = ReleaseIfCancelled::arm(self, &checked);
-        let hot = cancelled.run_if_hot(&self.bridge, &checked).await;
+        let mut cancelled = ReleaseIfCancelled::arm(self, &bridge, &checked);
+        let hot = cancelled.run_if_hot(&bridge, &checked).await;
         cancelled.disarm();
         if let Some(result) = hot {
             return result.map_err(|e| to_status(&e));
         }
-        let bridge = self.bridge.clone();
         let (hook, _) = InlineHook::new(&self.tasks, |caller| {
             Box::pin(async move { hooks::run(&bridge, checked, &caller).await })
         });
