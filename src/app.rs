@@ -237,6 +237,8 @@ fn shared_over(
         FileLocks::new(lock_dir)
             .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?,
     );
+    crate::store::owner::claim_lock_dir(lock_dir, &config.state.dir)
+        .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?;
     Ok(Shared {
         settings,
         driver,
@@ -545,6 +547,50 @@ mod tests {
         );
         assert!(!tmp.path().join("state/controller.redb").exists());
         // The first bridge keeps its dir, its own restart included.
+        open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
+    }
+
+    /// Two bridges of one driver (a daemon's config and a forked hook's, say) with
+    /// separate state dirs but one lock dir (the default one, by driver name): the second
+    /// is refused, naming both state dirs; before, each kept its own journal of volumes
+    /// at the same paths, and a Detach reaching the other one tore down what this one
+    /// attached.
+    #[test]
+    fn a_lock_dir_another_state_dir_uses_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        let d = tmp.path().display();
+        let with_state = |state: &str| {
+            Config::parse(
+                &format!(
+                    "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                     dir = \"{d}/{state}\"\nlock_dir = \"{d}/locks\"\n[node]\n\
+                     default_volume_base_dir = \"{d}/vol\"\n"
+                ),
+                std::path::Path::new("/test.toml"),
+            )
+            .unwrap()
+        };
+        let (first, second) = (with_state("state"), with_state("other-state"));
+        open_sides(&first, Roles::BOTH, mounts.clone())
+            .map(|_| ())
+            .unwrap();
+        for roles in [Roles::NODE, Roles::CONTROLLER, Roles::BOTH] {
+            let err = open_sides(&second, roles, mounts.clone())
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("another bridge of this driver")
+                    && err.contains(&format!("{d}/state\""))
+                    && err.contains(&format!("{d}/other-state\"")),
+                "{err}"
+            );
+        }
+        assert!(open_hot_node(&second, mounts.clone()).is_err());
         open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
     }
 }

@@ -85,6 +85,45 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     claim_file(dir, owner.keeper.endpoint_file(), &owner.render_endpoint())
 }
 
+/// The file in a lock dir naming the state dir of the bridge whose hooks it serializes.
+pub const LOCK_DIR_OWNER_FILE: &str = "state_dir";
+
+/// Claims `lock_dir` for the bridge whose records are in `state_dir`, or checks that it
+/// is already: the state dir's owner file names its lock dir, and this names the other
+/// way. Two bridges of one driver (a second config file, for the forked hook or after a
+/// switch between rpc and binary) with separate state dirs would otherwise share the lock
+/// dir and the volumes' paths under Cube's base dir: a Detach reaching the one that did
+/// not Attach tears the mount down from Cube's metadata, while the other one's journal
+/// still holds the volume and mounts it again at its next start, for nobody.
+pub fn claim_lock_dir(lock_dir: &Path, state_dir: &Path) -> io::Result<()> {
+    let wanted = format!("state_dir {:?}\n", std::path::absolute(state_dir)?);
+    claim_file(lock_dir, LOCK_DIR_OWNER_FILE, &wanted).map_err(|e| {
+        if e.kind() != io::ErrorKind::AlreadyExists {
+            return e;
+        }
+        let found = read_claim(&lock_dir.join(LOCK_DIR_OWNER_FILE))
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "lock dir {} serializes the hooks of another bridge of this driver ({} says \
+                 {}; this one's is {}): two bridges with separate state dirs would each \
+                 tear down the volumes the other attached, and mount them again for nobody. \
+                 Point both configs (the daemon's and the forked hook's) at one state.dir, \
+                 or give each its own state.lock_dir; if the state dir moved on purpose, \
+                 stop every bridge of this driver and remove {}",
+                lock_dir.display(),
+                lock_dir.join(LOCK_DIR_OWNER_FILE).display(),
+                String::from_utf8_lossy(&found).trim_end(),
+                wanted.trim_end(),
+                lock_dir.join(LOCK_DIR_OWNER_FILE).display(),
+            ),
+        )
+    })
+}
+
 /// Checks, writing nothing, that no other owner claimed `dir` (a dir not claimed yet
 /// passes): what a command that only reads the state checks.
 pub fn check_claimed(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {

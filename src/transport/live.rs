@@ -3,11 +3,11 @@
 //! full, a store file left to repair) serves once it is fixed, without a restart. The
 //! other role serves meanwhile, so nothing else would ever restart the daemon.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::app::Reopen;
-use crate::bridge::{Bridge, Deadline};
+use crate::bridge::{Bridge, BridgeError, Deadline, Unserved};
 use crate::config::Roles;
 
 /// What a role that could not open says, by role (`Bridge::down_roles`).
@@ -24,13 +24,17 @@ pub struct LiveBridge {
     current: RwLock<Arc<Bridge>>,
     roles: Roles,
     /// None: the bridge stays as it is (tests, a bridge opened elsewhere).
-    reopen: Option<Reopen>,
-    /// When the last attempt began; held while one runs.
-    attempt: tokio::sync::Mutex<Option<Instant>>,
-    /// Why each role that is down is down, as last logged (a failure is logged when it
-    /// changes, not at each attempt).
+    reopen: Option<Arc<Reopen>>,
+    attempts: Mutex<Attempts>,
+    /// The roles that are down, with why (as last tried).
     down: tokio::sync::watch::Sender<DownRoles>,
     on_opened: OnOpened,
+}
+
+#[derive(Default)]
+struct Attempts {
+    under_way: bool,
+    last: Option<Instant>,
 }
 
 impl LiveBridge {
@@ -39,8 +43,8 @@ impl LiveBridge {
         Self {
             current: RwLock::new(bridge),
             roles,
-            reopen: Some(reopen),
-            attempt: tokio::sync::Mutex::new(None),
+            reopen: Some(Arc::new(reopen)),
+            attempts: Mutex::default(),
             down,
             on_opened,
         }
@@ -53,7 +57,7 @@ impl LiveBridge {
             current: RwLock::new(bridge),
             roles: Roles::BOTH,
             reopen: None,
-            attempt: tokio::sync::Mutex::new(None),
+            attempts: Mutex::default(),
             down,
             on_opened: Box::new(|_| {}),
         }
@@ -69,85 +73,136 @@ impl LiveBridge {
         self.down.subscribe()
     }
 
-    /// Tries again to open each role that is down, unless an attempt began less than
-    /// `spacing` ago or one is under way (the caller goes on with the bridge as it is). A
-    /// side that opens and whose driver check passes replaces its error in the bridge.
-    pub async fn reopen_if_due(&self, spacing: Duration) {
-        let Some(reopen) = &self.reopen else {
-            return;
-        };
-        let Ok(mut last) = self.attempt.try_lock() else {
-            return;
-        };
-        if last.is_some_and(|at| at.elapsed() < spacing) {
-            return;
+    /// Starts another attempt to open the roles that are down, unless one is under way or
+    /// began less than `spacing` ago. The attempt runs in a task of its own: a hook that
+    /// starts one is not held up by it (it answers with the bridge as it is), and a caller
+    /// that leaves does not cut it short. The returned handle ends with it.
+    pub fn reopen_if_due(
+        self: &Arc<Self>,
+        spacing: Duration,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let reopen = self.reopen.clone()?;
+        {
+            let mut attempts = self.attempts.lock().expect("poisoned");
+            if attempts.under_way || attempts.last.is_some_and(|at| at.elapsed() < spacing) {
+                return None;
+            }
+            attempts.under_way = true;
+            attempts.last = Some(Instant::now());
         }
-        *last = Some(Instant::now());
+        let live = self.clone();
+        Some(tokio::spawn(async move {
+            // Reset also if the attempt panics.
+            struct Done(Arc<LiveBridge>);
+            impl Drop for Done {
+                fn drop(&mut self) {
+                    self.0.attempts.lock().expect("poisoned").under_way = false;
+                }
+            }
+            let done = Done(live);
+            done.0.attempt(reopen).await;
+        }))
+    }
+
+    /// One attempt: each role that is down is opened (on a blocking thread: a store's file
+    /// lock and a journal's recovery wait for the disk) and its driver checked; one that
+    /// passes replaces its error in the bridge, one that fails keeps the new reason.
+    async fn attempt(&self, reopen: Arc<Reopen>) {
         let current = self.current();
         let down = current.down_roles(self.roles);
         if down.is_empty() {
             return;
         }
         let deadline = Deadline::after(CHECK_BUDGET);
-        let mut controller = current.controller.clone();
-        let mut node = current.node.clone();
+        let mut next = Bridge {
+            controller: current.controller.clone(),
+            node: current.node.clone(),
+        };
         let mut opened = Vec::new();
         let mut still_down = Vec::new();
         for (role, before) in down {
-            let result: Result<(), crate::bridge::BridgeError> = match role {
-                "controller" => match reopen.controller() {
-                    Ok(side) => match side.check(&deadline).await {
-                        Ok(()) => {
-                            controller = Ok(side.clone());
-                            opened.push(Bridge {
-                                controller: Ok(side),
-                                node: Err(crate::bridge::Unserved::not_a_role("node")),
-                            });
-                            Ok(())
-                        }
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
-                },
-                _ => match reopen.node() {
-                    Ok(side) => match side.check(&deadline).await {
-                        Ok(()) => {
-                            node = Ok(side.clone());
-                            opened.push(Bridge {
-                                controller: Err(crate::bridge::Unserved::not_a_role("controller")),
-                                node: Ok(side),
-                            });
-                            Ok(())
-                        }
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
-                },
+            let side = match role {
+                "controller" => Side::open_controller(&reopen, &deadline).await,
+                _ => Side::open_node(&reopen, &deadline).await,
             };
-            match result {
-                Ok(()) => tracing::info!(
-                    role,
-                    "this role, which could not open at start, opened now: serving its hooks"
-                ),
+            match side {
+                Ok(side) => {
+                    tracing::info!(
+                        role,
+                        "this role, which could not open at start, opened now: serving its hooks"
+                    );
+                    opened.push(side.alone());
+                    side.place_in(&mut next);
+                }
                 Err(error) => {
                     let why = error.to_string();
                     if why != before {
                         tracing::warn!(role, reason = %why, "this role still cannot serve; tried again");
                     }
                     // Its hooks answer with why it is down now.
-                    let unserved = crate::bridge::Unserved(why.clone());
+                    let unserved = Unserved(why.clone());
                     match role {
-                        "controller" => controller = Err(unserved),
-                        _ => node = Err(unserved),
+                        "controller" => next.controller = Err(unserved),
+                        _ => next.node = Err(unserved),
                     }
                     still_down.push((role, why));
                 }
             }
         }
-        *self.current.write().expect("bridge poisoned") = Arc::new(Bridge { controller, node });
+        *self.current.write().expect("bridge poisoned") = Arc::new(next);
         self.down.send_replace(still_down);
         for side in opened {
             (self.on_opened)(Arc::new(side));
+        }
+    }
+}
+
+/// A side opened late.
+enum Side {
+    Controller(Arc<crate::bridge::ControllerSide>),
+    Node(Arc<crate::bridge::NodeSide>),
+}
+
+impl Side {
+    async fn open_controller(
+        reopen: &Arc<Reopen>,
+        deadline: &Deadline,
+    ) -> Result<Side, BridgeError> {
+        let reopen = reopen.clone();
+        let side = tokio::task::spawn_blocking(move || reopen.controller())
+            .await
+            .map_err(|e| BridgeError::Unavailable(e.to_string()))??;
+        side.check(deadline).await?;
+        Ok(Side::Controller(side))
+    }
+
+    async fn open_node(reopen: &Arc<Reopen>, deadline: &Deadline) -> Result<Side, BridgeError> {
+        let reopen = reopen.clone();
+        let side = tokio::task::spawn_blocking(move || reopen.node())
+            .await
+            .map_err(|e| BridgeError::Unavailable(e.to_string()))??;
+        side.check(deadline).await?;
+        Ok(Side::Node(side))
+    }
+
+    /// A bridge with this side alone.
+    fn alone(&self) -> Bridge {
+        match self {
+            Side::Controller(side) => Bridge {
+                controller: Ok(side.clone()),
+                node: Err(Unserved::not_a_role("node")),
+            },
+            Side::Node(side) => Bridge {
+                controller: Err(Unserved::not_a_role("controller")),
+                node: Ok(side.clone()),
+            },
+        }
+    }
+
+    fn place_in(self, bridge: &mut Bridge) {
+        match self {
+            Side::Controller(side) => bridge.controller = Ok(side),
+            Side::Node(side) => bridge.node = Ok(side),
         }
     }
 }

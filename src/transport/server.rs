@@ -182,7 +182,9 @@ impl Daemon {
                             let mut down_roles = live.down_roles();
                             while !down_roles.borrow_and_update().is_empty() {
                                 tokio::time::sleep(REOPEN_INTERVAL).await;
-                                live.reopen_if_due(Duration::ZERO).await;
+                                if let Some(attempt) = live.reopen_if_due(Duration::ZERO) {
+                                    let _ = attempt.await;
+                                }
                             }
                         }
                         .in_current_span(),

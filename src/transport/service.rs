@@ -271,6 +271,8 @@ impl Drop for ReleaseIfCancelled {
 /// daemon's own attempts): often enough that a fixed disk serves at Cube's next hooks,
 /// rarely enough that a burst of them does not open the state each time.
 const REOPEN_SPACING: Duration = Duration::from_secs(5);
+/// How long such a hook waits for the attempt it started.
+const REOPEN_WAIT: Duration = Duration::from_secs(1);
 
 /// Both Cube services over one bridge.
 #[derive(Debug, Clone)]
@@ -306,7 +308,10 @@ impl CubeService {
         if !down {
             return bridge;
         }
-        self.bridge.reopen_if_due(REOPEN_SPACING).await;
+        // A quick attempt serves this very hook; a slow one goes on without it.
+        if let Some(attempt) = self.bridge.reopen_if_due(REOPEN_SPACING) {
+            let _ = tokio::time::timeout(REOPEN_WAIT, attempt).await;
+        }
         self.bridge.current()
     }
 
