@@ -116,6 +116,11 @@ impl Caller {
         self.gone.cancel();
     }
 
+    /// Cancelled once the caller is known to be gone (a check, or the task watching it).
+    pub(crate) fn gone_token(&self) -> CancellationToken {
+        self.gone.clone()
+    }
+
     pub fn is_gone(&self) -> bool {
         if self.gone.is_cancelled() {
             return true;

@@ -814,7 +814,7 @@ impl ControllerSide {
     pub async fn create(&self, req: CreateVolume, caller: &Caller) -> Result<Created, HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(self.recorder.as_ref(), HookKind::Create, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.create);
+            let deadline = Deadline::after(self.config.timeouts.create).while_awaited(caller);
             let (identity, caps) = self.driver.controller_view(&deadline).await?;
             require_create_delete(&identity, caps.as_ref())?;
             // Resolved before anything is written: a bad StorageClass changes nothing.

@@ -3,10 +3,17 @@
 
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, Copy)]
+use tokio_util::sync::CancellationToken;
+
+use super::caller::Caller;
+
+#[derive(Debug, Clone)]
 pub struct Deadline {
     start: Instant,
     at: Instant,
+    /// Set when the caller whose hook this is has left: no call then starts another
+    /// attempt (see `while_awaited`).
+    caller_gone: Option<CancellationToken>,
 }
 
 impl Deadline {
@@ -15,7 +22,26 @@ impl Deadline {
         Self {
             start,
             at: start + budget,
+            caller_gone: None,
         }
+    }
+
+    /// This deadline, for steps worth retrying only while `caller` waits: once it leaves,
+    /// a failed attempt is not retried (the one under way still ends, so that its outcome
+    /// is known), and the hook goes on to undo what it did. Without this a hook whose
+    /// caller left kept retrying a driver that answers UNAVAILABLE to the end of its
+    /// budget, holding the volume's lock, while Cube's other hooks of the volume waited
+    /// past their own deadlines. Undo steps keep their own deadline, without it.
+    pub fn while_awaited(mut self, caller: &Caller) -> Self {
+        self.caller_gone = Some(caller.gone_token());
+        self
+    }
+
+    /// Whether the caller this deadline works for has left (`while_awaited`).
+    pub fn caller_left(&self) -> bool {
+        self.caller_gone
+            .as_ref()
+            .is_some_and(CancellationToken::is_cancelled)
     }
 
     pub fn remaining(&self) -> Duration {

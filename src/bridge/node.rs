@@ -610,7 +610,7 @@ impl NodeSide {
             HookKind::Attach,
             &volume_id,
             async {
-                let deadline = Deadline::after(self.config.timeouts.attach);
+                let deadline = Deadline::after(self.config.timeouts.attach).while_awaited(caller);
                 let holding = held.is_some();
                 let _guard = match held {
                     Some(guard) => guard,

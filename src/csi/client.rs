@@ -247,6 +247,10 @@ impl CsiClient {
                 return Err(error);
             }
             let delay = backoff.next_delay();
+            // Nobody waits for the answer any more: the hook undoes what it did instead.
+            if deadline.caller_left() {
+                return Err(error);
+            }
             if deadline.remaining() < delay + MIN_ATTEMPT_TIME {
                 error.gave_up_after = Some(deadline.elapsed());
                 return Err(error);
@@ -261,6 +265,9 @@ impl CsiClient {
                 "CSI call failed non-finally; retrying"
             );
             tokio::time::sleep(delay).await;
+            if deadline.caller_left() {
+                return Err(error);
+            }
         }
     }
 }
@@ -468,6 +475,58 @@ mod tests {
         );
         assert!(error.message.len() < 1100, "{} bytes", error.message.len());
         assert!(error.message.ends_with(" bytes)"), "{}", error.message);
+    }
+
+    /// A call retried while the driver answers UNAVAILABLE stops retrying once its hook's
+    /// caller has left (the hook then undoes what it did); before, it retried to the end
+    /// of the hook's budget (two minutes for an Attach), holding the volume's lock while
+    /// Cube's other hooks of the volume waited past their deadlines. Its outcome stays
+    /// uncertain, for the undo.
+    #[tokio::test]
+    async fn a_call_whose_caller_left_is_not_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(stream).await.unwrap();
+                    while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                        let response = http::Response::builder()
+                            .status(200)
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", "14")
+                            .body(())
+                            .unwrap();
+                        let _ = respond.send_response(response, true);
+                    }
+                });
+            }
+        });
+        let client = CsiClient::new(&Endpoint::Unix(path));
+        let caller = crate::bridge::Caller::waiting();
+        let deadline = Deadline::after(Duration::from_secs(60)).while_awaited(&caller);
+        let leave = {
+            let caller = caller.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                caller.leave();
+            })
+        };
+        let request = csi::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            ..Default::default()
+        };
+        let error = tokio::time::timeout(
+            Duration::from_secs(20),
+            client.create_volume(request, &deadline, &Redactions::NONE),
+        )
+        .await
+        .expect("still retrying 20 s after its caller left")
+        .unwrap_err();
+        leave.await.unwrap();
+        assert_eq!(error.status, "Unavailable", "{error:?}");
+        assert_eq!(error.finality, Finality::Uncertain, "{error:?}");
     }
 
     /// A retry that fails finally after an attempt that may have done the work (UNAVAILABLE
