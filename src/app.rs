@@ -232,6 +232,10 @@ fn shared_over(
     if let Some(keeper) = keeper {
         claim_state_dir(config, keeper)?;
     }
+    if let Some(instance) = &config.state.instance {
+        crate::store::owner::claim_instance(&config.state.dir, instance)
+            .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))?;
+    }
     let lock_dir = &config.state.lock_dir;
     let locks = Arc::new(
         FileLocks::new(lock_dir)
@@ -547,6 +551,48 @@ mod tests {
         );
         assert!(!tmp.path().join("state/controller.redb").exists());
         // The first bridge keeps its dir, its own restart included.
+        open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
+    }
+
+    /// Two installations of one driver alike in everything else (two Helm releases of
+    /// one driver name) but `state.instance`: the second is refused, naming both; before,
+    /// it opened, and its start-up scan could tear the first one's volumes down through
+    /// its own CSI driver.
+    #[test]
+    fn a_state_dir_another_instance_claimed_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        let d = tmp.path().display();
+        let as_instance = |instance: &str| {
+            Config::parse(
+                &format!(
+                    "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                     dir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n\
+                     instance = \"{instance}\"\n[node]\n\
+                     default_volume_base_dir = \"{d}/vol\"\n"
+                ),
+                std::path::Path::new("/test.toml"),
+            )
+            .unwrap()
+        };
+        let (first, second) = (as_instance("ns-a/nfs"), as_instance("ns-b/nfs"));
+        open_sides(&first, Roles::BOTH, mounts.clone())
+            .map(|_| ())
+            .unwrap();
+        for roles in [Roles::NODE, Roles::CONTROLLER, Roles::BOTH] {
+            let err = open_sides(&second, roles, mounts.clone())
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("ns-a/nfs") && err.contains("ns-b/nfs"),
+                "{err}"
+            );
+        }
+        assert!(open_hot_node(&second, mounts.clone()).is_err());
         open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
     }
 

@@ -458,6 +458,12 @@ controller:
                 _ => format!("/run/cube-csi-bridge/{}-controller.sock", config.driver),
             };
             assert_eq!(socket, expected, "{name}/{key}");
+            // Two releases of one driver name are told apart by it (their paths agree).
+            assert_eq!(
+                config.state.instance.as_deref(),
+                Some(format!("{NAMESPACE}/{RELEASE}").as_str()),
+                "{name}/{key}"
+            );
             if name != "rich" {
                 assert!(config.csi.driver_uids.is_empty(), "{name}/{key}");
             }

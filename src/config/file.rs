@@ -93,6 +93,9 @@ pub(super) struct StateFile {
     pub dir: Option<PathBuf>,
     #[serde(default)]
     pub lock_dir: Option<PathBuf>,
+    /// Which installation this bridge is (the Helm chart: `<namespace>/<release>`).
+    #[serde(default)]
+    pub instance: Option<String>,
     #[serde(default)]
     pub controller_store: Option<String>,
     /// Where a forked hook's worker logs after it has answered: `journal` or a file.

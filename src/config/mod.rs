@@ -222,6 +222,10 @@ pub struct StateSettings {
     pub dir: PathBuf,
     /// Per-volume lock files. Default: `/run/cube-csi-bridge/<driver>/locks`.
     pub lock_dir: PathBuf,
+    /// Which installation of the driver this bridge is, claimed in the state dir: two
+    /// installations whose other settings agree (two Helm releases of one driver name,
+    /// whose paths and in-container endpoint are alike) are told apart by it.
+    pub instance: Option<String>,
     /// Where Create records the CSI handle that Destroy needs.
     pub controller_store: ControllerStoreKind,
     /// Where a forked hook's worker logs once it has answered (Cube no longer reads its
@@ -867,7 +871,20 @@ impl Checker<'_> {
                 ));
             }
         };
+        if let Some(instance) = &raw.instance
+            && (instance.is_empty()
+                || instance.len() > 256
+                || instance.chars().any(char::is_control))
+        {
+            return Err(self.invalid(
+                "state.instance",
+                format!(
+                    "{instance:?} must be 1 to 256 characters, none of them control characters"
+                ),
+            ));
+        }
         Ok(StateSettings {
+            instance: raw.instance,
             worker_log,
             dir: raw
                 .dir

@@ -85,6 +85,20 @@ pub fn claim(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
     claim_file(dir, owner.keeper.endpoint_file(), &owner.render_endpoint())
 }
 
+/// The file in a state dir naming the installation (`state.instance`) that claimed it.
+pub const INSTANCE_FILE: &str = "owner.instance";
+
+/// Claims `dir` for installation `instance`, or checks that it is already (a dir claimed
+/// before instances were named is claimed by the first one that starts with a name).
+/// Two Helm releases of one driver name render the same paths, driver, lock dir and
+/// in-container CSI endpoint: only this tells them apart, and one's start-up scan would
+/// tear the other's volumes down through its own CSI driver.
+pub fn claim_instance(dir: &Path, instance: &str) -> io::Result<()> {
+    crate::mount::ops::ensure_dir(dir, 0o700)?;
+    super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
+    claim_file(dir, INSTANCE_FILE, &format!("instance {instance:?}\n"))
+}
+
 /// The file in a lock dir naming the state dir of the bridge whose hooks it serializes.
 pub const LOCK_DIR_OWNER_FILE: &str = "state_dir";
 

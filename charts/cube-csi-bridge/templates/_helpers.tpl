@@ -157,6 +157,8 @@ shutdown_grace_secs = {{ int64 $v.shutdownGraceSecs }}
 [state]
 dir = {{ printf "%s/%s" (trimSuffix "/" $v.stateDir) $instance | toJson }}
 lock_dir = {{ printf "%s/%s/locks" (trimSuffix "/" $v.socketDir) $instance | toJson }}
+# Claimed in the state dir: another release of this driver name (same paths) is refused.
+instance = {{ printf "%s/%s" .root.Release.Namespace .root.Release.Name | toJson }}
 {{- if or $serveController (and (eq $side "node") (include "cube-csi-bridge.nodeFollowsExpansions" .root)) }}
 controller_store = "kubernetes"
 {{- end }}
