@@ -229,6 +229,12 @@ fn shared_over(
         settings.separate_controller_endpoint,
     ));
     check_state_dir(config)?;
+    let lock_dir = &config.state.lock_dir;
+    let lock_dir_error = |e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e);
+    // Checked before anything is claimed (a refused bridge leaves no claim of its own);
+    // claimed once the lock dir is made.
+    crate::store::owner::check_lock_dir(lock_dir, &config.driver, &config.state.dir)
+        .map_err(lock_dir_error)?;
     if let Some(keeper) = keeper {
         claim_state_dir(config, keeper)?;
     }
@@ -236,13 +242,9 @@ fn shared_over(
         crate::store::owner::claim_instance(&config.state.dir, instance)
             .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))?;
     }
-    let lock_dir = &config.state.lock_dir;
-    let locks = Arc::new(
-        FileLocks::new(lock_dir)
-            .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?,
-    );
-    crate::store::owner::claim_lock_dir(lock_dir, &config.state.dir)
-        .map_err(|e| BridgeError::io(format!("lock dir {}", lock_dir.display()), e))?;
+    let locks = Arc::new(FileLocks::new(lock_dir).map_err(lock_dir_error)?);
+    crate::store::owner::claim_lock_dir(lock_dir, &config.driver, &config.state.dir)
+        .map_err(lock_dir_error)?;
     Ok(Shared {
         settings,
         driver,
@@ -630,13 +632,44 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(
-                err.contains("another bridge of this driver")
+                err.contains("another bridge of driver \"fk\"")
                     && err.contains(&format!("{d}/state\""))
                     && err.contains(&format!("{d}/other-state\"")),
                 "{err}"
             );
         }
         assert!(open_hot_node(&second, mounts.clone()).is_err());
+        // The refused one claimed nothing of its own (it may be pointed elsewhere).
+        assert!(
+            !tmp.path().join("other-state/owner").exists(),
+            "the refused bridge claimed its state dir"
+        );
+        // The same dir spelled with a trailing slash is the same bridge.
+        let spelled = Config::parse(
+            &format!(
+                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/state/\"\nlock_dir = \"{d}/locks\"\n[node]\n\
+                 default_volume_base_dir = \"{d}/vol\"\n"
+            ),
+            std::path::Path::new("/test.toml"),
+        )
+        .unwrap();
+        open_sides(&spelled, Roles::NODE, mounts.clone())
+            .map(|_| ())
+            .unwrap();
+        // Another driver may share the lock dir (each volume's lock is its own).
+        let other_driver = Config::parse(
+            &format!(
+                "driver = \"other\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/other-state\"\nlock_dir = \"{d}/locks\"\n[node]\n\
+                 default_volume_base_dir = \"{d}/vol\"\n"
+            ),
+            std::path::Path::new("/other.toml"),
+        )
+        .unwrap();
+        open_sides(&other_driver, Roles::BOTH, mounts.clone())
+            .map(|_| ())
+            .unwrap();
         open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
     }
 }

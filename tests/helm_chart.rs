@@ -458,12 +458,8 @@ controller:
                 _ => format!("/run/cube-csi-bridge/{}-controller.sock", config.driver),
             };
             assert_eq!(socket, expected, "{name}/{key}");
-            // Two releases of one driver name are told apart by it (their paths agree).
-            assert_eq!(
-                config.state.instance.as_deref(),
-                Some(format!("{NAMESPACE}/{RELEASE}").as_str()),
-                "{name}/{key}"
-            );
+            // In the environment, not the file (see below).
+            assert_eq!(config.state.instance, None, "{name}/{key}");
             if name != "rich" {
                 assert!(config.csi.driver_uids.is_empty(), "{name}/{key}");
             }
@@ -728,6 +724,35 @@ fn the_bridge_containers_get_only_what_their_role_needs() {
             }
         }
     }
+}
+
+/// Each bridge container learns its release (`state.instance`, which tells two releases
+/// of one driver name apart: their host paths agree) from its environment: a key new to
+/// the config file would be refused by pods of an older version still running while
+/// kubelet updates the file under them.
+#[test]
+fn each_bridge_container_names_its_release_in_its_environment() {
+    let helm = require_helm!();
+    let objects = manifests(&helm.render(&[]));
+    let mut seen = 0;
+    for component in ["node", "controller"] {
+        let Some(pod) = workload_pod(&objects, component) else {
+            continue;
+        };
+        for c in pod["containers"].as_array().unwrap() {
+            if c["name"] != "bridge" {
+                continue;
+            }
+            seen += 1;
+            let env = c["env"].as_array().unwrap();
+            assert!(
+                env.iter().any(|e| e["name"] == "CUBE_CSI_BRIDGE_INSTANCE"
+                    && e["value"] == format!("{NAMESPACE}/{RELEASE}")),
+                "{component}: {env:?}"
+            );
+        }
+    }
+    assert_eq!(seen, 2, "a bridge container on each side");
 }
 
 /// The API token reaches the bridge container only, and only on a side that uses the API:

@@ -161,6 +161,8 @@ async fn a_broken_config_line_holding_a_secret_is_never_quoted() {
         format!("{good}\n[secrets.node_publish]\npassword = hunter2-SECRET\n"),
         format!("{good}\n[volume]\nmount_flags = [\"pass=hunter2-SECRET\"\n"),
         format!("{good}\n[secrets.node_publish]\npassword = [\"hunter2-SECRET\"]\n"),
+        // A quote in the secret: serde escapes it, which must not end the redaction.
+        format!("{good}\n[secrets]\nnode_publish = 'pw\"hunter2-SECRET'\n"),
     ] {
         std::fs::write(&w.config_path, &broken).unwrap();
         let config = w.config_path.display().to_string();

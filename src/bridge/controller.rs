@@ -814,7 +814,10 @@ impl ControllerSide {
     pub async fn create(&self, req: CreateVolume, caller: &Caller) -> Result<Created, HookError> {
         let volume_id = req.volume_id.clone();
         super::hook(self.recorder.as_ref(), HookKind::Create, &volume_id, async {
-            let deadline = Deadline::after(self.config.timeouts.create).while_awaited(caller);
+            // Not `while_awaited`: a CreateVolume cut short by its caller's leaving would
+            // be uncertain, its volume left to the sweep, where a retry that gets its
+            // answer lets the undo delete it at once.
+            let deadline = Deadline::after(self.config.timeouts.create);
             let (identity, caps) = self.driver.controller_view(&deadline).await?;
             require_create_delete(&identity, caps.as_ref())?;
             // Resolved before anything is written: a bad StorageClass changes nothing.

@@ -434,7 +434,18 @@ impl Config {
         let opened = file.metadata().map_err(read)?;
         let mut text = String::new();
         std::io::Read::read_to_string(&mut file, &mut text).map_err(read)?;
-        let configs = Self::parse_all(&text, path)?;
+        let mut configs = Self::parse_all(&text, path)?;
+        if let Ok(instance) = std::env::var(INSTANCE_ENV) {
+            for config in configs.iter_mut().filter(|c| c.state.instance.is_none()) {
+                check_instance(&instance).map_err(|why| ConfigError::Invalid {
+                    path: path.to_path_buf(),
+                    entry: None,
+                    field: INSTANCE_ENV,
+                    message: why,
+                })?;
+                config.state.instance = Some(instance.clone());
+            }
+        }
         let holds_secrets = configs.iter().any(|c| !c.secrets.is_empty());
         let mount_flags: Vec<String> = configs
             .iter()
@@ -871,17 +882,8 @@ impl Checker<'_> {
                 ));
             }
         };
-        if let Some(instance) = &raw.instance
-            && (instance.is_empty()
-                || instance.len() > 256
-                || instance.chars().any(char::is_control))
-        {
-            return Err(self.invalid(
-                "state.instance",
-                format!(
-                    "{instance:?} must be 1 to 256 characters, none of them control characters"
-                ),
-            ));
+        if let Some(instance) = &raw.instance {
+            check_instance(instance).map_err(|why| self.invalid("state.instance", why))?;
         }
         Ok(StateSettings {
             instance: raw.instance,
@@ -1405,6 +1407,20 @@ fn describe_toml_error(text: &str, error: &toml::de::Error) -> String {
     )
 }
 
+/// The environment variable that sets `state.instance` when the file does not (the Helm
+/// chart's pods: a key new to the file would be refused by a pod still running an older
+/// version, which reads the file kubelet updated under it).
+pub const INSTANCE_ENV: &str = "CUBE_CSI_BRIDGE_INSTANCE";
+
+fn check_instance(instance: &str) -> Result<(), String> {
+    if instance.is_empty() || instance.len() > 256 || instance.chars().any(char::is_control) {
+        return Err(format!(
+            "{instance:?} must be 1 to 256 characters, none of them control characters"
+        ));
+    }
+    Ok(())
+}
+
 /// Replaces the literal values serde quotes in its messages (`string "…"`, `integer
 /// \`…\``, …) with `<redacted>`.
 fn redact_literals(message: &str) -> String {
@@ -1432,7 +1448,7 @@ fn redact_literals(message: &str) -> String {
         let after = &rest[at + len..];
         let quote = after.chars().next();
         let close = match quote {
-            Some(q @ ('"' | '`')) => after[1..].find(q).map(|end| end + 2),
+            Some(q @ ('"' | '`')) => closing_quote(&after[1..], q).map(|end| end + 2),
             _ => None,
         };
         out.push_str(&rest[..at + len]);
@@ -1444,21 +1460,40 @@ fn redact_literals(message: &str) -> String {
             None => rest = after,
         }
     }
-    // A bare quoted string anywhere else (toml's syntax errors) goes too.
+    // A bare quoted string anywhere else (toml's syntax errors) goes too. An escaped
+    // quote (`\"`, as serde writes a `"` of the value) does not end it.
     let mut cleaned = String::with_capacity(out.len());
     let mut in_quote = false;
+    let mut escaped = false;
     for c in out.chars() {
         match (c, in_quote) {
             ('"', false) => {
                 in_quote = true;
                 cleaned.push_str("<redacted>");
             }
+            (_, true) if escaped => escaped = false,
+            ('\\', true) => escaped = true,
             ('"', true) => in_quote = false,
             (_, true) => {}
             (c, false) => cleaned.push(c),
         }
     }
     cleaned
+}
+
+/// Where `quote` closes in `text` (which follows the opening one), an escaped one
+/// (`\"`, as serde writes a quote of the value) skipped.
+fn closing_quote(text: &str, quote: char) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in text.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            c if c == quote => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -1966,6 +2001,24 @@ access_mode = "single_node_writer"
             redact_literals("unknown field `bogus`, expected one of `a`"),
             "unknown field `bogus`, expected one of `a`"
         );
+    }
+
+    /// A secret holding a quote: serde writes it escaped (`\"`), which ended the
+    /// redaction there and left the rest of the secret in the error (Cube keeps a forked
+    /// hook's JSON answer, and the daemon logs it).
+    #[test]
+    fn a_secret_holding_a_quote_is_never_quoted() {
+        assert_eq!(
+            redact_literals("invalid type: string \"pw\\\"hunter2-SECRET\", expected a map"),
+            "invalid type: string <redacted>, expected a map"
+        );
+        for text in [
+            format!("{MINIMAL}[secrets]\nnode_publish = 'pw\"hunter2-SECRET'\n"),
+            format!("{MINIMAL}[volume]\nmount_flags = 'password=pw\"hunter2-SECRET'\n"),
+        ] {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(!err.contains("hunter2"), "leaked: {err}");
+        }
     }
 
     #[test]

@@ -22,7 +22,13 @@ impl Redactions {
     /// option, and each such value) of one request: a driver may echo the
     /// options of `vers=3,username=u,password=S` one by one, in any order.
     pub fn of(secrets: &Secrets, capability: Option<&Capability>) -> Self {
-        let mut hidden: Vec<String> = secrets.values().map(str::to_string).collect();
+        // Each value also without its surrounding whitespace: a Secret's value often ends
+        // in a newline (`echo pw | base64`, `--from-file`), which drivers trim before they
+        // use it, and echo trimmed.
+        let mut hidden: Vec<String> = secrets
+            .values()
+            .flat_map(|value| [value.to_string(), value.trim().to_string()])
+            .collect();
         for flag in capability.iter().flat_map(|c| c.mount_flags.iter()) {
             hidden.push(flag.clone());
             for option in flag.split(',') {
@@ -136,6 +142,20 @@ mod tests {
     use super::*;
     use crate::config::AccessMode;
     use std::collections::BTreeMap;
+
+    /// A Secret's value ending in a newline, echoed trimmed by the driver (as Go drivers
+    /// trim credentials before use): before, only the value with its newline was hidden.
+    #[test]
+    fn a_secret_echoed_without_its_newline_is_hidden() {
+        let secrets = Secrets(BTreeMap::from([(
+            "username".into(),
+            "alice-SECRET\n".into(),
+        )]));
+        let r = Redactions::of(&secrets, None);
+        let scrubbed = r.apply("mount error: -o username=alice-SECRET,<masked> refused");
+        assert!(!scrubbed.contains("alice-SECRET"), "{scrubbed}");
+        assert!(scrubbed.contains("refused"), "{scrubbed}");
+    }
 
     #[test]
     fn secrets_and_credential_flags_are_hidden() {

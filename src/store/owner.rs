@@ -99,43 +99,82 @@ pub fn claim_instance(dir: &Path, instance: &str) -> io::Result<()> {
     claim_file(dir, INSTANCE_FILE, &format!("instance {instance:?}\n"))
 }
 
-/// The file in a lock dir naming the state dir of the bridge whose hooks it serializes.
-pub const LOCK_DIR_OWNER_FILE: &str = "state_dir";
+/// The file in a lock dir naming the state dir of driver `driver`'s bridge, whose hooks
+/// it serializes. One per driver: drivers of separate config files may share a lock dir
+/// (each volume's lock is its own), one driver's two bridges may not.
+fn lock_dir_claim_file(driver: &str) -> String {
+    format!("state_dir.{driver}")
+}
 
-/// Claims `lock_dir` for the bridge whose records are in `state_dir`, or checks that it
-/// is already: the state dir's owner file names its lock dir, and this names the other
-/// way. Two bridges of one driver (a second config file, for the forked hook or after a
-/// switch between rpc and binary) with separate state dirs would otherwise share the lock
-/// dir and the volumes' paths under Cube's base dir: a Detach reaching the one that did
-/// not Attach tears the mount down from Cube's metadata, while the other one's journal
-/// still holds the volume and mounts it again at its next start, for nobody.
-pub fn claim_lock_dir(lock_dir: &Path, state_dir: &Path) -> io::Result<()> {
-    let wanted = format!("state_dir {:?}\n", std::path::absolute(state_dir)?);
-    claim_file(lock_dir, LOCK_DIR_OWNER_FILE, &wanted).map_err(|e| {
-        if e.kind() != io::ErrorKind::AlreadyExists {
-            return e;
-        }
-        let found = read_claim(&lock_dir.join(LOCK_DIR_OWNER_FILE))
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            format!(
-                "lock dir {} serializes the hooks of another bridge of this driver ({} says \
-                 {}; this one's is {}): two bridges with separate state dirs would each \
-                 tear down the volumes the other attached, and mount them again for nobody. \
-                 Point both configs (the daemon's and the forked hook's) at one state.dir, \
-                 or give each its own state.lock_dir; if the state dir moved on purpose, \
-                 stop every bridge of this driver and remove {}",
-                lock_dir.display(),
-                lock_dir.join(LOCK_DIR_OWNER_FILE).display(),
-                String::from_utf8_lossy(&found).trim_end(),
-                wanted.trim_end(),
-                lock_dir.join(LOCK_DIR_OWNER_FILE).display(),
-            ),
-        )
-    })
+/// What the lock dir's claim says of `state_dir`: as the kernel would name the dir, not as
+/// written (a trailing `/`, a doubled `/` are one dir).
+fn lock_dir_claim(state_dir: &Path) -> io::Result<String> {
+    let normal: std::path::PathBuf = std::path::absolute(state_dir)?.components().collect();
+    Ok(format!("state_dir {normal:?}\n"))
+}
+
+/// Claims `lock_dir` for driver `driver`'s bridge whose records are in `state_dir`, or
+/// checks that it is already: the state dir's owner file names its lock dir, and this
+/// names the other way. Two bridges of one driver (a second config file, for the forked
+/// hook or after a switch between rpc and binary) with separate state dirs would
+/// otherwise share the lock dir and the volumes' paths under Cube's base dir: a Detach
+/// reaching the one that did not Attach tears the mount down from Cube's metadata, while
+/// the other one's journal still holds the volume and mounts it again at its next start,
+/// for nobody. The default lock dir is on a tmpfs: the claim is made again at each boot,
+/// by whichever of two such bridges starts first (the other is refused as loudly).
+pub fn claim_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Result<()> {
+    let name = lock_dir_claim_file(driver);
+    let wanted = lock_dir_claim(state_dir)?;
+    claim_file(lock_dir, &name, &wanted)
+        .map_err(|e| lock_dir_refusal(e, lock_dir, driver, &name, &wanted))
+}
+
+/// Checks, writing nothing, that `lock_dir` is not claimed for another state dir of
+/// `driver` (a lock dir not made or not claimed yet passes): run before anything is
+/// claimed, so that a refused bridge leaves no claim of its own behind.
+pub fn check_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Result<()> {
+    let name = lock_dir_claim_file(driver);
+    let wanted = lock_dir_claim(state_dir)?;
+    match read_claim(&lock_dir.join(&name))? {
+        Some(found) if found != wanted.as_bytes() => Err(lock_dir_refusal(
+            io::Error::from(io::ErrorKind::AlreadyExists),
+            lock_dir,
+            driver,
+            &name,
+            &wanted,
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn lock_dir_refusal(
+    error: io::Error,
+    lock_dir: &Path,
+    driver: &str,
+    name: &str,
+    wanted: &str,
+) -> io::Error {
+    if error.kind() != io::ErrorKind::AlreadyExists {
+        return error;
+    }
+    let path = lock_dir.join(name);
+    let found = read_claim(&path).ok().flatten().unwrap_or_default();
+    io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        format!(
+            "lock dir {} serializes the hooks of another bridge of driver {driver:?} ({} says \
+             {}; this one's is {}): two bridges of one driver with separate state dirs would \
+             each tear down the volumes the other attached, and mount them again for nobody. \
+             Point both configs (the daemon's and the forked hook's) at one state.dir, or \
+             give each its own state.lock_dir; if the state dir moved on purpose, stop every \
+             bridge of this driver and remove {}",
+            lock_dir.display(),
+            path.display(),
+            String::from_utf8_lossy(&found).trim_end(),
+            wanted.trim_end(),
+            path.display(),
+        ),
+    )
 }
 
 /// Checks, writing nothing, that no other owner claimed `dir` (a dir not claimed yet

@@ -90,16 +90,16 @@ impl LiveBridge {
             attempts.under_way = true;
             attempts.last = Some(Instant::now());
         }
-        let live = self.clone();
-        Some(tokio::spawn(async move {
-            // Reset also if the attempt panics.
-            struct Done(Arc<LiveBridge>);
-            impl Drop for Done {
-                fn drop(&mut self) {
-                    self.0.attempts.lock().expect("poisoned").under_way = false;
-                }
+        // Reset however the attempt ends: done, panicked, or dropped unpolled (the runtime
+        // shutting down).
+        struct Done(Arc<LiveBridge>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.attempts.lock().expect("poisoned").under_way = false;
             }
-            let done = Done(live);
+        }
+        let done = Done(self.clone());
+        Some(tokio::spawn(async move {
             done.0.attempt(reopen).await;
         }))
     }

@@ -145,7 +145,7 @@ impl Daemon {
             .map(|listener| tokio::spawn(crate::metrics::serve(listener, std::future::pending())));
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let background = Background::default();
+        let background: Background = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
         let mut healths = Vec::new();
         let mut socket_files = Vec::new();
         let mut servers = tokio::task::JoinSet::new();
@@ -269,7 +269,11 @@ impl Daemon {
                 }
             }
         };
-        let background = std::mem::take(&mut *background.lock().expect("poisoned"));
+        let background = background
+            .lock()
+            .expect("poisoned")
+            .take()
+            .unwrap_or_default();
         for task in background.into_iter().chain(metrics) {
             task.abort();
         }
@@ -389,11 +393,17 @@ fn raise_open_file_limit() {
 /// How often the daemon tries again to open a role that could not open.
 const REOPEN_INTERVAL: Duration = Duration::from_secs(30);
 
-/// The daemon's background tasks, aborted at shutdown; sides opened late add theirs.
-type Background = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>;
+/// The daemon's background tasks, aborted at shutdown (None from then on); sides opened
+/// late add theirs.
+type Background = Arc<std::sync::Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>>;
 
+/// Adds `task`, or aborts it when the daemon is stopping (a side opened meanwhile gets no
+/// work that nothing would stop).
 fn push(background: &Background, task: tokio::task::JoinHandle<()>) {
-    background.lock().expect("poisoned").push(task);
+    match background.lock().expect("poisoned").as_mut() {
+        Some(tasks) => tasks.push(task),
+        None => task.abort(),
+    }
 }
 
 /// The background work of each side `bridge` has open: housekeeping, and on the node

@@ -157,8 +157,6 @@ shutdown_grace_secs = {{ int64 $v.shutdownGraceSecs }}
 [state]
 dir = {{ printf "%s/%s" (trimSuffix "/" $v.stateDir) $instance | toJson }}
 lock_dir = {{ printf "%s/%s/locks" (trimSuffix "/" $v.socketDir) $instance | toJson }}
-# Claimed in the state dir: another release of this driver name (same paths) is refused.
-instance = {{ printf "%s/%s" .root.Release.Namespace .root.Release.Name | toJson }}
 {{- if or $serveController (and (eq $side "node") (include "cube-csi-bridge.nodeFollowsExpansions" .root)) }}
 controller_store = "kubernetes"
 {{- end }}
@@ -261,6 +259,11 @@ Environment every CSI driver container gets. Call with the driver values.
   value: {{ .Values.logLevel | quote }}
 - name: CUBE_CSI_BRIDGE_LOG_FORMAT
   value: {{ .Values.logFormat | quote }}
+# state.instance, claimed in the state dir: another release of this driver name (the same
+# host paths) is refused. Not in the config file, which kubelet updates in pods still
+# running an older version during a rollout (one that knows no such key).
+- name: CUBE_CSI_BRIDGE_INSTANCE
+  value: {{ printf "%s/%s" .Release.Namespace .Release.Name | quote }}
 {{- if .Values.metrics.enabled }}
 # The metrics endpoint binds this address only: where Prometheus scrapes the pod, not every
 # interface of the host whose network the pod may share.
