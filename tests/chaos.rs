@@ -1393,13 +1393,14 @@ async fn a_forked_attach_whose_front_and_worker_are_terminated_together_leaves_n
     }
     let out = front.wait_with_output().await.unwrap();
     assert!(!out.status.success(), "Cube sees the Attach fail");
+    // The record goes last, after the unmounts: waited for too.
     common::wait_until(
-        "the worker took back the holder Cube never learned of, and unmounted the volume",
+        "the worker took back the holder Cube never learned of, unmounted the volume and \
+         removed its record",
         SETTLE,
-        || !holds("sb-stopped") && w.mounts().is_empty(),
+        || !holds("sb-stopped") && w.mounts().is_empty() && w.journal_records() == 0,
     )
     .await;
-    assert_eq!(w.journal_records(), 0);
 }
 
 /// A forked Create's worker that dies (the OOM killer, a crash) after its volume was

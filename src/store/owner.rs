@@ -133,6 +133,14 @@ pub fn claim_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Re
 /// `driver` (a lock dir not made or not claimed yet passes): run before anything is
 /// claimed, so that a refused bridge leaves no claim of its own behind.
 pub fn check_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Result<()> {
+    // Whose dir it is, before anything in it is read (`FileLocks::new` checks it again
+    // once it is made): another user's could hold anything under the claim's name.
+    super::fsutil::check_private_dir(
+        lock_dir,
+        "state.lock_dir",
+        "hold every volume's lock (each hook then waits out its deadline) or plant a file \
+         there for the bridge to open as root",
+    )?;
     let name = lock_dir_claim_file(driver);
     let wanted = lock_dir_claim(state_dir)?;
     match read_claim(&lock_dir.join(&name))? {
@@ -288,9 +296,10 @@ pub const STATE_DIR_RISK: &str = "rewrite the records the bridge acts on as root
 /// The owner file's bytes (at most 4 KiB), `None` when there is none yet. Never through a
 /// symlink.
 fn read_claim(path: &Path) -> io::Result<Option<Vec<u8>>> {
+    // Non-blocking: a FIFO at the name would hold the open until someone writes it.
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
         .open(path);
     let file = match file {
         Ok(file) => file,
@@ -302,6 +311,15 @@ fn read_claim(path: &Path) -> io::Result<Option<Vec<u8>>> {
             ));
         }
     };
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{} is not a plain file: no bridge made it; remove it",
+                path.display()
+            ),
+        ));
+    }
     let mut found = Vec::new();
     file.take(4096).read_to_end(&mut found)?;
     Ok(Some(found))
@@ -518,5 +536,31 @@ mod tests {
         std::os::unix::fs::symlink(&elsewhere, dir.join(OWNER_FILE)).unwrap();
         assert!(claim(&dir, &owner("nfs", tmp.path())).is_err());
         assert!(!elsewhere.exists(), "a file was made through the link");
+    }
+
+    /// A FIFO at a claim's name (planted in a lock dir another user made first) was
+    /// opened blocking: every start and every forked hook hung in `open`. A claim that is
+    /// not a plain file is refused, and a lock dir another user owns is refused before
+    /// anything in it is read.
+    #[test]
+    fn a_claim_that_is_not_a_plain_file_is_refused_at_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let locks = tmp.path().join("locks");
+        std::fs::create_dir(&locks).unwrap();
+        nix::unistd::mkfifo(
+            &locks.join("state_dir.fk"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let (done, finished) = std::sync::mpsc::channel();
+        let state = tmp.path().join("state");
+        std::thread::spawn(move || {
+            let _ = done.send(check_lock_dir(&locks, "fk", &state));
+        });
+        let checked = finished
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the check hung on a FIFO");
+        let error = checked.unwrap_err().to_string();
+        assert!(error.contains("not a plain file"), "{error}");
     }
 }

@@ -146,6 +146,7 @@ impl Daemon {
         let hooks = TaskTracker::new();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let background: Background = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
+        let mut stopped_tasks = Vec::new();
         let mut healths = Vec::new();
         let mut socket_files = Vec::new();
         let mut servers = tokio::task::JoinSet::new();
@@ -245,6 +246,9 @@ impl Daemon {
                 () = shutdown => {
                     tracing::info!(grace_secs = grace.as_secs(), "shutting down: refusing new hooks, finishing in-flight ones");
                     let _ = stop_tx.send(true);
+                    // Work running goes on through the drain; work a side opened from now
+                    // on would start is aborted at once.
+                    stopped_tasks = background.lock().expect("poisoned").take().unwrap_or_default();
                     // Now, while our listeners still hold the sockets' inodes (so no
                     // successor's socket can have the same one): after the drain a
                     // successor may have bound the paths.
@@ -274,7 +278,7 @@ impl Daemon {
             .expect("poisoned")
             .take()
             .unwrap_or_default();
-        for task in background.into_iter().chain(metrics) {
+        for task in background.into_iter().chain(stopped_tasks).chain(metrics) {
             task.abort();
         }
         drop(healths);
@@ -393,8 +397,8 @@ fn raise_open_file_limit() {
 /// How often the daemon tries again to open a role that could not open.
 const REOPEN_INTERVAL: Duration = Duration::from_secs(30);
 
-/// The daemon's background tasks, aborted at shutdown (None from then on); sides opened
-/// late add theirs.
+/// The daemon's background tasks, aborted once the drain at shutdown ends (None from its
+/// start); sides opened late add theirs.
 type Background = Arc<std::sync::Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>>;
 
 /// Adds `task`, or aborts it when the daemon is stopping (a side opened meanwhile gets no
