@@ -422,6 +422,7 @@ fn state_owner<'a>(
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
 
     fn config_in(dir: &std::path::Path) -> Config {
         let d = dir.display();
@@ -556,6 +557,42 @@ mod tests {
         open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
     }
 
+    /// A config of driver `driver` in `dir`, its state in `dir/<state>` and its locks in
+    /// `dir/locks`, with `extra` lines in its [state] table.
+    fn claims_config(dir: &Path, driver: &str, state: &str, extra: &str) -> Config {
+        let d = dir.display();
+        Config::parse(
+            &format!(
+                "driver = \"{driver}\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
+                 dir = \"{d}/{state}\"\nlock_dir = \"{d}/locks\"\n{extra}[node]\n\
+                 default_volume_base_dir = \"{d}/vol\"\n"
+            ),
+            Path::new("/test.toml"),
+        )
+        .unwrap()
+    }
+
+    /// `second` is refused in every role (the error passing `refusal`), and by the hook's
+    /// front, while `first` opens before and after.
+    fn refused_beside(first: &Config, second: &Config, refusal: impl Fn(&str) -> bool) {
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        open_sides(first, Roles::BOTH, mounts.clone())
+            .map(|_| ())
+            .unwrap();
+        for roles in [Roles::NODE, Roles::CONTROLLER, Roles::BOTH] {
+            let err = open_sides(second, roles, mounts.clone())
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(refusal(&err), "{err}");
+        }
+        assert!(open_hot_node(second, mounts.clone()).is_err());
+        open_sides(first, Roles::BOTH, mounts).map(|_| ()).unwrap();
+    }
+
     /// Two installations of one driver alike in everything else (two Helm releases of
     /// one driver name) but `state.instance`: the second is refused, naming both; before,
     /// it opened, and its start-up scan could tear the first one's volumes down through
@@ -563,39 +600,17 @@ mod tests {
     #[test]
     fn a_state_dir_another_instance_claimed_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
-        let mounts = Arc::new(crate::mount::MountView::new(
-            &crate::config::MountViewSetting::Unchecked,
-            false,
-        ));
-        let d = tmp.path().display();
         let as_instance = |instance: &str| {
-            Config::parse(
-                &format!(
-                    "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
-                     dir = \"{d}/state\"\nlock_dir = \"{d}/locks\"\n\
-                     instance = \"{instance}\"\n[node]\n\
-                     default_volume_base_dir = \"{d}/vol\"\n"
-                ),
-                std::path::Path::new("/test.toml"),
+            claims_config(
+                tmp.path(),
+                "fk",
+                "state",
+                &format!("instance = \"{instance}\"\n"),
             )
-            .unwrap()
         };
-        let (first, second) = (as_instance("ns-a/nfs"), as_instance("ns-b/nfs"));
-        open_sides(&first, Roles::BOTH, mounts.clone())
-            .map(|_| ())
-            .unwrap();
-        for roles in [Roles::NODE, Roles::CONTROLLER, Roles::BOTH] {
-            let err = open_sides(&second, roles, mounts.clone())
-                .map(|_| ())
-                .unwrap_err()
-                .to_string();
-            assert!(
-                err.contains("ns-a/nfs") && err.contains("ns-b/nfs"),
-                "{err}"
-            );
-        }
-        assert!(open_hot_node(&second, mounts.clone()).is_err());
-        open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
+        refused_beside(&as_instance("ns-a/nfs"), &as_instance("ns-b/nfs"), |err| {
+            err.contains("ns-a/nfs") && err.contains("ns-b/nfs")
+        });
     }
 
     /// Two bridges of one driver (a daemon's config and a forked hook's, say) with
@@ -606,70 +621,36 @@ mod tests {
     #[test]
     fn a_lock_dir_another_state_dir_uses_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
-        let mounts = Arc::new(crate::mount::MountView::new(
-            &crate::config::MountViewSetting::Unchecked,
-            false,
-        ));
         let d = tmp.path().display();
-        let with_state = |state: &str| {
-            Config::parse(
-                &format!(
-                    "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
-                     dir = \"{d}/{state}\"\nlock_dir = \"{d}/locks\"\n[node]\n\
-                     default_volume_base_dir = \"{d}/vol\"\n"
-                ),
-                std::path::Path::new("/test.toml"),
-            )
-            .unwrap()
-        };
-        let (first, second) = (with_state("state"), with_state("other-state"));
-        open_sides(&first, Roles::BOTH, mounts.clone())
-            .map(|_| ())
-            .unwrap();
-        for roles in [Roles::NODE, Roles::CONTROLLER, Roles::BOTH] {
-            let err = open_sides(&second, roles, mounts.clone())
-                .map(|_| ())
-                .unwrap_err()
-                .to_string();
-            assert!(
+        let first = claims_config(tmp.path(), "fk", "state", "");
+        refused_beside(
+            &first,
+            &claims_config(tmp.path(), "fk", "other-state", ""),
+            |err| {
                 err.contains("another bridge of driver \"fk\"")
                     && err.contains(&format!("{d}/state\""))
-                    && err.contains(&format!("{d}/other-state\"")),
-                "{err}"
-            );
-        }
-        assert!(open_hot_node(&second, mounts.clone()).is_err());
+                    && err.contains(&format!("{d}/other-state\""))
+            },
+        );
         // The refused one claimed nothing of its own (it may be pointed elsewhere).
         assert!(
             !tmp.path().join("other-state/owner").exists(),
             "the refused bridge claimed its state dir"
         );
-        // The same dir spelled with a trailing slash is the same bridge.
-        let spelled = Config::parse(
-            &format!(
-                "driver = \"fk\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
-                 dir = \"{d}/state/\"\nlock_dir = \"{d}/locks\"\n[node]\n\
-                 default_volume_base_dir = \"{d}/vol\"\n"
-            ),
-            std::path::Path::new("/test.toml"),
-        )
-        .unwrap();
-        open_sides(&spelled, Roles::NODE, mounts.clone())
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        // The same dir spelled with a trailing slash is the same bridge; another driver
+        // may share the lock dir (each volume's lock is its own).
+        for (driver, state) in [("fk", "state/"), ("other", "other-state")] {
+            open_sides(
+                &claims_config(tmp.path(), driver, state, ""),
+                Roles::BOTH,
+                mounts.clone(),
+            )
             .map(|_| ())
-            .unwrap();
-        // Another driver may share the lock dir (each volume's lock is its own).
-        let other_driver = Config::parse(
-            &format!(
-                "driver = \"other\"\n[csi]\nendpoint = \"/unused.sock\"\n[state]\n\
-                 dir = \"{d}/other-state\"\nlock_dir = \"{d}/locks\"\n[node]\n\
-                 default_volume_base_dir = \"{d}/vol\"\n"
-            ),
-            std::path::Path::new("/other.toml"),
-        )
-        .unwrap();
-        open_sides(&other_driver, Roles::BOTH, mounts.clone())
-            .map(|_| ())
-            .unwrap();
-        open_sides(&first, Roles::BOTH, mounts).map(|_| ()).unwrap();
+            .unwrap_or_else(|e| panic!("{driver} in {state}: {e}"));
+        }
     }
 }

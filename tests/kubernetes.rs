@@ -1090,18 +1090,7 @@ async fn the_accessible_topology_is_kept_in_the_cubevolume() {
     let volume = format!(
         "[volume.accessibility_requirements]\nrequisite = [{{ \"{ZONE_KEY}\" = \"zone-b\" }}]\n"
     );
-    let w = World::start_with_config(Mode::Rpc, caps, &volume, |text| {
-        let text = text.replacen(
-            "[state]\n",
-            "[state]\ncontroller_store = \"kubernetes\"\n",
-            1,
-        );
-        format!(
-            "{text}\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\n",
-            kubeconfig.display()
-        )
-    })
-    .await;
+    let w = World::start_with_config(Mode::Rpc, caps, &volume, in_kubernetes(&kubeconfig)).await;
     let created = w.create("vol-topo").await.expect("create");
     let object = cube_volumes(admin.clone())
         .get(&object_name(common::DRIVER, "vol-topo"))
@@ -1146,18 +1135,7 @@ async fn the_accessible_topology_is_kept_in_the_cubevolume() {
     // at Destroy, forever. A new bridge refuses the Create, naming the CRD, before any
     // CreateVolume; once the CRD is applied it creates without a restart.
     let saved = set_topology_in_crd(&admin, None).await;
-    let w = World::start_with_config(Mode::Rpc, caps, &volume, |text| {
-        let text = text.replacen(
-            "[state]\n",
-            "[state]\ncontroller_store = \"kubernetes\"\n",
-            1,
-        );
-        format!(
-            "{text}\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\n",
-            kubeconfig.display()
-        )
-    })
-    .await;
+    let w = World::start_with_config(Mode::Rpc, caps, &volume, in_kubernetes(&kubeconfig)).await;
     let refused = w.create("vol-topo-2").await.expect_err("the CRD prunes");
     assert!(
         refused.message.contains("spec.accessibleTopology")
@@ -1179,6 +1157,23 @@ async fn the_accessible_topology_is_kept_in_the_cubevolume() {
     set_topology_in_crd(&admin, saved).await;
     w.create("vol-topo-2").await.expect("the CRD applied");
     w.destroy("vol-topo-2").await.expect("the record verifies");
+}
+
+/// A bridge config's edit: its controller records in CubeVolumes of NAMESPACE, through
+/// `kubeconfig`.
+fn in_kubernetes(kubeconfig: &Path) -> impl FnOnce(String) -> String {
+    let kubeconfig = kubeconfig.to_path_buf();
+    move |text| {
+        let text = text.replacen(
+            "[state]\n",
+            "[state]\ncontroller_store = \"kubernetes\"\n",
+            1,
+        );
+        format!(
+            "{text}\n[kubernetes]\nkubeconfig = \"{}\"\nnamespace = \"{NAMESPACE}\"\n",
+            kubeconfig.display()
+        )
+    }
 }
 
 /// Sets (Some) or removes (None) `spec.accessibleTopology` in the CubeVolume CRD's schema,
