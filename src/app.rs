@@ -235,6 +235,10 @@ fn shared_over(
     // claimed once the lock dir is made.
     crate::store::owner::check_lock_dir(lock_dir, &config.driver, &config.state.dir)
         .map_err(lock_dir_error)?;
+    if let Some(instance) = &config.state.instance {
+        crate::store::owner::check_instance(&config.state.dir, instance)
+            .map_err(|e| BridgeError::io(format!("state dir {}", config.state.dir.display()), e))?;
+    }
     if let Some(keeper) = keeper {
         claim_state_dir(config, keeper)?;
     }
@@ -611,6 +615,23 @@ mod tests {
         refused_beside(&as_instance("ns-a/nfs"), &as_instance("ns-b/nfs"), |err| {
             err.contains("ns-a/nfs") && err.contains("ns-b/nfs")
         });
+        // Refused before it claimed anything: no endpoint file of the controller side
+        // (which the first one, opened with both roles, also claimed) is the second's,
+        // and a controller-only second one added none.
+        let claimed = |name: &str| std::fs::read_to_string(tmp.path().join("state").join(name));
+        let before = claimed("owner.controller_csi_endpoint").unwrap();
+        std::fs::remove_file(tmp.path().join("state/owner.controller_csi_endpoint")).unwrap();
+        let mounts = Arc::new(crate::mount::MountView::new(
+            &crate::config::MountViewSetting::Unchecked,
+            false,
+        ));
+        open_sides(&as_instance("ns-b/nfs"), Roles::CONTROLLER, mounts)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            claimed("owner.controller_csi_endpoint").is_err(),
+            "the refused one claimed the controller's endpoint: was {before:?}"
+        );
     }
 
     /// Two bridges of one driver (a daemon's config and a forked hook's, say) with

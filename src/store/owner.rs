@@ -99,6 +99,19 @@ pub fn claim_instance(dir: &Path, instance: &str) -> io::Result<()> {
     claim_file(dir, INSTANCE_FILE, &format!("instance {instance:?}\n"))
 }
 
+/// Checks, writing nothing, that no other instance claimed `dir` (a dir not claimed yet
+/// passes): run before anything is claimed, so that a refused bridge leaves no claim of
+/// its own behind.
+pub fn check_instance(dir: &Path, instance: &str) -> io::Result<()> {
+    let wanted = format!("instance {instance:?}\n");
+    match read_claim(&dir.join(INSTANCE_FILE))? {
+        Some(found) if found != wanted.as_bytes() => {
+            Err(foreign(dir, INSTANCE_FILE, &found, &wanted))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The file in a lock dir naming the state dir of driver `driver`'s bridge, whose hooks
 /// it serializes. One per driver: drivers of separate config files may share a lock dir
 /// (each volume's lock is its own), one driver's two bridges may not.
