@@ -21,7 +21,8 @@ pub struct HolderAge {
     /// were kept.
     pub added_at: Option<u64>,
     pub age_secs: Option<u64>,
-    /// The namespace's last Attach or Detach of any volume on this node, if known.
+    /// The namespace's last Attach or Detach of any volume of this bridge (its state dir)
+    /// on this node, if known: another driver's hooks are not seen here.
     pub namespace_last_hook: Option<u64>,
     /// The namespace has made no hook for longer than `node.stale_holder_secs`.
     pub stale: bool,
