@@ -130,6 +130,11 @@ impl ByteLock {
 }
 
 /// The first pause between two tries of a byte another process holds, and the longest.
+/// What another user who could write `state.lock_dir` could do: the risk
+/// `check_private_dir` names when it refuses one.
+pub const LOCK_DIR_RISK: &str = "hold every volume's lock (each hook then waits out its \
+     deadline) or plant a file there for the bridge to open as root";
+
 const LOCK_POLL_FIRST: std::time::Duration = std::time::Duration::from_millis(1);
 const LOCK_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(4);
 
@@ -141,12 +146,7 @@ impl FileLocks {
             crate::mount::ops::ensure_dir(parent, 0o755)?;
         }
         crate::mount::ops::ensure_dir(dir, 0o700)?;
-        check_private_dir(
-            dir,
-            "state.lock_dir",
-            "hold every volume's lock (each hook then waits out its deadline) or plant a \
-             file there for the bridge to open as root",
-        )?;
+        check_private_dir(dir, "state.lock_dir", LOCK_DIR_RISK)?;
         // Names only an earlier build made (`<scope>-<volume_id>.lock`; this one's are
         // `<scope>.volumes.lock`).
         // A lock dir that cannot be listed keeps the probe on: safe, one open per lock.

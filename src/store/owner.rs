@@ -96,20 +96,23 @@ pub const INSTANCE_FILE: &str = "owner.instance";
 pub fn claim_instance(dir: &Path, instance: &str) -> io::Result<()> {
     crate::mount::ops::ensure_dir(dir, 0o700)?;
     super::fsutil::check_private_dir(dir, "state.dir", STATE_DIR_RISK)?;
-    claim_file(dir, INSTANCE_FILE, &format!("instance {instance:?}\n"))
+    claim_file(dir, INSTANCE_FILE, &instance_claim(instance))
 }
 
 /// Checks, writing nothing, that no other instance claimed `dir` (a dir not claimed yet
 /// passes): run before anything is claimed, so that a refused bridge leaves no claim of
 /// its own behind.
 pub fn check_instance(dir: &Path, instance: &str) -> io::Result<()> {
-    let wanted = format!("instance {instance:?}\n");
-    match read_claim(&dir.join(INSTANCE_FILE))? {
-        Some(found) if found != wanted.as_bytes() => {
-            Err(foreign(dir, INSTANCE_FILE, &found, &wanted))
-        }
-        _ => Ok(()),
+    let wanted = instance_claim(instance);
+    match other_claim(&dir.join(INSTANCE_FILE), &wanted)? {
+        Some(found) => Err(foreign(dir, INSTANCE_FILE, &found, &wanted)),
+        None => Ok(()),
     }
+}
+
+/// The instance file's exact bytes.
+fn instance_claim(instance: &str) -> String {
+    format!("instance {instance:?}\n")
 }
 
 /// The file in a lock dir naming the state dir of driver `driver`'s bridge, whose hooks
@@ -138,8 +141,16 @@ fn lock_dir_claim(state_dir: &Path) -> io::Result<String> {
 pub fn claim_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Result<()> {
     let name = lock_dir_claim_file(driver);
     let wanted = lock_dir_claim(state_dir)?;
-    claim_file(lock_dir, &name, &wanted)
-        .map_err(|e| lock_dir_refusal(e, lock_dir, driver, &name, &wanted))
+    claim_file(lock_dir, &name, &wanted).map_err(|e| {
+        if e.kind() != io::ErrorKind::AlreadyExists {
+            return e;
+        }
+        let found = read_claim(&lock_dir.join(&name))
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        lock_dir_refusal(lock_dir, driver, &name, &wanted, &found)
+    })
 }
 
 /// Checks, writing nothing, that `lock_dir` is not claimed for another state dir of
@@ -148,38 +159,24 @@ pub fn claim_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Re
 pub fn check_lock_dir(lock_dir: &Path, driver: &str, state_dir: &Path) -> io::Result<()> {
     // Whose dir it is, before anything in it is read (`FileLocks::new` checks it again
     // once it is made): another user's could hold anything under the claim's name.
-    super::fsutil::check_private_dir(
-        lock_dir,
-        "state.lock_dir",
-        "hold every volume's lock (each hook then waits out its deadline) or plant a file \
-         there for the bridge to open as root",
-    )?;
+    super::fsutil::check_private_dir(lock_dir, "state.lock_dir", super::locks::LOCK_DIR_RISK)?;
     let name = lock_dir_claim_file(driver);
     let wanted = lock_dir_claim(state_dir)?;
-    match read_claim(&lock_dir.join(&name))? {
-        Some(found) if found != wanted.as_bytes() => Err(lock_dir_refusal(
-            io::Error::from(io::ErrorKind::AlreadyExists),
-            lock_dir,
-            driver,
-            &name,
-            &wanted,
-        )),
-        _ => Ok(()),
+    match other_claim(&lock_dir.join(&name), &wanted)? {
+        Some(found) => Err(lock_dir_refusal(lock_dir, driver, &name, &wanted, &found)),
+        None => Ok(()),
     }
 }
 
+/// Why `lock_dir` is refused: its claim `name` says `found`, not `wanted`.
 fn lock_dir_refusal(
-    error: io::Error,
     lock_dir: &Path,
     driver: &str,
     name: &str,
     wanted: &str,
+    found: &[u8],
 ) -> io::Error {
-    if error.kind() != io::ErrorKind::AlreadyExists {
-        return error;
-    }
     let path = lock_dir.join(name);
-    let found = read_claim(&path).ok().flatten().unwrap_or_default();
     io::Error::new(
         io::ErrorKind::AlreadyExists,
         format!(
@@ -191,7 +188,7 @@ fn lock_dir_refusal(
              bridge of this driver and remove {}",
             lock_dir.display(),
             path.display(),
-            String::from_utf8_lossy(&found).trim_end(),
+            String::from_utf8_lossy(found).trim_end(),
             wanted.trim_end(),
             path.display(),
         ),
@@ -205,11 +202,8 @@ pub fn check_claimed(dir: &Path, owner: &Owner<'_>) -> io::Result<()> {
         (OWNER_FILE, owner.render()),
         (owner.keeper.endpoint_file(), owner.render_endpoint()),
     ] {
-        match read_claim(&dir.join(name))? {
-            Some(found) if found != wanted.as_bytes() => {
-                return Err(foreign(dir, name, &found, &wanted));
-            }
-            _ => {}
+        if let Some(found) = other_claim(&dir.join(name), &wanted)? {
+            return Err(foreign(dir, name, &found, &wanted));
         }
     }
     Ok(())
@@ -305,6 +299,11 @@ fn confirm_claim(dir: &Path, name: &str, wanted: &str) -> io::Result<()> {
 /// names when it refuses one.
 pub const STATE_DIR_RISK: &str = "rewrite the records the bridge acts on as root (what it \
      unmounts, removes and deletes) or plant a file there for it to open";
+
+/// What the claim at `path` says when it is there and says other than `wanted`.
+fn other_claim(path: &Path, wanted: &str) -> io::Result<Option<Vec<u8>>> {
+    Ok(read_claim(path)?.filter(|found| found != wanted.as_bytes()))
+}
 
 /// The owner file's bytes (at most 4 KiB), `None` when there is none yet. Never through a
 /// symlink.
