@@ -121,10 +121,7 @@ impl LiveBridge {
         let mut opened = Vec::new();
         let mut still_down = Vec::new();
         for (role, before) in down {
-            let side = match role {
-                "controller" => Side::open_controller(&reopen, &deadline).await,
-                _ => Side::open_node(&reopen, &deadline).await,
-            };
+            let side = Side::open(role, &reopen, &deadline).await;
             match side {
                 Ok(side) => {
                     tracing::info!(
@@ -164,25 +161,24 @@ enum Side {
 }
 
 impl Side {
-    async fn open_controller(
+    /// Opens `role`'s side (on a blocking thread) and checks its driver.
+    async fn open(
+        role: &'static str,
         reopen: &Arc<Reopen>,
         deadline: &Deadline,
     ) -> Result<Side, BridgeError> {
         let reopen = reopen.clone();
-        let side = tokio::task::spawn_blocking(move || reopen.controller())
-            .await
-            .map_err(|e| BridgeError::Unavailable(e.to_string()))??;
-        side.check(deadline).await?;
-        Ok(Side::Controller(side))
-    }
-
-    async fn open_node(reopen: &Arc<Reopen>, deadline: &Deadline) -> Result<Side, BridgeError> {
-        let reopen = reopen.clone();
-        let side = tokio::task::spawn_blocking(move || reopen.node())
-            .await
-            .map_err(|e| BridgeError::Unavailable(e.to_string()))??;
-        side.check(deadline).await?;
-        Ok(Side::Node(side))
+        let side = tokio::task::spawn_blocking(move || match role {
+            "controller" => reopen.controller().map(Side::Controller),
+            _ => reopen.node().map(Side::Node),
+        })
+        .await
+        .map_err(|e| BridgeError::Unavailable(e.to_string()))??;
+        match &side {
+            Side::Controller(controller) => controller.check(deadline).await?,
+            Side::Node(node) => node.check(deadline).await?,
+        }
+        Ok(side)
     }
 
     /// A bridge with this side alone.
