@@ -3145,6 +3145,22 @@ fn second_process(w: &World) -> (Bridge, crate::store::locks::VolumeGuard) {
     (other, held)
 }
 
+/// Attach ("v", "ns1", "s1", ref_count 0) from a second process, waiting for the lock
+/// another process holds, whose `caller` leaves; then the lock is let go and `sandbox`'s
+/// Attach (ref_count 0) takes it at its first poll, before the waiting one polls again.
+/// The first Attach's outcome.
+async fn overtaken_attach(w: &World, caller: Caller, sandbox: &str) -> Result<Attached, HookError> {
+    let (other, held) = second_process(w);
+    let first = other.attach(w.attach_req("v", "ns1", "s1", 0), &caller);
+    let next = async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        caller.leave();
+        drop(held);
+        w.attach("v", "ns1", sandbox, 0).await.unwrap();
+    };
+    tokio::join!(first, next).0
+}
+
 /// A forked Attach whose front Cube killed while its worker waited for the lock: Cube
 /// released it and sent the namespace's next Attach, whose worker took the lock first.
 /// The first worker's ref_count (0) is out of date by then: releasing by it would drop
@@ -3152,17 +3168,7 @@ fn second_process(w: &World) -> (Bridge, crate::store::locks::VolumeGuard) {
 #[tokio::test]
 async fn an_attach_whose_caller_left_while_it_waited_for_the_lock_changes_nothing() {
     let w = World::new(Fake::new(true, false));
-    let (other, held) = second_process(&w);
-    let caller = Caller::waiting();
-    let first = other.attach(w.attach_req("v", "ns1", "s1", 0), &caller);
-    let next = async {
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        caller.leave();
-        drop(held);
-        // Takes the lock at its first poll, before the waiting worker polls again.
-        w.attach("v", "ns1", "s2", 0).await.unwrap();
-    };
-    let (first, ()) = tokio::join!(first, next);
+    let first = overtaken_attach(&w, Caller::waiting(), "s2").await;
     assert!(matches!(first.unwrap_err().error, BridgeError::CallerGone));
     let holders = w.record("v").expect("torn down").holders;
     assert_eq!(
@@ -3180,16 +3186,7 @@ async fn an_attach_whose_caller_left_while_it_waited_for_the_lock_changes_nothin
 #[tokio::test]
 async fn an_overtaken_attach_whose_caller_left_keeps_cubes_retry_of_its_sandbox() {
     let w = World::new(Fake::new(true, false));
-    let (other, held) = second_process(&w);
-    let caller = Caller::waiting().overtakable();
-    let first = other.attach(w.attach_req("v", "ns1", "s1", 0), &caller);
-    let retry = async {
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        caller.leave();
-        drop(held);
-        w.attach("v", "ns1", "s1", 0).await.unwrap();
-    };
-    let (first, ()) = tokio::join!(first, retry);
+    let first = overtaken_attach(&w, Caller::waiting().overtakable(), "s1").await;
     assert!(matches!(first.unwrap_err().error, BridgeError::CallerGone));
     let holders = w.record("v").expect("torn down").holders;
     assert_eq!(

@@ -341,6 +341,29 @@ mod tests {
 
     /// A CreateVolume of the driver at `path` that must fail, with room for a retry even
     /// when the first attempt is slow on a loaded machine.
+    /// A driver at `path` answering each call with a bare `grpc-status`: the next of
+    /// `codes`, the last one once they are used up.
+    fn answer_with_statuses(path: &std::path::Path, codes: &'static [&'static str]) {
+        let listener = tokio::net::UnixListener::bind(path).unwrap();
+        tokio::spawn(async move {
+            let mut answered = 0;
+            while let Ok((stream, _)) = listener.accept().await {
+                let mut conn = h2::server::handshake(stream).await.unwrap();
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let code = codes[answered.min(codes.len() - 1)];
+                    answered += 1;
+                    let response = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", code)
+                        .body(())
+                        .unwrap();
+                    let _ = respond.send_response(response, true);
+                }
+            }
+        });
+    }
+
     async fn failed_create(path: &std::path::Path) -> DriverError {
         failed_create_at(&Endpoint::Unix(path.to_path_buf())).await
     }
@@ -486,23 +509,7 @@ mod tests {
     async fn a_call_whose_caller_left_is_not_retried() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("csi.sock");
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
-        tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(stream).await.unwrap();
-                    while let Some(Ok((_request, mut respond))) = conn.accept().await {
-                        let response = http::Response::builder()
-                            .status(200)
-                            .header("content-type", "application/grpc")
-                            .header("grpc-status", "14")
-                            .body(())
-                            .unwrap();
-                        let _ = respond.send_response(response, true);
-                    }
-                });
-            }
-        });
+        answer_with_statuses(&path, &["14"]);
         let client = CsiClient::new(&Endpoint::Unix(path));
         let caller = crate::bridge::Caller::waiting();
         let deadline = Deadline::after(Duration::from_secs(60)).while_awaited(&caller);
@@ -536,24 +543,7 @@ mod tests {
     async fn a_final_answer_after_an_uncertain_attempt_is_uncertain() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("csi.sock");
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
-        tokio::spawn(async move {
-            let mut codes = ["14", "6"].into_iter();
-            while let Ok((stream, _)) = listener.accept().await {
-                let mut conn = h2::server::handshake(stream).await.unwrap();
-                while let Some(Ok((_request, mut respond))) = conn.accept().await {
-                    let code = codes.next().unwrap_or("6");
-                    let response = http::Response::builder()
-                        .status(200)
-                        .header("content-type", "application/grpc")
-                        .header("grpc-status", code)
-                        .body(())
-                        .unwrap();
-                    let _ = respond.send_response(response, true);
-                }
-            }
-        });
-
+        answer_with_statuses(&path, &["14", "6"]);
         let error = failed_create(&path).await;
         assert_eq!(
             (error.attempts, error.status),
